@@ -1,0 +1,115 @@
+"""Bad configuration is refused before anything starts, with one message naming the field."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workflows.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"training": {"epohcs": 3}}, r"training\.epohcs: unknown key"),
+        ({"trainig": {"epochs": 3}}, r"trainig: unknown key"),
+        ({"training": {"batch_size": "big"}}, r"training\.batch_size: .*integer"),
+        ({"training": {"epochs": 0}}, r"training\.epochs: .*greater than or equal to 1"),
+        ({"training": {"lr": -1}}, r"training\.lr: .*greater than 0"),
+        ({"training": {"strategy": "zero3"}}, r"training\.strategy: must be 'ddp'"),
+        ({"model": {"name": "resnet999"}}, r"model\.name: unknown model 'resnet999'"),
+        ({"data": {"dataset": "mnist"}}, r"data\.dataset: must be 'digits'"),
+        ({"data": {"dataset": "cifar10"}}, r"data\.root: the cifar10 dataset needs a root"),
+        (
+            {"cluster": {"n_workers": 2}, "launch": {"world_size": 4}},
+            r"launch\.world_size: 4 ranks need 4 workers, but cluster\.n_workers is 2",
+        ),
+        (
+            {"launch": {"world_size": 4}, "training": {"batch_size": 2}},
+            r"training\.batch_size: 2 is smaller than the world size 4",
+        ),
+        (
+            {"launch": {"world_size": 2}, "training": {"batch_size": 30, "grad_accum_steps": 4}},
+            r"training\.batch_size \(30\) must be a multiple of training\.grad_accum_steps",
+        ),
+        (
+            {"launch": {"world_size": 4}, "training": {"batch_size": 6}},
+            r"training\.batch_size: 6 must be a multiple of world size",
+        ),
+        (
+            {"launch": {"world_size": 2}, "training": {"strategy": "data_parallel"}},
+            r"launch\.world_size: data_parallel runs in one worker",
+        ),
+        ({"launch": {"init_timeout_s": 0}}, r"launch\.init_timeout_s: .*greater than 0"),
+    ],
+)
+def test_invalid_config_names_the_field(raw, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(raw)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_and_malformed_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.toml: no such config file"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nepochs = 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml: not valid TOML"):
+        load_config(bad)
+
+
+def test_overrides_are_typed_and_checked():
+    config = load_config(
+        {}, ["training.epochs=7", "training.precision=bf16", "data.drop_last=true"]
+    )
+    assert config.training.epochs == 7
+    assert config.training.precision == "bf16"
+    assert config.data.drop_last is True
+    with pytest.raises(ConfigError, match=r"training\.epoch: unknown key"):
+        load_config({}, ["training.epoch=7"])
+    with pytest.raises(ConfigError, match=r"--set 'epochs': expected section\.key=value"):
+        load_config({}, ["epochs"])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_example_configs_are_valid(path):
+    assert load_config(path).name
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", "from workflows.cli import main; main()", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_rejects_a_bad_config_with_exit_2_and_one_line(tmp_path):
+    config = tmp_path / "typo.toml"
+    config.write_text("[training]\nepohcs = 3\n")
+    for command in ("validate", "run"):
+        done = _cli(command, str(config))
+        assert done.returncode == 2
+        assert done.stderr.strip().count("\n") == 0
+        assert "training.epohcs: unknown key" in done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_cli_validate_prints_the_resolved_config(tmp_path):
+    done = _cli("validate", str(CONFIGS / "digits_ddp.toml"), "--set", "training.epochs=2")
+    assert done.returncode == 0, done.stderr
+    assert '"epochs": 2' in done.stdout
+
+
+def test_cli_run_with_a_missing_dataset_path_exits_2_naming_the_path(tmp_path):
+    done = _cli(
+        "run",
+        str(CONFIGS / "cifar10_ddp.toml"),
+        "--set",
+        f"data.root='{tmp_path / 'absent'}'",
+        "--set",
+        "cluster.dashboard_port=0",
+    )
+    assert done.returncode == 2, done.stderr
+    assert "data.root:" in done.stderr and "absent" in done.stderr
+    assert "Traceback" not in done.stderr

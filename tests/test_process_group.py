@@ -1,0 +1,142 @@
+"""Process-group bootstrap over real worker processes with gloo."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from workers.process_group import (
+    PLUGIN_NAME,
+    ProcessGroupPlugin,
+    ProcessGroupSpec,
+    current_membership,
+)
+from workflows.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
+
+
+def _all_reduce_probe(generation: str) -> dict[str, object]:
+    membership = current_membership(generation)
+    value = torch.tensor([float(membership.rank + 1)])
+    dist.all_reduce(value)
+    return {
+        "rank": membership.rank,
+        "world_size": dist.get_world_size(),
+        "sum": value.item(),
+        "backend": dist.get_backend(),
+    }
+
+
+def test_ranks_world_size_and_all_reduce_twice_on_one_cluster(cluster):
+    generations = []
+    for _ in range(2):
+        with ProcessGroup(cluster.client, LaunchConfig(world_size=2)) as group:
+            results = group.run(_all_reduce_probe, group.spec.generation)
+            generations.append(group.spec.generation)
+        assert [r["rank"] for r in results] == [0, 1]
+        assert all(r["world_size"] == 2 for r in results)
+        assert all(r["sum"] == 3.0 for r in results)  # 1 + 2
+        assert all(r["backend"] == "gloo" for r in results)
+    assert generations[0] != generations[1]
+
+
+def test_ranks_follow_the_worker_list_and_master_is_rank0s_host(cluster):
+    with ProcessGroup(cluster.client, LaunchConfig(world_size=2)) as group:
+        spec = group.spec
+        assert sorted(spec.ranks.values()) == [0, 1]
+        assert spec.master_addr == "127.0.0.1"
+        assert spec.master_port > 0
+        assert spec.local_ranks == {group.workers[0]: 0, group.workers[1]: 1}
+
+
+def test_more_ranks_than_workers_fails_fast_with_the_field_named(cluster):
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"launch.world_size: 3 workers are needed.*has 2"):
+        ProcessGroup(cluster.client, LaunchConfig(world_size=3, worker_wait_s=1)).start()
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has GPUs")
+def test_nccl_without_gpus_is_refused_before_anything_starts(cluster):
+    with pytest.raises(LaunchError, match=r"launch\.backend: nccl needs a GPU"):
+        ProcessGroup(cluster.client, LaunchConfig(world_size=2, backend="nccl")).start()
+
+
+def test_rendezvous_with_a_missing_rank_times_out_with_a_message(own_cluster):
+    # Rank 1 names an address where no worker lives, so rank 0 waits alone until the timeout.
+    client = own_cluster.client
+    real = own_cluster.worker_addresses[0]
+    spec = ProcessGroupSpec(
+        generation="lonely",
+        ranks={real: 0, "tcp://127.0.0.1:9": 1},
+        master_addr="127.0.0.1",
+        master_port=_free_port(own_cluster, real),
+        backend="gloo",
+        init_timeout_s=2,
+        collective_timeout_s=300,
+    )
+    started = time.monotonic()
+    with pytest.raises(Exception, match="rendezvous timed out after 2 s on rank 0"):
+        client.register_plugin(ProcessGroupPlugin(spec), name=PLUGIN_NAME)
+    # Bounded by the rendezvous timeout, not the 300 s collective timeout.
+    assert time.monotonic() - started < 15
+
+
+def _free_port(cluster, address):
+    from workers.process_group import describe_worker
+
+    return cluster.client.run(describe_worker, workers=[address])[address]["free_port"]
+
+
+def test_plugin_validates_its_spec_on_the_client():
+    with pytest.raises(ValueError, match=r"ranks must be 0\.\.1"):
+        ProcessGroupSpec(
+            generation="g",
+            ranks={"a": 0, "b": 2},
+            master_addr="127.0.0.1",
+            master_port=1234,
+            backend="gloo",
+            init_timeout_s=1,
+            collective_timeout_s=1,
+        ).validate()
+
+
+def _membership_of_this_worker(dask_worker) -> object:
+    return dask_worker.plugins[PLUGIN_NAME].membership
+
+
+def test_a_worker_that_joins_later_does_not_try_to_rendezvous(own_cluster):
+    client = own_cluster.client
+    with ProcessGroup(client, LaunchConfig(world_size=2)) as group:
+        own_cluster.cluster.scale(3)
+        client.wait_for_workers(3, timeout=60)
+        newcomer = next(a for a in own_cluster.worker_addresses if a not in group.workers)
+        # The scheduler hands the registered plugin to the newcomer; it must stay out of the group.
+        assert client.run(_membership_of_this_worker, workers=[newcomer])[newcomer] is None
+        assert [r["sum"] for r in group.run(_all_reduce_probe, group.spec.generation)] == [3, 3]
+
+
+def _fail_on_rank_1(generation: str) -> int:
+    membership = current_membership(generation)
+    if membership.rank == 1:
+        raise ValueError("rank 1 gave up")
+    # Rank 0 waits in a collective for a peer that will never come: the launcher must free it.
+    dist.barrier()
+    return membership.rank
+
+
+def test_a_failing_rank_is_reported_and_the_cluster_recovers(own_cluster):
+    client = own_cluster.client
+    group = ProcessGroup(client, LaunchConfig(world_size=2, collective_timeout_s=300))
+    started = time.monotonic()
+    with (
+        pytest.raises(RankFailed, match=r"rank 1 .* failed: ValueError: rank 1 gave up") as info,
+        group,
+    ):
+        group.run(_fail_on_rank_1, group.spec.generation)
+    assert info.value.rank == 1
+    # Released well before the 300 s collective timeout.
+    assert time.monotonic() - started < 60
+    client.wait_for_workers(2, timeout=60)
+    with ProcessGroup(client, LaunchConfig(world_size=2)) as again:
+        assert [r["sum"] for r in again.run(_all_reduce_probe, again.spec.generation)] == [3, 3]

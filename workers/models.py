@@ -1,0 +1,62 @@
+"""Model registry. Models are plain ``nn.Module`` code: they never import torch.distributed, so
+the same class trains in one process, under DDP, or split into stages."""
+
+from collections.abc import Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, field_validator
+from torch import nn
+
+
+class CifarCNN(nn.Sequential):
+    """The seed article's CIFAR-10 network: two conv/pool blocks and two linear layers.
+
+    A flat ``nn.Sequential`` with named children so that later strategies can cut it into stages
+    at named points (``conv1`` … ``fc2``).
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 16, kernel_size=3, padding=1)
+        self.relu1 = nn.ReLU()
+        self.pool1 = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(16, 32, kernel_size=3, padding=1)
+        self.relu2 = nn.ReLU()
+        self.pool2 = nn.MaxPool2d(2)
+        self.flatten = nn.Flatten()
+        self.fc1 = nn.Linear(32 * 8 * 8, 64)
+        self.relu3 = nn.ReLU()
+        self.fc2 = nn.Linear(64, num_classes)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "cifar_cnn": CifarCNN,
+}
+
+
+def build_model(name: str, *, num_classes: int, seed: int) -> nn.Module:
+    """Build a registered model with parameters drawn from ``seed``.
+
+    Seeding here (rather than relying on DDP's broadcast alone) makes the single-process
+    reference and every rank start from the same numbers.
+    """
+    if name not in MODELS:
+        raise ValueError(f"model.name: unknown model {name!r}; choose one of {sorted(MODELS)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MODELS[name](num_classes=num_classes)
+
+
+class ModelConfig(BaseModel):
+    """Which registered model to train."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "cifar_cnn"
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+        return name

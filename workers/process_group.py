@@ -1,0 +1,188 @@
+"""The worker plugin that holds a worker's torch.distributed membership.
+
+One generation of a process group is one registration of :class:`ProcessGroupPlugin`. Registering
+a new generation under the same stable name makes Dask tear the old one down first, so jobs can
+bootstrap again and again on a warm cluster.
+"""
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from distributed import Worker, WorkerPlugin, get_worker
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "dask-train-process-group"
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class ProcessGroupSpec:
+    """Everything a worker needs to join one generation of the group."""
+
+    generation: str
+    ranks: dict[str, int]  # worker address -> rank
+    master_addr: str
+    master_port: int
+    backend: str
+    init_timeout_s: float
+    collective_timeout_s: float
+    local_ranks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def validate(self) -> None:
+        if sorted(self.ranks.values()) != list(range(len(self.ranks))):
+            raise ValueError(f"ranks must be 0..{len(self.ranks) - 1}, got {self.ranks}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"launch.backend: {self.backend!r} is not one of {BACKENDS}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port {self.master_port} is not a TCP port")
+        if self.init_timeout_s <= 0 or self.collective_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What a rank's code sees of the group it runs in."""
+
+    generation: str
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+class RendezvousTimeout(TimeoutError):
+    pass
+
+
+class ProcessGroupPlugin(WorkerPlugin):
+    """Joins the worker to the process group in ``setup`` and leaves it in ``teardown``.
+
+    Workers not named in the spec (one that joined the cluster later, or a restarted worker with a
+    new address) do nothing: they must never try to rendezvous alone.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, spec: ProcessGroupSpec) -> None:
+        spec.validate()  # on the client, before anything is sent
+        self.spec = spec
+        self.membership: Membership | None = None
+
+    async def setup(self, worker: Worker) -> None:
+        address = worker.address
+        if address not in self.spec.ranks:
+            return
+        # init_process_group blocks until every rank arrived; in the event loop that would stall
+        # heartbeats and get the worker restarted, so it runs in a thread with a bound.
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self._join, address), timeout=self.spec.init_timeout_s + 10
+            )
+        except TimeoutError as error:
+            raise RendezvousTimeout(self._timeout_message(self.spec.ranks[address])) from error
+
+    def _join(self, address: str) -> None:
+        spec = self.spec
+        rank = spec.ranks[address]
+        if dist.is_initialized():
+            # A previous generation whose teardown never ran (its worker plugin was replaced
+            # while a job still held it): leave it before joining the new one.
+            dist.destroy_process_group()
+        device = _local_device()
+        if spec.backend == "nccl":
+            if device.type != "cuda":
+                raise RuntimeError(
+                    f"launch.backend: nccl needs a CUDA device, but worker rank {rank} has none; "
+                    "use backend = 'gloo' or 'auto'"
+                )
+            torch.cuda.set_device(device)
+        try:
+            store = dist.TCPStore(
+                spec.master_addr,
+                spec.master_port,
+                world_size=spec.world_size,
+                is_master=rank == 0,
+                timeout=timedelta(seconds=spec.init_timeout_s),
+                wait_for_workers=False,
+            )
+            # Connecting the ranks uses the group's timeout, so the group starts with the
+            # rendezvous bound and gets the (longer) collective bound once everyone is in.
+            dist.init_process_group(
+                spec.backend,
+                store=dist.PrefixStore(f"dask-train/{spec.generation}", store),
+                rank=rank,
+                world_size=spec.world_size,
+                timeout=timedelta(seconds=spec.init_timeout_s),
+                device_id=device if spec.backend == "nccl" else None,
+            )
+            dist.set_timeout(timedelta(seconds=spec.collective_timeout_s))
+        except (RuntimeError, TimeoutError) as error:  # torch's DistStoreError is a RuntimeError
+            if "timeout" in str(error).lower() or "timed out" in str(error).lower():
+                raise RendezvousTimeout(self._timeout_message(rank)) from error
+            raise
+        self._store = store  # keep the TCP server of rank 0 alive for the group's lifetime
+        self.membership = Membership(
+            generation=spec.generation,
+            rank=rank,
+            local_rank=spec.local_ranks.get(address, 0),
+            world_size=spec.world_size,
+            backend=spec.backend,
+            device=device,
+        )
+
+    def _timeout_message(self, rank: int) -> str:
+        return (
+            f"process group rendezvous timed out after {self.spec.init_timeout_s:g} s on rank "
+            f"{rank}: not all {self.spec.world_size} ranks reached "
+            f"{self.spec.master_addr}:{self.spec.master_port} (raise launch.init_timeout_s, or "
+            "check that the workers can reach each other)"
+        )
+
+    async def teardown(self, worker: Worker) -> None:
+        if self.membership is None:
+            return
+        self.membership = None
+        await asyncio.to_thread(_leave)
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _local_device() -> torch.device:
+    # dask-cuda rotates CUDA_VISIBLE_DEVICES so that each worker's own GPU is its cuda:0.
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def current_membership(generation: str) -> Membership:
+    """The membership of the worker running this task, checked against the job's generation."""
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    membership = getattr(plugin, "membership", None)
+    if membership is None or membership.generation != generation:
+        held = membership.generation if membership else None
+        raise RuntimeError(
+            f"worker {worker.address} is not a member of process group generation {generation} "
+            f"(it holds {held}); the group was replaced or this worker restarted"
+        )
+    return membership
+
+
+def describe_worker() -> dict[str, object]:
+    """What the launcher needs to know about a worker before assigning it a rank."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        free_port = probe.getsockname()[1]
+    return {"cuda_devices": torch.cuda.device_count(), "free_port": free_port}

@@ -1,0 +1,304 @@
+"""The per-rank training loop: config, build, train, close, top to bottom.
+
+``run_rank`` is the Dask task each rank runs; ``train`` is the loop itself and only needs an
+initialized process group, so the torchrun benchmark runs the very same code.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from workers.data import DataConfig, load_dataset, rank_eval_batches, rank_train_loader
+from workers.models import ModelConfig, build_model
+from workers.process_group import Membership, current_membership
+from workers.strategies.data_parallel import apply_data_parallel
+from workers.strategies.ddp import apply_ddp
+
+STRATEGIES = ("ddp", "data_parallel")
+
+
+class TrainingConfig(BaseModel):
+    """How to train: strategy, optimizer, schedule, precision."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal["ddp", "data_parallel"] = "ddp"
+    epochs: int = Field(default=3, ge=1)
+    max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
+    batch_size: int = Field(default=64, ge=1, description="global batch per optimizer step")
+    grad_accum_steps: int = Field(default=1, ge=1)
+    lr: float = Field(default=0.05, gt=0)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip_norm: float | None = Field(default=None, gt=0)
+    seed: int = 0
+    log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
+
+    @model_validator(mode="after")
+    def _accumulation_fits(self) -> "TrainingConfig":
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(
+                f"training.batch_size ({self.batch_size}) must be a multiple of "
+                f"training.grad_accum_steps ({self.grad_accum_steps})"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What every rank of one job receives."""
+
+    data: DataConfig
+    model: ModelConfig
+    training: TrainingConfig
+    generation: str
+    event_topic: str
+    submitted_at: float
+
+
+@dataclass
+class RankResult:
+    rank: int
+    history: list[dict[str, float]]
+    steps: int
+    samples_per_s: float
+    steady_samples_per_s: float
+    first_step_at: float
+    state_dict: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+
+def run_rank(job: TrainJob) -> RankResult:
+    """The Dask task of one rank: look up this worker's membership, then train."""
+    from distributed import get_worker
+
+    membership = current_membership(job.generation)
+    worker = get_worker()
+
+    def report(record: dict[str, Any]) -> None:
+        worker.log_event(job.event_topic, record)
+
+    return train(job.data, job.model, job.training, membership=membership, report=report)
+
+
+def train(
+    data_config: DataConfig,
+    model_config: ModelConfig,
+    config: TrainingConfig,
+    *,
+    membership: Membership,
+    report: Callable[[dict[str, Any]], None] | None = None,
+) -> RankResult:
+    rank, world_size, device = membership.rank, membership.world_size, membership.device
+    torch.manual_seed(config.seed + rank)
+    precision = _Precision(config.precision, device)
+
+    # Build: data shard, model, strategy, optimizer, schedule.
+    data = load_dataset(data_config, seed=config.seed)
+    per_rank_batch = config.batch_size // world_size
+    micro_batch = max(1, per_rank_batch // config.grad_accum_steps)
+    loader, sampler = rank_train_loader(
+        data.train_x,
+        data.train_y,
+        rank=rank,
+        world_size=world_size,
+        batch_size=per_rank_batch,
+        seed=config.seed,
+        drop_last=data_config.drop_last,
+        num_workers=data_config.loader_workers,
+    )
+    val_batches = rank_eval_batches(
+        data.val_x, data.val_y, rank=rank, world_size=world_size, batch_size=per_rank_batch
+    )
+    model = build_model(model_config.name, num_classes=data.num_classes, seed=config.seed)
+    model = _apply_strategy(config.strategy, model, device=device)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+    total_steps = config.epochs * len(loader)
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, total_steps))
+    # Throughput is measured from the end of this step on: the first steps pay one-off costs.
+    warm_step = min(3, total_steps // 4)
+
+    # Train.
+    history: list[dict[str, float]] = []
+    step, samples_seen, warm_samples = 0, 0, 0
+    first_step_at, warm_at = math.nan, math.nan
+    train_started = time.perf_counter()
+    for epoch in range(config.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss·n, correct, n
+        epoch_started = time.perf_counter()
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            micro_batches = list(zip(x.split(micro_batch), y.split(micro_batch), strict=True))
+            for i, (mx, my) in enumerate(micro_batches):
+                # Only the last micro-batch all-reduces; the others just accumulate locally.
+                last = i == len(micro_batches) - 1
+                sync = nullcontext() if last else getattr(model, "no_sync", nullcontext)()
+                with sync:
+                    with precision.autocast():
+                        logits = model(mx)
+                        loss = F.cross_entropy(logits, my)
+                    # Weight by share of the rank's batch, so accumulation equals one big batch.
+                    precision.scale(loss * (len(my) / len(y))).backward()
+                sums += torch.stack(
+                    [
+                        loss.detach().double() * len(my),
+                        (logits.argmax(1) == my).sum().double(),
+                        torch.tensor(float(len(my)), dtype=torch.float64, device=device),
+                    ]
+                )
+            if config.grad_clip_norm is not None:
+                precision.unscale(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+            precision.step(optimizer)
+            schedule.step()
+            step += 1
+            samples_seen += len(y) * world_size
+            if step == 1:
+                first_step_at = time.time()
+            if step == warm_step:
+                warm_at, warm_samples = time.perf_counter(), samples_seen
+            if (
+                report
+                and rank == 0
+                and config.log_every_steps
+                and step % config.log_every_steps == 0
+            ):
+                report({"kind": "step", "epoch": epoch + 1, "step": step, "loss": loss.item()})
+            if step >= total_steps:
+                break
+        train_seconds = time.perf_counter() - epoch_started
+
+        dist.all_reduce(sums)
+        val = _evaluate(model, val_batches, device=device, precision=precision)
+        loss_sum, correct, count = sums.tolist()
+        record = {
+            "kind": "epoch",
+            "epoch": epoch + 1,
+            "epochs": config.epochs,
+            "step": step,
+            "loss": loss_sum / count,
+            "accuracy": correct / count,
+            "val_loss": val["loss"],
+            "val_accuracy": val["accuracy"],
+            "samples_per_s": count / train_seconds,
+            "lr": schedule.get_last_lr()[0],
+        }
+        history.append(record)
+        if report and rank == 0:
+            report(record)
+        if step >= total_steps:
+            break
+
+    # Close: one throughput figure for the whole run, and rank 0's parameters for the client.
+    finished = time.perf_counter()
+    steady = (samples_seen - warm_samples) / (finished - warm_at) if warm_step else math.nan
+    state_dict = None
+    if rank == 0:
+        state_dict = {k: v.detach().cpu().clone() for k, v in _unwrap(model).state_dict().items()}
+    return RankResult(
+        rank=rank,
+        history=history,
+        steps=step,
+        samples_per_s=samples_seen / (finished - train_started),
+        steady_samples_per_s=steady,
+        first_step_at=first_step_at,
+        state_dict=state_dict,
+    )
+
+
+@torch.no_grad()
+def _evaluate(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    device: torch.device,
+    precision: "_Precision",
+) -> dict[str, float]:
+    model.eval()
+    # The plain module: DDP's forward would try to sync buffers in the middle of uneven shards.
+    module = _unwrap(model)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with precision.autocast():
+            logits = module(x)
+        sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+        sums[1] += (logits.argmax(1) == y).sum().double()
+        sums[2] += len(y)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    loss_sum, correct, count = sums.tolist()
+    return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
+
+
+def _apply_strategy(strategy: str, model: nn.Module, *, device: torch.device) -> nn.Module:
+    if strategy == "ddp":
+        return apply_ddp(model, device=device)
+    if strategy == "data_parallel":
+        return apply_data_parallel(model, device=device)
+    raise ValueError(
+        f"training.strategy: unknown strategy {strategy!r}; choose one of {STRATEGIES}"
+    )
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def _lr_factor(config: TrainingConfig, total_steps: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.lr_schedule == "cosine":
+            span = max(1, total_steps - config.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - config.warmup_steps) / span)))
+        return 1.0
+
+    return factor
+
+
+class _Precision:
+    """Autocast and loss scaling for one precision setting on one device."""
+
+    def __init__(self, precision: str, device: torch.device) -> None:
+        if precision == "fp16" and device.type != "cuda":
+            raise ValueError(
+                "training.precision: fp16 needs a CUDA device (it uses a GradScaler); "
+                "use 'bf16' on CPU"
+            )
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.device = device
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def autocast(self):  # type: ignore[no-untyped-def]
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.step(optimizer)
+        self.scaler.update()

@@ -1,0 +1,29 @@
+"""Client side of dask-train: config, cluster, launcher, drivers and CLI.
+
+The public API is small::
+
+    from workflows import load_config, start_cluster, train
+
+    with start_cluster(n_workers=2) as cluster:
+        result = train("workflows/configs/digits_ddp.toml", cluster=cluster)
+"""
+
+from workflows.cluster import ClusterConfig, TrainingCluster, start_cluster
+from workflows.config import ConfigError, RunConfig, load_config
+from workflows.driver import TrainResult, train
+from workflows.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "LaunchConfig",
+    "LaunchError",
+    "ProcessGroup",
+    "RankFailed",
+    "RunConfig",
+    "TrainResult",
+    "TrainingCluster",
+    "load_config",
+    "start_cluster",
+    "train",
+]

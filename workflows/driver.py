@@ -1,0 +1,163 @@
+"""Train from a client: config → cluster → process group → rank loops → result.
+
+>>> from workflows import train
+>>> result = train("workflows/configs/digits_ddp.toml")
+"""
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from distributed import Client
+
+from workers.data import DatasetError, source_problem
+from workers.train import RankResult, TrainJob, run_rank
+from workflows.cluster import TrainingCluster, start_cluster
+from workflows.config import ConfigError, RunConfig, load_config
+from workflows.launcher import ProcessGroup
+
+EventHandler = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class TrainResult:
+    """What a finished job hands back to the client."""
+
+    name: str
+    strategy: str
+    world_size: int
+    history: list[dict[str, float]]
+    samples_per_s: float
+    steady_samples_per_s: float
+    wall_s: float
+    first_step_s: float
+    state_dict: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.history[-1]
+
+
+def print_progress(record: dict[str, Any]) -> None:
+    """The seed article's epoch line, plus validation and throughput."""
+    if record.get("kind") == "epoch":
+        print(format_epoch(record), flush=True)
+
+
+def format_epoch(r: dict[str, Any]) -> str:
+    return (
+        f"Epoch [{r['epoch']}/{r['epochs']}], Loss: {r['loss']:.4f}, Acc: {r['accuracy']:.4f}, "
+        f"Val Loss: {r['val_loss']:.4f}, Val Acc: {r['val_accuracy']:.4f}, "
+        f"{r['samples_per_s']:.0f} samples/s"
+    )
+
+
+def train(
+    config: RunConfig | str | Path | dict[str, Any],
+    *,
+    cluster: TrainingCluster | Client | None = None,
+    on_event: EventHandler | None = print_progress,
+) -> TrainResult:
+    """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
+
+    ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
+    ``training.log_every_steps`` is set) while the job runs.
+    """
+    if not isinstance(config, RunConfig):
+        config = load_config(config)
+    owned = cluster is None
+    if cluster is None:
+        cluster = start_cluster(config.cluster)
+    client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
+    try:
+        return _train_on(client, config, on_event)
+    finally:
+        if owned:
+            cluster.close()
+
+
+def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) -> TrainResult:
+    # Resolve the world size before anything starts, so a batch that does not split is a
+    # config error rather than a failed job.
+    world_size = config.world_size or max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
+    config.check_batch(world_size)
+    # Every worker must see the data; a wrong path is a config error, not a failed job.
+    for problem in client.run(source_problem, config.data).values():
+        if problem:
+            raise DatasetError(problem)
+    launch = config.launch.model_copy(update={"world_size": world_size})
+    events = _EventRelay(client, f"dask-train-{config.name}-{uuid.uuid4().hex[:8]}", on_event)
+    submitted_at = time.time()
+    started = time.perf_counter()
+    with events, ProcessGroup(client, launch) as group:
+        assert group.spec is not None
+        job = TrainJob(
+            data=config.data,
+            model=config.model,
+            training=config.training,
+            generation=group.spec.generation,
+            event_topic=events.topic,
+            submitted_at=submitted_at,
+        )
+        results: list[RankResult] = group.run(run_rank, job, name=f"train-{config.name}")
+    wall_s = time.perf_counter() - started
+    rank0 = results[0]
+    events.deliver_missed(rank0.history)
+    assert rank0.state_dict is not None
+    return TrainResult(
+        name=config.name,
+        strategy=config.training.strategy,
+        world_size=len(results),
+        history=rank0.history,
+        samples_per_s=rank0.samples_per_s,
+        steady_samples_per_s=rank0.steady_samples_per_s,
+        wall_s=wall_s,
+        first_step_s=rank0.first_step_at - submitted_at,
+        state_dict=rank0.state_dict,
+    )
+
+
+class _EventRelay:
+    """Forwards rank 0's Dask events to ``on_event`` while the job runs.
+
+    Events travel asynchronously, so the last ones may still be in flight when the job returns;
+    ``deliver_missed`` hands over those from the result instead, each record exactly once.
+    """
+
+    def __init__(self, client: Client, topic: str, on_event: EventHandler | None) -> None:
+        self.client, self.topic, self.on_event = client, topic, on_event
+        self._seen: set[tuple[Any, ...]] = set()
+        self._lock = threading.Lock()
+
+    def _handle(self, event: tuple[float, dict[str, Any]]) -> None:
+        self._deliver(event[1])
+
+    def _deliver(self, record: dict[str, Any]) -> None:
+        key = (record.get("kind"), record.get("epoch"), record.get("step"))
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        if self.on_event is not None:
+            self.on_event(record)
+
+    def deliver_missed(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self._deliver(record)
+
+    def __enter__(self) -> "_EventRelay":
+        if self.on_event is not None:
+            self.client.subscribe_topic(self.topic, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on_event is not None:
+            self.client.unsubscribe_topic(self.topic)
+
+
+__all__ = ["ConfigError", "TrainResult", "format_epoch", "print_progress", "train"]

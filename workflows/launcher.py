@@ -1,0 +1,239 @@
+"""Client side of the process group: pick workers, assign ranks, bootstrap, run, shut down.
+
+:class:`ProcessGroup` is a lifecycle object. ``start`` chooses W workers, gives them ranks
+0..W-1 (workers on one host consecutive), finds a free port on the rank-0 worker and registers
+one generation of :class:`~workers.process_group.ProcessGroupPlugin`; ``run`` submits one task
+per rank and watches them with bounded waits; ``shutdown`` leaves the group, and after a failure
+restarts the rank workers so that no thread stays stuck in a collective.
+"""
+
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal, Self
+
+from distributed import Client, Future, wait
+from distributed.comm import get_address_host
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.process_group import (
+    PLUGIN_NAME,
+    ProcessGroupPlugin,
+    ProcessGroupSpec,
+    describe_worker,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchConfig(BaseModel):
+    """How many ranks, which backend, and how long each wait may last."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    world_size: int | None = Field(default=None, ge=1, description="none: every worker")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="auto: nccl when every rank has a GPU, else gloo"
+    )
+    worker_wait_s: float = Field(default=30.0, gt=0, description="wait for workers to arrive")
+    init_timeout_s: float = Field(default=60.0, gt=0, description="rendezvous of all ranks")
+    collective_timeout_s: float = Field(
+        default=600.0, gt=0, description="a collective that waits longer fails the job"
+    )
+    poll_interval_s: float = Field(default=0.5, gt=0, description="how often to check liveness")
+
+
+class LaunchError(RuntimeError):
+    """The group could not be formed; the message says why and what to change."""
+
+
+class RankFailed(RuntimeError):
+    """A rank's task raised, or its worker left the cluster."""
+
+    def __init__(self, message: str, *, rank: int, worker: str) -> None:
+        super().__init__(message)
+        self.rank, self.worker = rank, worker
+
+
+class ProcessGroup:
+    """One generation of a torch.distributed process group over Dask workers."""
+
+    def __init__(self, client: Client, config: LaunchConfig | None = None) -> None:
+        self.client = client
+        self.config = config or LaunchConfig()
+        self.spec: ProcessGroupSpec | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Self:
+        config = self.config
+        workers = self._choose_workers()
+        described = self.client.run(describe_worker, workers=workers)
+        backend = _resolve_backend(config.backend, {w: described[w] for w in workers})
+        hosts = [get_address_host(address) for address in workers]
+        spec = ProcessGroupSpec(
+            generation=uuid.uuid4().hex[:12],
+            ranks={address: rank for rank, address in enumerate(workers)},
+            local_ranks={address: hosts[:i].count(hosts[i]) for i, address in enumerate(workers)},
+            master_addr=hosts[0],
+            master_port=int(described[workers[0]]["free_port"]),
+            backend=backend,
+            init_timeout_s=config.init_timeout_s,
+            collective_timeout_s=config.collective_timeout_s,
+        )
+        started = time.perf_counter()
+        self.spec = spec
+        try:
+            # Registering under the stable name replaces (and tears down) any earlier generation.
+            self.client.register_plugin(ProcessGroupPlugin(spec), name=PLUGIN_NAME)
+        except Exception as error:
+            # A failed rendezvous leaves torch.distributed's global state half-made in the
+            # workers that got furthest; only a fresh process is sure to be clean.
+            self.shutdown(abort=True)
+            raise LaunchError(f"could not form the process group: {error}") from error
+        logger.info(
+            "process group %s: %d ranks, %s, master %s:%d, formed in %.2f s",
+            spec.generation,
+            spec.world_size,
+            backend,
+            spec.master_addr,
+            spec.master_port,
+            time.perf_counter() - started,
+        )
+        return self
+
+    def shutdown(self, *, abort: bool = False) -> None:
+        """Leave the group. ``abort`` first restarts the rank workers: a rank blocked in a
+        collective whose peer is gone would otherwise hold its worker thread until the
+        collective timeout."""
+        if self.spec is None:
+            return
+        spec, self.spec = self.spec, None
+        if abort:
+            alive = set(self._alive_workers())
+            survivors = [address for address in spec.ranks if address in alive]
+            if survivors:
+                logger.warning("restarting rank workers %s to release them", survivors)
+                self.client.restart_workers(survivors, timeout=60, raise_for_error=False)
+        with contextlib.suppress(ValueError):  # already replaced by a newer generation
+            self.client.unregister_worker_plugin(PLUGIN_NAME)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.shutdown(abort=exc_type is not None)
+
+    # -- running ---------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[str]:
+        """Worker addresses in rank order."""
+        if self.spec is None:
+            raise LaunchError("the process group is not started")
+        return sorted(self.spec.ranks, key=self.spec.ranks.__getitem__)
+
+    def run(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        name: str = "rank",
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Run ``function(*args)`` once on every rank and return the results in rank order.
+
+        Returns when every rank finished; raises :class:`RankFailed` as soon as one rank raised
+        or its worker left the cluster, and ``TimeoutError`` after ``timeout_s``.
+        """
+        assert self.spec is not None, "start() first"
+        futures = [
+            self.client.submit(
+                function,
+                *args,
+                key=f"{name}-{rank}-{self.spec.generation}",
+                workers=[address],
+                allow_other_workers=False,
+                pure=False,
+            )
+            for rank, address in enumerate(self.workers)
+        ]
+        try:
+            self._watch(futures, timeout_s)
+            return [future.result() for future in futures]
+        finally:
+            self.client.cancel([f for f in futures if not f.done()])
+
+    def _watch(self, futures: list[Future], timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = list(futures)
+        while pending:
+            with contextlib.suppress(TimeoutError):
+                wait(pending, timeout=self.config.poll_interval_s, return_when="FIRST_COMPLETED")
+            for rank, future in enumerate(futures):
+                if future.status == "error":
+                    error = future.exception()
+                    raise RankFailed(
+                        f"rank {rank} on worker {self.workers[rank]} failed: "
+                        f"{type(error).__name__}: {error}",
+                        rank=rank,
+                        worker=self.workers[rank],
+                    ) from error
+                if future.status == "cancelled":
+                    raise RankFailed(
+                        f"rank {rank}'s task was cancelled", rank=rank, worker=self.workers[rank]
+                    )
+            pending = [future for future in futures if not future.done()]
+            if not pending:
+                return
+            alive = set(self._alive_workers())
+            for rank, address in enumerate(self.workers):
+                if address not in alive:
+                    raise RankFailed(
+                        f"rank {rank}'s worker {address} left the cluster",
+                        rank=rank,
+                        worker=address,
+                    )
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not finish within {timeout_s:g} s")
+
+    # -- choosing workers -------------------------------------------------------------------
+
+    def _alive_workers(self) -> list[str]:
+        return list(self.client.scheduler_info(n_workers=-1)["workers"])
+
+    def _choose_workers(self) -> list[str]:
+        wanted = self.config.world_size
+        try:
+            self.client.wait_for_workers(wanted or 1, timeout=self.config.worker_wait_s)
+        except TimeoutError as error:
+            have = len(self._alive_workers())
+            raise LaunchError(
+                f"launch.world_size: {wanted or 1} workers are needed, but the cluster has "
+                f"{have} after waiting {self.config.worker_wait_s:g} s (lower launch.world_size "
+                "or add workers)"
+            ) from error
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        ordered = sorted(
+            info, key=lambda a: (info[a]["host"], _natural_key(str(info[a].get("name"))), a)
+        )
+        return ordered[: wanted or len(ordered)]
+
+
+def _resolve_backend(requested: str, described: dict[str, dict[str, Any]]) -> str:
+    without_gpu = [address for address, d in described.items() if not d["cuda_devices"]]
+    if requested == "auto":
+        return "gloo" if without_gpu else "nccl"
+    if requested == "nccl" and without_gpu:
+        raise LaunchError(
+            f"launch.backend: nccl needs a GPU on every rank, but {len(without_gpu)} of the "
+            f"chosen workers have none ({', '.join(without_gpu)}); use backend = 'gloo' or 'auto'"
+        )
+    return requested
+
+
+def _natural_key(text: str) -> list[Any]:
+    # dask-cuda names workers by device id ("0", "1", … "10"): order 2 before 10.
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
