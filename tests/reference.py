@@ -1,10 +1,10 @@
 """Single-process reference training: the yardstick every strategy must match."""
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler
 
-from workers.data import load_dataset
+from workers.data import open_store, rank_epoch_indices
 from workers.models import build_model
 from workflows.config import RunConfig
 
@@ -12,33 +12,39 @@ from workflows.config import RunConfig
 def train_in_one_process(config: RunConfig, *, world_size: int, steps: int) -> dict:
     """``steps`` SGD steps on the full global batches that ``world_size`` ranks would see.
 
-    Each global batch is the concatenation of the ranks' DistributedSampler batches; the mean
-    loss over it equals the mean of the ranks' mean losses, which is what DDP optimizes.
+    Each global batch is the concatenation of the ranks' batches at that step; the mean loss over
+    it equals the mean of the ranks' mean losses, which is what DDP optimizes.
     """
-    t = config.training
-    data = load_dataset(config.data, seed=t.seed)
-    model = build_model(config.model.name, num_classes=data.num_classes, seed=t.seed)
+    t, d = config.training, config.data.resolved()
+    store = open_store(d.store_url)
+    images = torch.from_numpy(np.asarray(store.train.images[:]))
+    labels = torch.from_numpy(store.train.labels)
+    model = build_model(config.model.name, num_classes=store.num_classes, seed=t.seed)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
     per_rank = t.batch_size // world_size
-    samplers = [
-        DistributedSampler(
-            range(len(data.train_x)), num_replicas=world_size, rank=r, shuffle=True, seed=t.seed
-        )
-        for r in range(world_size)
-    ]
     done, epoch = 0, 0
     while done < steps:
-        for sampler in samplers:
-            sampler.set_epoch(epoch)
-        shards = [list(sampler) for sampler in samplers]
+        shards = [
+            rank_epoch_indices(
+                len(labels),
+                world_size=world_size,
+                rank=rank,
+                epoch=epoch,
+                seed=t.seed,
+                chunk_size=store.train.chunk_size,
+                shuffle_window=d.shuffle_window,
+                drop_last=d.drop_last,
+            )
+            for rank in range(world_size)
+        ]
         for start in range(0, len(shards[0]), per_rank):
-            if done == steps or (config.data.drop_last and start + per_rank > len(shards[0])):
+            if done == steps or (d.drop_last and start + per_rank > len(shards[0])):
                 break
-            index = torch.tensor([i for shard in shards for i in shard[start : start + per_rank]])
+            index = torch.from_numpy(np.concatenate([s[start : start + per_rank] for s in shards]))
             optimizer.zero_grad()
-            F.cross_entropy(model(data.train_x[index]), data.train_y[index]).backward()
+            F.cross_entropy(model(images[index]), labels[index]).backward()
             optimizer.step()
             done += 1
         epoch += 1

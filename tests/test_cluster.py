@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from workers.data import rank_train_loader
 from workflows.cluster import ClusterConfig, count_gpus, start_cluster
 
 
@@ -47,12 +47,9 @@ def test_without_malloc_tuning_workers_get_glibc_defaults_not_dasks_trim():
 
 
 def _iterate_with_loader_processes(n: int) -> list[int]:
-    x = torch.arange(n, dtype=torch.float32)
-    loader, sampler = rank_train_loader(
-        x, x.long(), rank=0, world_size=1, batch_size=8, seed=0, drop_last=False, num_workers=2
-    )
-    sampler.set_epoch(0)
-    return sorted(int(i) for _, y in loader for i in y)
+    dataset = TensorDataset(torch.arange(n))
+    loader = DataLoader(dataset, batch_size=8, num_workers=2)
+    return sorted(int(i) for (batch,) in loader for i in batch)
 
 
 def test_dataloader_worker_processes_run_inside_a_dask_task(cluster):

@@ -4,20 +4,22 @@ import pytest
 import torch
 
 from tests.reference import train_in_one_process
-from workflows.config import load_config
 from workflows.driver import train
 
+BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
 
-def _config(**training):
-    base = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
-    return load_config(
-        {"name": "equivalence", "data": {"dataset": "digits"}, "training": base | training}
-    )
+
+@pytest.fixture
+def config_of(make_config):
+    def config_of(data=None, **training):
+        return make_config({"name": "equivalence", "data": data or {}}, **(BASE | training))
+
+    return config_of
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
-def test_k_ddp_steps_equal_k_single_process_steps(cluster, grad_accum_steps):
-    config = _config(max_steps=5, grad_accum_steps=grad_accum_steps)
+def test_k_ddp_steps_equal_k_single_process_steps(cluster, config_of, grad_accum_steps):
+    config = config_of(max_steps=5, grad_accum_steps=grad_accum_steps)
     result = train(config, cluster=cluster, on_event=None)
     assert result.world_size == 2
     assert result.history[-1]["step"] == 5
@@ -31,14 +33,11 @@ def test_k_ddp_steps_equal_k_single_process_steps(cluster, grad_accum_steps):
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_steps_across_an_epoch_boundary_match_too(cluster, drop_last):
-    # 1,437 training digits, padded to 719 per rank, 128 per rank and step: 6 steps per epoch
-    # with a last partial batch of 79 (5 without it), so 8 steps reshuffle once. Few, large
-    # steps: float rounding differences grow ~10x every 5 steps in this network.
-    config = _config(max_steps=8, epochs=2, batch_size=256)
-    config = config.model_copy(
-        update={"data": config.data.model_copy(update={"drop_last": drop_last})}
-    )
+def test_steps_across_an_epoch_boundary_match_too(cluster, config_of, drop_last):
+    # 1,438 training digits, 719 per rank, 128 per rank and step: 6 steps per epoch with a last
+    # partial batch of 79 (5 without it), so 8 steps reshuffle once. Few, large steps: float
+    # rounding differences grow ~10x every 5 steps in this network.
+    config = config_of({"drop_last": drop_last}, max_steps=8, epochs=2, batch_size=256)
     result = train(config, cluster=cluster, on_event=None)
     assert [r["epoch"] for r in result.history] == [1, 2]
     expected = train_in_one_process(config, world_size=2, steps=8)
@@ -46,8 +45,8 @@ def test_steps_across_an_epoch_boundary_match_too(cluster, drop_last):
         torch.testing.assert_close(result.state_dict[name], value, msg=name)
 
 
-def test_data_parallel_strategy_matches_one_process(cluster):
-    config = _config(strategy="data_parallel", max_steps=4)
+def test_data_parallel_strategy_matches_one_process(cluster, config_of):
+    config = config_of(strategy="data_parallel", max_steps=4)
     result = train(config, cluster=cluster, on_event=None)
     assert result.world_size == 1
     expected = train_in_one_process(config, world_size=1, steps=4)
@@ -55,11 +54,9 @@ def test_data_parallel_strategy_matches_one_process(cluster):
         torch.testing.assert_close(result.state_dict[name], value, msg=name)
 
 
-def test_digits_with_ddp_learns_well_above_chance(cluster):
+def test_digits_with_ddp_learns_well_above_chance(cluster, make_config):
     events = []
-    config = load_config(
-        {"training": {"epochs": 4, "batch_size": 64, "lr": 0.05, "log_every_steps": 10}}
-    )
+    config = make_config(epochs=4, batch_size=64, lr=0.05, log_every_steps=10)
     result = train(config, cluster=cluster, on_event=events.append)
     assert [r["epoch"] for r in result.history] == [1, 2, 3, 4]
     assert result.final["val_accuracy"] > 0.8  # chance is 0.1
@@ -70,8 +67,8 @@ def test_digits_with_ddp_learns_well_above_chance(cluster):
     assert any(e["kind"] == "step" for e in events)
 
 
-def test_bf16_autocast_and_clipping_and_cosine_schedule_train(cluster):
-    config = _config(
+def test_bf16_autocast_and_clipping_and_cosine_schedule_train(cluster, config_of):
+    config = config_of(
         precision="bf16", grad_clip_norm=1.0, lr_schedule="cosine", warmup_steps=2, epochs=2
     )
     result = train(config, cluster=cluster, on_event=None)
@@ -80,8 +77,8 @@ def test_bf16_autocast_and_clipping_and_cosine_schedule_train(cluster):
 
 
 @pytest.mark.slow
-def test_fifty_jobs_in_a_row_on_one_warm_cluster(cluster):
-    config = _config(max_steps=1)
+def test_fifty_jobs_in_a_row_on_one_warm_cluster(cluster, config_of):
+    config = config_of(max_steps=1)
     first_steps = []
     for _ in range(50):
         result = train(config, cluster=cluster, on_event=None)

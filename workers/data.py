@@ -1,219 +1,298 @@
-"""Datasets and per-rank batch loading.
+"""The data a rank trains on: its own shard of the preprocessed store, read lazily in batches.
 
-Every source yields the same thing: normalized ``float32`` images of shape ``(N, 3, 32, 32)`` and
-``int64`` labels, split into train and validation. Normalization statistics are computed from the
-training split, never hard-coded, so a new source needs no magic numbers.
+The store (built by ``workflows/preprocess.py``) holds normalized float32 images chunked along
+samples. Each epoch, the chunks are shuffled, samples are shuffled within windows of a few
+chunks, and the resulting order is cut into one contiguous share per rank: every training
+sample is seen exactly once per epoch across ranks (padded with repeats like DistributedSampler,
+or cut with ``drop_last``), the order is a pure function of (seed, epoch), and each rank only
+ever decompresses its own few chunks at a time.
 """
 
-import functools
-import pickle
+import math
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import zarr
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
-
-IMAGE_SIZE = 32
 
 
 class DataConfig(BaseModel):
-    """Where the images come from and how ranks read them."""
+    """Where the images come from, where the preprocessed store lives, how ranks read it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dataset: Literal["digits", "cifar10", "synthetic"] = "digits"
-    root: Path | None = Field(
-        default=None, description="cifar10: folder holding cifar-10-batches-py (or to download to)"
+    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic"] = "digits"
+    root: str | None = Field(
+        default=None,
+        description="cifar10: folder holding cifar-10-batches-py; imagefolder: "
+        "class-per-folder tree (local path or fsspec URL)",
     )
-    download: bool = Field(default=False, description="cifar10: fetch the archive if missing")
-    verify_checksums: bool = Field(
-        default=True, description="cifar10: compare the batch files with the official MD5 sums"
+    download: bool = Field(default=False, description="cifar10: fetch the archive into root")
+    store: str | None = Field(
+        default=None, description="zarr store (path or URL); default data/stores/<dataset>"
     )
-    val_fraction: float = Field(default=0.2, gt=0.0, lt=1.0, description="digits, synthetic")
-    synthetic_samples: int = Field(default=4096, ge=16, description="synthetic: training samples")
-    loader_workers: int = Field(
-        default=0, ge=0, le=16, description="DataLoader worker processes per rank"
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="for fsspec URLs")
+    image_size: int = Field(default=32, ge=8, le=1024)
+    val_fraction: float = Field(default=0.2, gt=0.0, lt=1.0, description="without a val split")
+    synthetic_samples: int = Field(default=4096, ge=16, description="synthetic: total samples")
+    on_bad: Literal["fail", "skip"] = Field(
+        default="fail", description="a corrupt image or batch file: fail naming it, or skip it"
     )
-    drop_last: bool = Field(default=False, description="drop each rank's last partial batch")
+    chunk_size: int = Field(default=1024, ge=1, description="samples per store chunk")
+    shuffle_window: int = Field(default=4, ge=1, description="chunks shuffled together")
+    in_memory: bool = Field(default=False, description="read the rank's shard into memory once")
+    prefetch_batches: int = Field(default=4, ge=0, description="batches read ahead in a thread")
+    augment: bool = Field(default=False, description="random crop (pad 4) and horizontal flip")
+    drop_last: bool = Field(default=False, description="drop the samples that do not fill ranks")
 
     @model_validator(mode="after")
-    def _cifar_needs_root(self) -> "DataConfig":
-        if self.dataset == "cifar10" and self.root is None:
-            raise ValueError("data.root: the cifar10 dataset needs a root folder")
+    def _root_where_needed(self) -> "DataConfig":
+        if self.dataset in ("cifar10", "imagefolder") and self.root is None:
+            raise ValueError(f"data.root: the {self.dataset} dataset needs a root folder or URL")
         return self
+
+    @property
+    def store_url(self) -> str:
+        store = self.store or f"data/stores/{self.dataset}"
+        # A relative path means the client's working directory, wherever the worker runs.
+        return store if "://" in store else str(Path(store).expanduser().resolve())
+
+    def resolved(self) -> "DataConfig":
+        """A copy with local paths made absolute on the client, for workers to use."""
+        root = self.root
+        if root is not None and "://" not in root:
+            root = str(Path(root).expanduser().resolve())
+        return self.model_copy(update={"root": root, "store": self.store_url})
+
+
+def rank_epoch_indices(
+    n: int,
+    *,
+    world_size: int,
+    rank: int,
+    epoch: int,
+    seed: int,
+    chunk_size: int,
+    shuffle_window: int,
+    drop_last: bool,
+) -> np.ndarray:
+    """This rank's sample indices for one epoch, in the order it trains on them."""
+    rng = np.random.default_rng((seed, epoch))
+    n_chunks = math.ceil(n / chunk_size)
+    chunk_order = rng.permutation(n_chunks)
+    windows = []
+    for start in range(0, n_chunks, shuffle_window):
+        members = [
+            np.arange(c * chunk_size, min(n, (c + 1) * chunk_size))
+            for c in chunk_order[start : start + shuffle_window]
+        ]
+        windows.append(rng.permutation(np.concatenate(members)))
+    order = np.concatenate(windows)
+    if drop_last:
+        order = order[: (n // world_size) * world_size]
+    else:
+        total = math.ceil(n / world_size) * world_size
+        order = np.concatenate([order, order[: total - n]])  # pad with repeats
+    share = len(order) // world_size
+    return order[rank * share : (rank + 1) * share]
 
 
 @dataclass(frozen=True)
-class ImageSplits:
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    val_x: torch.Tensor
-    val_y: torch.Tensor
-    num_classes: int
+class StoreSplit:
+    """One split of an opened store: lazily read images, labels in memory."""
 
-
-class DatasetError(ValueError):
-    """A dataset could not be read; the message names the file or folder."""
-
-
-@functools.lru_cache(maxsize=2)
-def load_dataset(config: DataConfig, *, seed: int) -> ImageSplits:
-    """Load ``config.dataset`` and return normalized train/validation tensors.
-
-    Kept per process (the last two datasets), so the next job on a warm cluster starts at
-    once; callers index the tensors and never write to them.
-    """
-    if config.dataset == "digits":
-        x, y = _digits()
-        (train_x, train_y), (val_x, val_y) = _split(x, y, config.val_fraction, seed)
-    elif config.dataset == "cifar10":
-        assert config.root is not None  # checked by DataConfig
-        train_x, train_y = _cifar10(config, train=True)
-        val_x, val_y = _cifar10(config, train=False)
-    else:
-        x, y = _synthetic(config.synthetic_samples, seed)
-        (train_x, train_y), (val_x, val_y) = _split(x, y, config.val_fraction, seed)
-    mean = train_x.mean(dim=(0, 2, 3), keepdim=True)
-    std = train_x.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
-    return ImageSplits(
-        train_x=((train_x - mean) / std).contiguous(),
-        train_y=train_y,
-        val_x=((val_x - mean) / std).contiguous(),
-        val_y=val_y,
-        num_classes=10,
-    )
-
-
-def _digits() -> tuple[torch.Tensor, torch.Tensor]:
-    # scikit-learn ships these 1,797 8x8 scans, so tests and the demo need no download.
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)
-    images = F.interpolate(images, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear")
-    return images.expand(-1, 3, -1, -1).contiguous(), torch.from_numpy(digits.target).long()
-
-
-def source_problem(config: DataConfig) -> str | None:
-    """Why the dataset's files are not where config says, or None. Returned rather than raised
-    so that a preflight check on a worker does not log a traceback there."""
-    if config.dataset == "cifar10" and not config.download:
-        from torchvision.datasets import CIFAR10
-
-        assert config.root is not None
-        folder = Path(config.root).expanduser() / CIFAR10.base_folder
-        if not folder.is_dir():
-            return (
-                f"data.root: {folder} does not exist; point data.root at the folder holding "
-                "cifar-10-batches-py, or set data.download = true"
-            )
-        names = [name for name, _ in CIFAR10.train_list + CIFAR10.test_list]
-        missing = [name for name in names if not (folder / name).is_file()]
-        if missing:
-            return f"data.root: {folder} lacks {', '.join(missing)}"
-    return None
-
-
-def _cifar10(config: DataConfig, *, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from torchvision.datasets import CIFAR10
-
-    dataset_class = CIFAR10
-    if not config.verify_checksums:
-        # The official MD5 sums only fit the official files. Without them torchvision checks
-        # that each file exists; a damaged one still fails below, when it is unpickled.
-        class _UncheckedCIFAR10(CIFAR10):
-            train_list = [[name, None] for name, _ in CIFAR10.train_list]
-            test_list = [[name, None] for name, _ in CIFAR10.test_list]
-            meta = {**CIFAR10.meta, "md5": None}
-
-        dataset_class = _UncheckedCIFAR10
-
-    if problem := source_problem(config):
-        raise DatasetError(problem)
-    assert config.root is not None
-    root = Path(config.root).expanduser()
-    try:
-        dataset = dataset_class(str(root), train=train, download=config.download)
-    except RuntimeError as error:  # torchvision's integrity check failed
-        raise DatasetError(
-            f"data.root: {root / CIFAR10.base_folder}: {error} (files that are not the official "
-            "ones need data.verify_checksums = false)"
-        ) from error
-    except (EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as error:
-        raise DatasetError(
-            f"data.root: could not read the CIFAR-10 batches under {root / CIFAR10.base_folder}:"
-            f" {error!r}"
-        ) from error
-    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).float().div_(255.0)
-    return images.contiguous(), torch.tensor(dataset.targets, dtype=torch.long)
-
-
-def _synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A learnable image set of any size: each class is a fixed random pattern plus noise."""
-    generator = torch.Generator().manual_seed(seed + 7919)
-    templates = torch.randn(10, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
-    labels = torch.randint(0, 10, (n,), generator=generator)
-    noise = torch.randn(n, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
-    return templates[labels] + 1.5 * noise, labels
-
-
-def _split(
-    x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_val = max(1, round(len(x) * val_fraction))
-    val, train = order[:n_val], order[n_val:]
-    return (x[train], y[train]), (x[val], y[val])
-
-
-class _IndexedBatches(torch.utils.data.Dataset):
-    """Indexing with a whole list of indices returns a whole batch: one gather instead of
-    ``batch_size`` per-sample lookups and a collate."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
+    images: Any  # zarr array, or a numpy array when read into memory
+    labels: np.ndarray
+    chunk_size: int
 
     def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.as_tensor(indices)
-        return self.x[index], self.y[index]
+        return len(self.labels)
 
 
-def rank_train_loader(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    rank: int,
-    world_size: int,
-    batch_size: int,
-    seed: int,
-    drop_last: bool,
-    num_workers: int,
-) -> tuple[DataLoader, DistributedSampler]:
-    """This rank's shuffled shard in batches of ``batch_size``; call ``sampler.set_epoch``."""
-    sampler = DistributedSampler(
-        range(len(x)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+@dataclass(frozen=True)
+class OpenedStore:
+    train: StoreSplit
+    val: StoreSplit
+    num_classes: int
+    mean: list[float]
+    std: list[float]
+
+
+def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> OpenedStore:
+    group = zarr.open_group(url, mode="r", storage_options=storage_options or None)
+    attrs = dict(group.attrs)
+    if attrs.get("complete") is not True:
+        raise FileNotFoundError(f"data.store: {url} holds no complete dataset store")
+
+    def split(name: str) -> StoreSplit:
+        images = group[f"{name}/images"]
+        return StoreSplit(images, np.asarray(group[f"{name}/labels"][:]), images.chunks[0])
+
+    return OpenedStore(
+        train=split("train"),
+        val=split("val"),
+        num_classes=len(attrs["classes"]),
+        mean=attrs["mean"],
+        std=attrs["std"],
     )
-    loader = DataLoader(
-        _IndexedBatches(x, y),
-        sampler=BatchSampler(sampler, batch_size=batch_size, drop_last=drop_last),
-        batch_size=None,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-    )
-    return loader, sampler
 
 
-def rank_eval_batches(
-    x: torch.Tensor, y: torch.Tensor, *, rank: int, world_size: int, batch_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's strided share of the validation set, unpadded, so that sums across ranks
-    count every sample exactly once."""
-    index = torch.arange(rank, len(x), world_size)
-    return [(x[chunk], y[chunk]) for chunk in index.split(batch_size)]
+class _ChunkCache:
+    """The last few decompressed chunks of one array: a window's batches hit the same ones."""
+
+    def __init__(self, split: StoreSplit, capacity: int) -> None:
+        self.split, self.capacity = split, capacity
+        self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        if isinstance(self.split.images, np.ndarray):
+            return self.split.images[indices]
+        size = self.split.chunk_size
+        out = np.empty((len(indices), *self.split.images.shape[1:]), dtype=np.float32)
+        chunk_of = indices // size
+        for chunk in np.unique(chunk_of):
+            rows = np.nonzero(chunk_of == chunk)[0]
+            out[rows] = self._chunk(int(chunk))[indices[rows] - chunk * size]
+        return out
+
+    def _chunk(self, chunk: int) -> np.ndarray:
+        if chunk in self._chunks:
+            self._chunks.move_to_end(chunk)
+            return self._chunks[chunk]
+        size = self.split.chunk_size
+        data = np.asarray(self.split.images[chunk * size : (chunk + 1) * size])
+        self._chunks[chunk] = data
+        if len(self._chunks) > self.capacity:
+            self._chunks.popitem(last=False)
+        return data
+
+
+class RankBatches:
+    """This rank's training batches for one epoch at a time: ``for x, y in batches.epoch(e)``."""
+
+    def __init__(
+        self,
+        split: StoreSplit,
+        config: DataConfig,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        seed: int,
+    ) -> None:
+        self.split, self.config = split, config
+        self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
+        if config.in_memory:
+            # Read once every chunk this rank could ever need: with shuffled chunks, that is all.
+            self.split = StoreSplit(np.asarray(split.images[:]), split.labels, split.chunk_size)
+        self._cache = _ChunkCache(self.split, capacity=2 * config.shuffle_window + 2)
+
+    def indices(self, epoch: int) -> np.ndarray:
+        return rank_epoch_indices(
+            len(self.split),
+            world_size=self.world_size,
+            rank=self.rank,
+            epoch=epoch,
+            seed=self.seed,
+            chunk_size=self.split.chunk_size,
+            shuffle_window=self.config.shuffle_window,
+            drop_last=self.config.drop_last,
+        )
+
+    def __len__(self) -> int:
+        share = len(self.indices(0))
+        return share // self.batch_size if self.config.drop_last else -(-share // self.batch_size)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self.indices(epoch)
+        starts = range(0, len(order), self.batch_size)
+        if self.config.drop_last:
+            starts = range(0, len(order) - self.batch_size + 1, self.batch_size)
+        augment = _Augment(self.seed, epoch, self.rank) if self.config.augment else None
+
+        def read(start: int) -> tuple[torch.Tensor, torch.Tensor]:
+            index = order[start : start + self.batch_size]
+            x = torch.from_numpy(self._cache.take(index))
+            y = torch.from_numpy(self.split.labels[index])
+            return (augment(x) if augment else x), y
+
+        batches = (read(start) for start in starts)
+        if self.config.prefetch_batches:
+            return _prefetched(batches, self.config.prefetch_batches)
+        return batches
+
+
+def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Read the next batches in a thread while the current one trains (zarr decompression
+    releases the GIL)."""
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        slots.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            slots.put(done)
+        except BaseException as error:  # handed to the consumer, raised there
+            slots.put(error)
+
+    thread = threading.Thread(target=produce, name="dask-train-prefetch", daemon=True)
+    thread.start()
+    try:
+        while (item := slots.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+class _Augment:
+    """Random crop from a 4-pixel reflection pad, and horizontal flip, seeded per epoch and rank."""
+
+    def __init__(self, seed: int, epoch: int, rank: int) -> None:
+        self.generator = torch.Generator().manual_seed(hash((seed, epoch, rank)) % 2**63)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        padded = torch.nn.functional.pad(x, (4, 4, 4, 4), mode="reflect")
+        dy = torch.randint(0, 9, (n,), generator=self.generator)
+        dx = torch.randint(0, 9, (n,), generator=self.generator)
+        flip = torch.rand(n, generator=self.generator) < 0.5
+        out = torch.empty_like(x)
+        for i in range(n):
+            crop = padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w]
+            out[i] = crop.flip(-1) if flip[i] else crop
+        return out
+
+
+def eval_batches(
+    split: StoreSplit, *, rank: int, world_size: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's contiguous, unpadded share of the validation set: sums across ranks count
+    every sample exactly once."""
+    n = len(split)
+    share = -(-n // world_size)
+    start, stop = rank * share, min(n, (rank + 1) * share)
+    for begin in range(start, stop, batch_size):
+        end = min(stop, begin + batch_size)
+        yield (
+            torch.from_numpy(np.asarray(split.images[begin:end])),
+            torch.from_numpy(split.labels[begin:end]),
+        )

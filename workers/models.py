@@ -15,7 +15,7 @@ class CifarCNN(nn.Sequential):
     at named points (``conv1`` … ``fc2``).
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int = 32) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 16, kernel_size=3, padding=1)
         self.relu1 = nn.ReLU()
@@ -24,7 +24,7 @@ class CifarCNN(nn.Sequential):
         self.relu2 = nn.ReLU()
         self.pool2 = nn.MaxPool2d(2)
         self.flatten = nn.Flatten()
-        self.fc1 = nn.Linear(32 * 8 * 8, 64)
+        self.fc1 = nn.Linear(32 * (image_size // 4) ** 2, 64)
         self.relu3 = nn.ReLU()
         self.fc2 = nn.Linear(64, num_classes)
 
@@ -34,7 +34,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def build_model(name: str, *, num_classes: int, seed: int) -> nn.Module:
+def build_model(name: str, *, num_classes: int, seed: int, image_size: int = 32) -> nn.Module:
     """Build a registered model with parameters drawn from ``seed``.
 
     Seeding here (rather than relying on DDP's broadcast alone) makes the single-process
@@ -44,7 +44,7 @@ def build_model(name: str, *, num_classes: int, seed: int) -> nn.Module:
         raise ValueError(f"model.name: unknown model {name!r}; choose one of {sorted(MODELS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MODELS[name](num_classes=num_classes)
+        return MODELS[name](num_classes=num_classes, image_size=image_size)
 
 
 class ModelConfig(BaseModel):

@@ -6,7 +6,7 @@ initialized process group, so the torchrun benchmark runs the very same code.
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from workers.data import DataConfig, load_dataset, rank_eval_batches, rank_train_loader
+from workers.data import DataConfig, RankBatches, eval_batches, open_store
 from workers.models import ModelConfig, build_model
 from workers.process_group import Membership, current_membership
 from workers.strategies.data_parallel import apply_data_parallel
@@ -60,7 +60,7 @@ class TrainingConfig(BaseModel):
 class TrainJob:
     """What every rank of one job receives."""
 
-    data: DataConfig
+    data: DataConfig  # resolved: absolute paths, store URL filled in
     model: ModelConfig
     training: TrainingConfig
     generation: str
@@ -105,28 +105,28 @@ def train(
     precision = _Precision(config.precision, device)
 
     # Build: data shard, model, strategy, optimizer, schedule.
-    data = load_dataset(data_config, seed=config.seed)
+    store = open_store(data_config.store_url, storage_options=data_config.storage_options)
     per_rank_batch = config.batch_size // world_size
     micro_batch = max(1, per_rank_batch // config.grad_accum_steps)
-    loader, sampler = rank_train_loader(
-        data.train_x,
-        data.train_y,
+    batches = RankBatches(
+        store.train,
+        data_config,
         rank=rank,
         world_size=world_size,
         batch_size=per_rank_batch,
         seed=config.seed,
-        drop_last=data_config.drop_last,
-        num_workers=data_config.loader_workers,
     )
-    val_batches = rank_eval_batches(
-        data.val_x, data.val_y, rank=rank, world_size=world_size, batch_size=per_rank_batch
+    model = build_model(
+        model_config.name,
+        num_classes=store.num_classes,
+        seed=config.seed,
+        image_size=data_config.image_size,
     )
-    model = build_model(model_config.name, num_classes=data.num_classes, seed=config.seed)
     model = _apply_strategy(config.strategy, model, device=device)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
-    total_steps = config.epochs * len(loader)
+    total_steps = config.epochs * len(batches)
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, total_steps))
@@ -139,11 +139,10 @@ def train(
     first_step_at, warm_at = math.nan, math.nan
     train_started = time.perf_counter()
     for epoch in range(config.epochs):
-        sampler.set_epoch(epoch)
         model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss·n, correct, n
         epoch_started = time.perf_counter()
-        for x, y in loader:
+        for x, y in batches.epoch(epoch):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             micro_batches = list(zip(x.split(micro_batch), y.split(micro_batch), strict=True))
@@ -187,7 +186,12 @@ def train(
         train_seconds = time.perf_counter() - epoch_started
 
         dist.all_reduce(sums)
-        val = _evaluate(model, val_batches, device=device, precision=precision)
+        val = _evaluate(
+            model,
+            eval_batches(store.val, rank=rank, world_size=world_size, batch_size=per_rank_batch),
+            device=device,
+            precision=precision,
+        )
         loss_sum, correct, count = sums.tolist()
         record = {
             "kind": "epoch",
@@ -227,7 +231,7 @@ def train(
 @torch.no_grad()
 def _evaluate(
     model: nn.Module,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     *,
     device: torch.device,
     precision: "_Precision",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from workers.data import DatasetError
+from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import LaunchError
 
@@ -64,6 +64,38 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
 @config_argument
 @set_option
 @click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
+@click.option("--force", is_flag=True, help="rebuild the store even if it is up to date")
+def preprocess(
+    config: Path, overrides: tuple[str, ...], scheduler: str | None, force: bool
+) -> None:
+    """Build CONFIG's dataset store as Dask tasks (or confirm it is up to date)."""
+    from workflows.cluster import start_cluster
+    from workflows.preprocess import prepare_store
+
+    resolved = _load(config, overrides, scheduler)
+    try:
+        with start_cluster(resolved.cluster) as cluster:
+            click.echo(f"dashboard: {cluster.dashboard_link}")
+            manifest = prepare_store(
+                cluster.client, resolved.data.resolved(), seed=resolved.training.seed, force=force
+            )
+    except KeyboardInterrupt:
+        _fail(EXIT_INTERRUPTED, "interrupted")
+    except (ConfigError, SourceError, ConnectionError) as error:
+        _fail(EXIT_INVALID, str(error))
+    except Exception as error:
+        _fail(EXIT_FAILED, f"preprocessing failed: {type(error).__name__}: {error}")
+    state = "up to date, reused" if manifest.reused else f"built in {manifest.seconds:.1f} s"
+    click.echo(
+        f"store {manifest.url}: {state}; train {manifest.counts['train']}, "
+        f"val {manifest.counts['val']} images; {len(manifest.bad_records)} bad records skipped"
+    )
+
+
+@main.command()
+@config_argument
+@set_option
+@click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
 def run(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> None:
     """Train as CONFIG says and print one line per epoch."""
     from workflows.cluster import start_cluster
@@ -76,7 +108,7 @@ def run(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> None
             result = train(resolved, cluster=cluster)
     except KeyboardInterrupt:
         _fail(EXIT_INTERRUPTED, "interrupted")
-    except (ConfigError, LaunchError, DatasetError, ConnectionError) as error:
+    except (ConfigError, LaunchError, SourceError, ConnectionError) as error:
         _fail(EXIT_INVALID, str(error))
     except Exception as error:
         logging.getLogger(__name__).debug("training failed", exc_info=True)

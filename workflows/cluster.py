@@ -26,10 +26,22 @@ logger = logging.getLogger(__name__)
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 256 * 2**20}
 
 
-def worker_process_config(*, tune_malloc: bool) -> dict[str, object]:
+def malloc_settings(memory_limit: int | None) -> dict[str, int]:
+    """The tuned settings, shrunk for workers with little memory: the heap may keep up to the
+    trim threshold of freed memory, which counts against the worker's limit."""
+    if not memory_limit:
+        return dict(TUNED_MALLOC)
+    trim = min(TUNED_MALLOC["MALLOC_TRIM_THRESHOLD_"], memory_limit // 8)
+    return {
+        "MALLOC_MMAP_THRESHOLD_": min(TUNED_MALLOC["MALLOC_MMAP_THRESHOLD_"], trim // 2),
+        "MALLOC_TRIM_THRESHOLD_": trim,
+    }
+
+
+def worker_process_config(*, malloc: dict[str, int] | None) -> dict[str, object]:
     """Dask settings for the worker processes we start, applied for the cluster's whole life
-    (the nanny reads them again on every restart)."""
-    environ = TUNED_MALLOC if tune_malloc else dict.fromkeys(TUNED_MALLOC)  # None unsets
+    (the nanny reads them again on every restart). ``malloc=None`` leaves glibc's defaults."""
+    environ = malloc if malloc else dict.fromkeys(TUNED_MALLOC)  # None unsets
     return {
         "distributed.worker.daemon": False,
         **{f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in environ.items()},
@@ -91,9 +103,10 @@ class TrainingCluster:
         self.kind = "remote"
         try:
             if config.scheduler is None:
-                self._config_scope = dask.config.set(
-                    worker_process_config(tune_malloc=config.tune_malloc)
-                )
+                malloc = None
+                if config.tune_malloc:
+                    malloc = malloc_settings(_worker_memory_bytes(config))
+                self._config_scope = dask.config.set(worker_process_config(malloc=malloc))
                 # The nanny copies its pre-spawn environment into *this* process's os.environ;
                 # undo that, so it neither leaks into our subprocesses nor into later clusters.
                 with _environ_restored(TUNED_MALLOC):
@@ -156,6 +169,13 @@ def _environ_restored(keys: Iterable[str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _worker_memory_bytes(config: ClusterConfig) -> int | None:
+    from distributed.worker_memory import parse_memory_limit
+
+    workers = config.n_workers or count_gpus() or 2
+    return parse_memory_limit(config.memory_limit, nthreads=1, total_cores=workers, logger=logger)
 
 
 def _start_local(config: ClusterConfig) -> tuple[LocalCluster, str]:

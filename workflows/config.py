@@ -46,6 +46,11 @@ class RunConfig(BaseModel):
                 "launch.world_size: data_parallel runs in one worker (over the GPUs it sees); "
                 "set world_size = 1, or use strategy = 'ddp'"
             )
+        if self.data.image_size % 4:
+            raise ValueError(
+                f"data.image_size: {self.model.name} pools twice, so the size must be a "
+                f"multiple of 4 (got {self.data.image_size})"
+            )
         ranks = 1 if self.training.strategy == "data_parallel" else (world or workers or 1)
         self.check_batch(ranks)
         return self

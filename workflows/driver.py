@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from distributed import Client
 
-from workers.data import DatasetError, source_problem
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import ProcessGroup
+from workflows.preprocess import StoreManifest, prepare_store
 
 EventHandler = Callable[[dict[str, Any]], None]
 
@@ -36,6 +36,7 @@ class TrainResult:
     steady_samples_per_s: float
     wall_s: float
     first_step_s: float
+    store: StoreManifest
     state_dict: dict[str, torch.Tensor] = field(repr=False)
 
     @property
@@ -86,10 +87,9 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
     # config error rather than a failed job.
     world_size = config.world_size or max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
     config.check_batch(world_size)
-    # Every worker must see the data; a wrong path is a config error, not a failed job.
-    for problem in client.run(source_problem, config.data).values():
-        if problem:
-            raise DatasetError(problem)
+    # Preprocess on the same cluster first, unless a complete store for these inputs exists.
+    data = config.data.resolved()
+    manifest = prepare_store(client, data, seed=config.training.seed)
     launch = config.launch.model_copy(update={"world_size": world_size})
     events = _EventRelay(client, f"dask-train-{config.name}-{uuid.uuid4().hex[:8]}", on_event)
     submitted_at = time.time()
@@ -97,7 +97,7 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
     with events, ProcessGroup(client, launch) as group:
         assert group.spec is not None
         job = TrainJob(
-            data=config.data,
+            data=data,
             model=config.model,
             training=config.training,
             generation=group.spec.generation,
@@ -118,6 +118,7 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
         steady_samples_per_s=rank0.steady_samples_per_s,
         wall_s=wall_s,
         first_step_s=rank0.first_step_at - submitted_at,
+        store=manifest,
         state_dict=rank0.state_dict,
     )
 
