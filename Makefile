@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench bench-data clean
 
 install: $(STAMP)
 
@@ -35,6 +35,9 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.ddp_vs_torchrun
+
+bench-data: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.preprocessing
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -22,7 +22,7 @@ def decode_partition(
     on_bad: OnBad,
     storage_options: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Decode and resize one partition and write it as ``component/{images,labels}``.
+    """Decode and resize one partition and write its images as ``component/images``.
 
     Writing here, rather than returning the pixels, keeps every partition's memory on its
     worker only while the task runs: the graph stays out-of-core whatever the dataset's size.
@@ -45,39 +45,58 @@ def decode_partition(
         overwrite=True,
         storage_options=options,
     )
-    zarr.create_array(
-        url,
-        name=f"{component}/labels",
-        data=decoded.labels,
-        overwrite=True,
-        storage_options=options,
+    sums = np.stack(
+        [
+            decoded.images.sum(axis=(0, 2, 3), dtype=np.uint64),
+            np.square(decoded.images, dtype=np.uint32).sum(axis=(0, 2, 3), dtype=np.uint64),
+        ]
     )
-    return {"count": len(decoded.labels), "bad": decoded.bad}
+    return {
+        "component": component,
+        "count": len(decoded.labels),
+        "labels": decoded.labels,
+        "bad": decoded.bad,
+        "pixels": len(decoded.labels) * image_size * image_size,
+        "sums": sums,  # per channel: Σx and Σx² of the uint8 pixels, exact
+    }
 
 
-def normalize_block(
-    block: np.ndarray,
+def combine_statistics(outcomes: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std of the pixels scaled to [0, 1], from the partitions' sums."""
+    pixels = sum(outcome["pixels"] for outcome in outcomes)
+    if not pixels:
+        return np.zeros(3), np.ones(3)
+    s1, s2 = sum(outcome["sums"] for outcome in outcomes).astype(np.float64)
+    mean = s1 / pixels / 255.0
+    variance = np.maximum(s2 / pixels / 255.0**2 - mean**2, 0.0)
+    return mean, np.maximum(np.sqrt(variance), 1e-6)
+
+
+def normalize_chunk(
+    url: str,
+    blocks: list[tuple[str, int]],
+    start: int,
+    stop: int,
     mean: np.ndarray,
     std: np.ndarray,
     *,
-    url: str,
     path: str,
     storage_options: dict[str, Any] | None,
-    block_info: dict | None = None,
-) -> np.ndarray:
-    """uint8 pixels → float32 with zero mean and unit variance per channel, written to its own
-    region of ``url/path``; returns how many images it wrote."""
-    assert block_info is not None
-    start, stop = block_info[0]["array-location"][0]
-    normalized = block.astype(np.float32)  # in place from here: one float copy per block
+) -> int:
+    """Normalize samples ``start:stop`` of the concatenated raw blocks and write them to the
+    same rows of ``url/path``; returns how many it wrote."""
+    options = storage_options or None
+    pieces, offset = [], 0
+    for component, count in blocks:
+        lo, hi = max(start, offset), min(stop, offset + count)
+        if lo < hi:
+            raw = zarr.open_array(url, path=f"{component}/images", storage_options=options)
+            pieces.append(np.asarray(raw[lo - offset : hi - offset]))
+        offset += count
+    normalized = np.concatenate(pieces).astype(np.float32)  # in place from here on
     normalized /= np.float32(255.0)
     normalized -= mean.astype(np.float32)[:, None, None]
     normalized /= std.astype(np.float32)[:, None, None]
-    target = zarr.open_array(url, path=path, mode="r+", storage_options=storage_options or None)
+    target = zarr.open_array(url, path=path, mode="r+", storage_options=options)
     target[start:stop] = normalized
-    return np.array([stop - start])
-
-
-def squared_pixels(block: np.ndarray) -> np.ndarray:
-    """x² of uint8 pixels, exact in uint32 (for the variance's sum of squares)."""
-    return np.square(block, dtype=np.uint32)
+    return stop - start

@@ -224,29 +224,31 @@ def _list_imagefolder(
         raise SourceError(f"data.root: {root} is not a readable folder")
     splits = {name: f"{base}/{name}" for name in ("train", "val") if fs.isdir(f"{base}/{name}")}
     if set(splits) == {"train", "val"}:
-        train_items, train_classes = _scan_classes(fs, splits["train"], root + "/train")
+        train_items, classes = _scan_classes(fs, splits["train"], root + "/train")
         val_items, val_classes = _scan_classes(fs, splits["val"], root + "/val")
-        unknown = sorted(set(val_classes) - set(train_classes))
+        unknown = sorted(set(val_classes) - set(classes))
         if unknown:
             raise SourceError(
                 f"data.root: {root}/val has classes that {root}/train lacks: {', '.join(unknown)}"
             )
-        classes = train_classes
         index = {name: i for i, name in enumerate(classes)}
-        train = [(url, index[c]) for url, c in train_items]
-        val = [(url, index[c]) for url, c in val_items]
-        stamps = _stamps(fs, train_items + val_items)
+        train = [(url, index[c]) for url, c, _ in train_items]
+        val = [(url, index[c]) for url, c, _ in val_items]
+        stamps = train_items + val_items
     else:
-        items, classes = _scan_classes(fs, base, root)
+        stamps, classes = _scan_classes(fs, base, root)
         index = {name: i for i, name in enumerate(classes)}
-        records = [(url, index[c]) for url, c in items]
+        records = [(url, index[c]) for url, c, _ in stamps]
         train_i, val_i = _split(list(range(len(records))), val_fraction, seed)
         train, val = [records[i] for i in train_i], [records[i] for i in val_i]
-        stamps = _stamps(fs, items)
     return Listing(train, val, classes, digest("imagefolder", stamps), 256)
 
 
-def _scan_classes(fs: Any, base: str, shown: str) -> tuple[list[tuple[str, str]], list[str]]:
+def _scan_classes(
+    fs: Any, base: str, shown: str
+) -> tuple[list[tuple[str, str, tuple[Any, ...]]], list[str]]:
+    """(url, class, stamp) of every image under base/<class>/, in sorted order; one listing
+    call per class folder brings the stamps along (no stat per file)."""
     classes = sorted(
         entry["name"].rstrip("/").rsplit("/", 1)[-1]
         for entry in fs.ls(base, detail=True)
@@ -254,19 +256,14 @@ def _scan_classes(fs: Any, base: str, shown: str) -> tuple[list[tuple[str, str]]
     )
     if not classes:
         raise SourceError(f"data.root: {shown} has no class folders")
-    items: list[tuple[str, str]] = []
+    items: list[tuple[str, str, tuple[Any, ...]]] = []
     for name in classes:
-        files = sorted(
-            path for path in fs.find(f"{base}/{name}") if path.lower().endswith(IMAGE_SUFFIXES)
-        )
+        found = fs.find(f"{base}/{name}", detail=True)
+        files = sorted(path for path in found if path.lower().endswith(IMAGE_SUFFIXES))
         if not files:
             raise SourceError(f"data.root: class folder {shown}/{name} holds no images")
-        items.extend((fs.unstrip_protocol(path), name) for path in files)
+        items.extend((fs.unstrip_protocol(path), name, _stamp(found[path])) for path in files)
     return items, classes
-
-
-def _stamps(fs: Any, items: list[tuple[str, str]]) -> list[tuple[Any, ...]]:
-    return [(url, label, *_stamp(fs.info(url))) for url, label in items]
 
 
 def _stamp(info: dict[str, Any]) -> tuple[Any, ...]:

@@ -19,14 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import dask
-import dask.array as da
 import numpy as np
 import zarr
-from distributed import Client, wait
+from distributed import Client, Future, wait
 
 from workers.data import DataConfig
-from workers.preprocessing import decode_partition, normalize_block, squared_pixels
+from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
 from workers.sources import Listing, SourceError, digest, list_records
 
 logger = logging.getLogger(__name__)
@@ -97,96 +95,79 @@ def _build(
     tag = fingerprint[:8]
     zarr.open_group(url, mode="w", storage_options=options)  # wipes whatever was there
 
-    # Decode and resize: one task per partition, each writing its own raw uint8 block.
-    tasks, parts = [], {}
+    # Decode and resize: one task per partition, each writing its own raw uint8 block and
+    # returning its count, labels, bad records and per-channel sums of x and x².
+    decoded: dict[str, list[Future]] = {}
+    size = listing.partition_size
     for split, records in (("train", listing.train), ("val", listing.val)):
-        size = listing.partition_size
-        parts[split] = [f"raw/{split}/{i:05d}" for i in range(-(-len(records) // size))]
-        for i, component in enumerate(parts[split]):
-            tasks.append(
-                dask.delayed(decode_partition, pure=False)(
-                    config.dataset,
-                    records[i * size : (i + 1) * size],
-                    url=url,
-                    component=component,
-                    image_size=config.image_size,
-                    seed=seed,
-                    on_bad=config.on_bad,
-                    storage_options=config.storage_options,
-                    dask_key_name=f"decode-{split}-{i:05d}-{tag}",
-                )
+        decoded[split] = [
+            client.submit(
+                decode_partition,
+                config.dataset,
+                records[start : start + size],
+                url=url,
+                component=f"raw/{split}/{start // size:06d}",
+                image_size=config.image_size,
+                seed=seed,
+                on_bad=config.on_bad,
+                storage_options=config.storage_options,
+                key=f"decode-{split}-{start // size:06d}-{tag}",
+                pure=False,
             )
-    components = [c for split_parts in parts.values() for c in split_parts]
-    outcomes = dict(zip(components, _gather_settled(client, tasks), strict=True))
-    bad = [tuple(record) for outcome in outcomes.values() for record in outcome["bad"]]
-    raw = {}
-    for split, components in parts.items():
-        blocks = [
-            da.from_zarr(url, component=f"{c}/images", storage_options=options)
-            for c in components
-            if outcomes[c]["count"]
+            for start in range(0, len(records), size)
         ]
-        if not blocks:
-            raise SourceError(f"data.root: no readable {split} images ({len(bad)} bad records)")
-        raw[split] = da.concatenate(blocks)
-
-    # Statistics: a Dask reduction over the training split. Pixels are integers, so the sums
-    # of x and x² are exact in uint64 and mean/std come out exact, with uint8/uint32 blocks
-    # only (a float64 copy of each block would triple the workers' memory).
-    train = raw["train"]
-    s1, s2 = client.compute(
-        [
-            train.sum(axis=(0, 2, 3), dtype=np.uint64),
-            train.map_blocks(squared_pixels, dtype=np.uint32).sum(axis=(0, 2, 3), dtype=np.uint64),
-        ],
-        sync=True,
+    # Statistics: a Dask reduction of the training partitions' sums. Pixels are integers, so
+    # the sums are exact in uint64 and so are mean and std.
+    statistics = client.submit(
+        combine_statistics, decoded["train"], key=f"statistics-train-{tag}", pure=False
     )
-    n = train.shape[0] * train.shape[2] * train.shape[3]
-    mean = s1.astype(np.float64) / n / 255.0
-    std = np.sqrt(np.maximum(s2.astype(np.float64) / n / 255.0**2 - mean**2, 0.0))
-    std = np.maximum(std, 1e-6)
+    results = _gather_settled(client, [*decoded["train"], *decoded["val"], statistics])
+    n_train = len(decoded["train"])
+    outcomes = {"train": results[:n_train], "val": results[n_train:-1]}
+    mean, std = results[-1]
+    bad = [tuple(r) for split in outcomes.values() for outcome in split for r in outcome["bad"]]
 
-    # Normalize and write, chunked along samples for the ranks' reads: one task per chunk,
-    # named normalize-…, that writes its own region (chunks never overlap, so no locks).
+    # Normalize and write: one task per store chunk, reading the raw blocks it overlaps and
+    # writing its own region (chunks never overlap, so no locks are needed).
     counts = {}
-    for split, images in raw.items():
-        chunks = (config.chunk_size, 3, config.image_size, config.image_size)
+    writes = []
+    for split, parts in outcomes.items():
+        blocks = [(o["component"], o["count"]) for o in parts if o["count"]]
+        total = sum(count for _, count in blocks)
+        if not total:
+            raise SourceError(f"data.root: no readable {split} images ({len(bad)} bad records)")
+        shape = (total, 3, config.image_size, config.image_size)
         zarr.create_array(
             url,
             name=f"{split}/images",
-            shape=images.shape,
-            chunks=chunks,
+            shape=shape,
             dtype=np.float32,
             overwrite=True,
+            chunks=(config.chunk_size, *shape[1:]),
             storage_options=options,
         )
-        written = images.rechunk(chunks).map_blocks(
-            normalize_block,
-            mean,
-            std,
-            url=url,
-            path=f"{split}/images",
-            storage_options=config.storage_options,
-            dtype=np.int64,
-            chunks=(1,),
-            drop_axis=[1, 2, 3],
-            name=f"normalize-{split}-{tag}",
-        )
-        if int(client.compute(written, sync=True).sum()) != images.shape[0]:
-            raise RuntimeError(f"normalize-{split}: not every image was written")
-        labels = np.concatenate(
-            [
-                np.asarray(
-                    zarr.open_array(url, path=f"{c}/labels", mode="r", storage_options=options)[:]
+        for index, start in enumerate(range(0, total, config.chunk_size)):
+            writes.append(
+                client.submit(
+                    normalize_chunk,
+                    url,
+                    blocks,
+                    start,
+                    min(total, start + config.chunk_size),
+                    mean,
+                    std,
+                    path=f"{split}/images",
+                    storage_options=config.storage_options,
+                    key=f"normalize-{split}-{index:06d}-{tag}",
+                    pure=False,
                 )
-                for c in parts[split]
-                if outcomes[c]["count"]
-            ]
-        )
+            )
+        labels = np.concatenate([o["labels"] for o in parts])
         zarr.create_array(
             url, name=f"{split}/labels", data=labels, overwrite=True, storage_options=options
         )
         counts[split] = len(labels)
+    _gather_settled(client, writes)
 
     group = zarr.open_group(url, mode="a", storage_options=options)
     del group["raw"]
@@ -208,10 +189,9 @@ def _build(
     return {**attrs, "complete": True}
 
 
-def _gather_settled(client: Client, tasks: list[Any]) -> list[Any]:
-    """Results of all tasks; on the first failure, wait until the others have finished too, so
-    that none of them still writes into the store when the caller (or a rebuild) moves on."""
-    futures = client.compute(tasks)
+def _gather_settled(client: Client, futures: list[Future]) -> list[Any]:
+    """Results of all futures; on the first failure, wait until the others have finished too,
+    so that none of them still writes into the store when the caller (or a rebuild) moves on."""
     try:
         return client.gather(futures)
     except BaseException:
