@@ -14,16 +14,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
+def _local_settings(tmp_path) -> list[str]:
+    """Overrides that keep a run's data, store and dashboard inside the test."""
+    return [
+        *("--set", f"data.root='{tmp_path / 'raw'}'"),
+        *("--set", f"data.store='{tmp_path / 'store'}'"),
+        *("--set", "cluster.dashboard_port=0"),
+    ]
+
+
 def test_preprocess_builds_then_reuses_the_cifar10_store_and_run_trains_from_it(tmp_path):
     write_tiny_cifar10(tmp_path / "raw", per_batch=20)
-    settings = [
-        "--set",
-        f"data.root='{tmp_path / 'raw'}'",
-        "--set",
-        f"data.store='{tmp_path / 'store'}'",
-        "--set",
-        "cluster.dashboard_port=0",
-    ]
+    settings = _local_settings(tmp_path)
     built = _cli("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *settings)
     assert built.returncode == 0, built.stderr
     assert "built in" in built.stdout and "train 100, val 20 images" in built.stdout
@@ -50,16 +52,7 @@ def test_preprocess_of_a_corrupt_batch_exits_2_naming_the_file(tmp_path):
     write_tiny_cifar10(tmp_path / "raw")
     batch = tmp_path / "raw" / "cifar-10-batches-py" / "data_batch_2"
     batch.write_bytes(batch.read_bytes()[:64])
-    done = _cli(
-        "preprocess",
-        str(CONFIGS / "cifar10_ddp.toml"),
-        "--set",
-        f"data.root='{tmp_path / 'raw'}'",
-        "--set",
-        f"data.store='{tmp_path / 'store'}'",
-        "--set",
-        "cluster.dashboard_port=0",
-    )
+    done = _cli("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *_local_settings(tmp_path))
     assert done.returncode == 2
     assert "data_batch_2: not a readable CIFAR-10 batch" in done.stderr.splitlines()[-1]
 

@@ -97,14 +97,19 @@ def test_image_folder_store_equals_the_sequential_reference(cluster, tmp_path):
     assert train_y.tolist() == train_labels and val_y.tolist() == val_labels
 
 
-def test_second_run_reuses_the_store_and_a_changed_input_rebuilds_it(cluster, tmp_path):
-    files = write_image_folder(tmp_path / "images")
-    config = DataConfig(
+def _folder_config(tmp_path, **fields) -> DataConfig:
+    return DataConfig(
         dataset="imagefolder",
         root=str(tmp_path / "images"),
         store=str(tmp_path / "store"),
         image_size=16,
+        **fields,
     )
+
+
+def test_second_run_reuses_the_store_and_a_changed_input_rebuilds_it(cluster, tmp_path):
+    files = write_image_folder(tmp_path / "images")
+    config = _folder_config(tmp_path)
     first = prepare_store(cluster.client, config, seed=0)
     stamp = os.stat(tmp_path / "store" / "zarr.json").st_mtime_ns
 
@@ -125,12 +130,7 @@ def test_second_run_reuses_the_store_and_a_changed_input_rebuilds_it(cluster, tm
 
 def test_a_half_written_store_is_rebuilt_not_reused(cluster, tmp_path):
     files = write_image_folder(tmp_path / "images")
-    config = DataConfig(
-        dataset="imagefolder",
-        root=str(tmp_path / "images"),
-        store=str(tmp_path / "store"),
-        image_size=16,
-    )
+    config = _folder_config(tmp_path)
     good = files[3].read_bytes()
     files[3].write_bytes(b"not an image")
     with pytest.raises(SourceError, match=rf"{files[3].name}: not a readable image"):

@@ -56,14 +56,7 @@ def prepare_store(
     started = time.perf_counter()
     if config.dataset == "cifar10" and config.download:
         _download_cifar10(config)
-    listing = list_records(
-        config.dataset,
-        root=config.root,
-        val_fraction=config.val_fraction,
-        seed=seed,
-        synthetic_samples=config.synthetic_samples,
-        storage_options=config.storage_options,
-    )
+    listing = list_source(config, seed=seed)
     fingerprint = _fingerprint(listing, config, seed)
     url = config.store_url
     existing = read_manifest(url, storage_options=config.storage_options)
@@ -74,6 +67,18 @@ def prepare_store(
         logger.warning("rebuilding %s: it holds no complete store (an interrupted run?)", url)
     attrs = _build(client, config, listing, fingerprint, seed)
     return _manifest(url, attrs, reused=False, seconds=time.perf_counter() - started)
+
+
+def list_source(config: DataConfig, *, seed: int) -> Listing:
+    """Every record of ``config``'s source, split and in store order (runs on the client)."""
+    return list_records(
+        config.dataset,
+        root=config.root,
+        val_fraction=config.val_fraction,
+        seed=seed,
+        synthetic_samples=config.synthetic_samples,
+        storage_options=config.storage_options,
+    )
 
 
 def read_manifest(url: str, *, storage_options: dict[str, Any] | None = None) -> dict | None:
