@@ -1,10 +1,18 @@
 """The batch CLI end to end, as a scheduler would call it: real processes, real files."""
 
+import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
+import pytest
+import torch
+
 from tests.datasets import write_tiny_cifar10
+from workers.models import build_model
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 
@@ -86,3 +94,70 @@ def test_cli_run_with_a_missing_dataset_path_exits_2_naming_the_path(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "data.root:" in done.stderr and "absent" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_dir):
+    output = tmp_path / "run"
+    settings = [
+        *("--set", f"data.store='{store_dir / 'digits'}'"),
+        *("--set", "cluster.dashboard_port=0"),
+        *("--set", "training.epochs=2"),
+        *("--output", str(output)),
+    ]
+    done = _cli("run", str(CONFIGS / "digits_ddp.toml"), *settings)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["strategy"] == "ddp" and summary["world_size"] == 2
+    assert summary["epochs"] == 2 and summary["final"]["val_accuracy"] > 0.2
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2]
+    assert json.loads((output / "config.json").read_text())["training"]["epochs"] == 2
+    assert "finished" in (output / "run.log").read_text()
+    state = torch.load(output / "model.pt", weights_only=True)
+    model = build_model("cifar_cnn", num_classes=10, seed=0)
+    model.load_state_dict(state)  # the final model loads into the registry's model
+
+    again = _cli("run", str(CONFIGS / "digits_ddp.toml"), *settings)
+    assert again.returncode == 2
+    assert f"{output} already holds run 'digits-ddp'" in again.stderr
+    assert json.loads((output / "summary.json").read_text()) == summary  # left untouched
+
+
+@pytest.mark.slow
+def test_a_killed_run_exits_130_and_stops_its_workers(tmp_path, store_dir):
+    output = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-c",
+        "from workflows.cli import main; main()",
+        "run",
+        str(CONFIGS / "digits_ddp.toml"),
+        "--set",
+        f"data.store='{store_dir / 'digits'}'",
+        "--set",
+        "cluster.dashboard_port=0",
+        "--set",
+        "training.epochs=500",
+        "--output",
+        str(output),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = output / "metrics.jsonl"
+        while not (metrics.exists() and '"epoch"' in metrics.read_text()):
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "no epoch finished in 120 s"
+            time.sleep(0.2)
+        workers = psutil.Process(process.pid).children(recursive=True)
+        assert workers  # the local cluster's worker processes
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr.splitlines()[-1]
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == []

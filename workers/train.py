@@ -133,6 +133,17 @@ def train(
     # Throughput is measured from the end of this step on: the first steps pay one-off costs.
     warm_step = min(3, total_steps // 4)
 
+    if report and rank == 0:
+        report(
+            {
+                "kind": "start",
+                "strategy": config.strategy,
+                "world_size": world_size,
+                "epochs": config.epochs,
+                "total_steps": total_steps,
+            }
+        )
+
     # Train.
     history: list[dict[str, float]] = []
     step, samples_seen, warm_samples = 0, 0, 0

@@ -5,6 +5,7 @@ traceback), 1 training failure, 130 interrupted.
 """
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -21,10 +22,13 @@ EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
 @click.option("-v", "--verbose", is_flag=True, help="log the launcher's steps")
 def main(verbose: bool) -> None:
     """Train PyTorch models on a Dask cluster."""
+    # The root logger passes INFO on (a run directory's run.log keeps it); the terminal shows
+    # warnings only, unless --verbose.
     logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 config_argument = click.argument("config", type=click.Path(path_type=Path))
@@ -96,26 +100,47 @@ def preprocess(
 @config_argument
 @set_option
 @click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
-def run(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> None:
-    """Train as CONFIG says and print one line per epoch."""
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    help="the run directory (default runs/<name>-<UTC time>); must not hold a run already",
+)
+def run(
+    config: Path, overrides: tuple[str, ...], scheduler: str | None, output: Path | None
+) -> None:
+    """Train as CONFIG says: one line per epoch, results in the run directory."""
     from workflows.cluster import start_cluster
-    from workflows.driver import train
+    from workflows.driver import print_progress, train
+    from workflows.run_directory import RunDirectory
 
     resolved = _load(config, overrides, scheduler)
     try:
-        with start_cluster(resolved.cluster) as cluster:
+        run_directory = RunDirectory.create(resolved, output)
+    except (ConfigError, OSError) as error:
+        _fail(EXIT_INVALID, str(error))
+    click.echo(f"run directory: {run_directory.path}")
+    # A scheduler's kill (SIGTERM) is handled like Ctrl-C: stop the ranks, close the cluster.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def on_event(record: dict) -> None:
+        run_directory.record(record)
+        print_progress(record)
+
+    try:
+        with run_directory, start_cluster(resolved.cluster) as cluster:
             click.echo(f"dashboard: {cluster.dashboard_link}")
-            result = train(resolved, cluster=cluster)
+            result = train(resolved, cluster=cluster, on_event=on_event)
+            summary = run_directory.finish(result)
     except KeyboardInterrupt:
-        _fail(EXIT_INTERRUPTED, "interrupted")
+        _fail(EXIT_INTERRUPTED, f"interrupted; partial results in {run_directory.path}")
     except (ConfigError, LaunchError, SourceError, ConnectionError) as error:
         _fail(EXIT_INVALID, str(error))
     except Exception as error:
         logging.getLogger(__name__).debug("training failed", exc_info=True)
         _fail(EXIT_FAILED, f"training failed: {type(error).__name__}: {error}")
-    final = result.final
+    final = summary["final"]
     click.echo(
-        f"done: {result.strategy} on {result.world_size} ranks, val accuracy "
-        f"{final['val_accuracy']:.4f}, {result.steady_samples_per_s:.0f} samples/s, "
-        f"{result.wall_s:.1f} s"
+        f"done: {summary['strategy']} on {summary['world_size']} ranks, val accuracy "
+        f"{final['val_accuracy']:.4f}, {summary['samples_per_s']:.0f} samples/s, "
+        f"{summary['wall_s']:.1f} s; results in {run_directory.path}"
     )

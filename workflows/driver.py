@@ -4,6 +4,7 @@
 >>> result = train("workflows/configs/digits_ddp.toml")
 """
 
+import queue
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import ProcessGroup
+from workflows.monitoring import EVENT_PREFIX, TrainingMetrics
 from workflows.preprocess import StoreManifest, prepare_store
 
 EventHandler = Callable[[dict[str, Any]], None]
@@ -91,7 +93,10 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
     data = config.data.resolved()
     manifest = prepare_store(client, data, seed=config.training.seed)
     launch = config.launch.model_copy(update={"world_size": world_size})
-    events = _EventRelay(client, f"dask-train-{config.name}-{uuid.uuid4().hex[:8]}", on_event)
+    # The scheduler keeps the latest figures of every job for the dashboard's /metrics.
+    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    topic = f"{EVENT_PREFIX}{config.name}-{uuid.uuid4().hex[:8]}"
+    events = _EventRelay(client, topic, on_event)
     submitted_at = time.time()
     started = time.perf_counter()
     with events, ProcessGroup(client, launch) as group:
@@ -126,39 +131,52 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
 class _EventRelay:
     """Forwards rank 0's Dask events to ``on_event`` while the job runs.
 
-    Events travel asynchronously, so the last ones may still be in flight when the job returns;
-    ``deliver_missed`` hands over those from the result instead, each record exactly once.
+    Dask calls topic handlers on the client's event loop, which a LocalCluster's scheduler
+    shares: a handler that blocks (a print to a slow pipe, a request to the dashboard) would
+    stall the cluster. So records are handed to ``on_event`` from a thread of their own, in
+    order. Events travel asynchronously and the last ones may still be in flight when the job
+    returns; ``deliver_missed`` hands over those from the result, each record exactly once.
     """
+
+    _STOP = object()
 
     def __init__(self, client: Client, topic: str, on_event: EventHandler | None) -> None:
         self.client, self.topic, self.on_event = client, topic, on_event
         self._seen: set[tuple[Any, ...]] = set()
-        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, name="dask-train-events", daemon=True)
 
     def _handle(self, event: tuple[float, dict[str, Any]]) -> None:
-        self._deliver(event[1])
+        self._queue.put(event[1])
+
+    def _pump(self) -> None:
+        while (record := self._queue.get()) is not self._STOP:
+            self._deliver(record)
 
     def _deliver(self, record: dict[str, Any]) -> None:
         key = (record.get("kind"), record.get("epoch"), record.get("step"))
-        with self._lock:
-            if key in self._seen:
-                return
-            self._seen.add(key)
+        if key in self._seen:
+            return
+        self._seen.add(key)
         if self.on_event is not None:
             self.on_event(record)
 
     def deliver_missed(self, records: list[dict[str, Any]]) -> None:
+        """Call after leaving the context: the pump thread has stopped by then."""
         for record in records:
             self._deliver(record)
 
     def __enter__(self) -> "_EventRelay":
         if self.on_event is not None:
+            self._thread.start()
             self.client.subscribe_topic(self.topic, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.on_event is not None:
             self.client.unsubscribe_topic(self.topic)
+            self._queue.put(self._STOP)
+            self._thread.join(timeout=60)
 
 
 __all__ = ["ConfigError", "TrainResult", "format_epoch", "print_progress", "train"]

@@ -1,0 +1,39 @@
+"""Training figures reach the scheduler's Prometheus endpoint while the job runs."""
+
+import urllib.request
+
+from workflows.driver import train
+
+
+def _training_gauges(dashboard_link: str) -> dict[str, float]:
+    url = dashboard_link.replace("/status", "/metrics")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    gauges = {}
+    for line in text.splitlines():
+        if line.startswith("dask_train_") and 'job="metrics-' in line:
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            gauges[name] = value
+    return gauges
+
+
+def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
+    config = make_config({"name": "metrics"}, epochs=3, batch_size=64)
+    during = []
+
+    def on_event(record):
+        if record["kind"] == "epoch" and record["epoch"] == 1:
+            during.append(_training_gauges(cluster.dashboard_link))
+
+    result = train(config, cluster=cluster, on_event=on_event)
+    (first,) = during
+    assert first["dask_train_world_size"] == 2
+    assert first["dask_train_epoch"] >= 1
+    assert 0 < first["dask_train_loss"] < 10
+    assert 0 <= first["dask_train_accuracy"] <= 1
+    assert first["dask_train_samples_per_second"] > 0
+
+    after = _training_gauges(cluster.dashboard_link)
+    assert after["dask_train_epoch"] == 3
+    assert after["dask_train_step"] == result.final["step"]
+    assert abs(after["dask_train_val_accuracy"] - result.final["val_accuracy"]) < 1e-9

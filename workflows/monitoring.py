@@ -1,0 +1,72 @@
+"""Training metrics on the scheduler: a SchedulerPlugin that listens to the ranks' Dask events
+and serves the latest figures of every job as Prometheus gauges at the dashboard's ``/metrics``.
+"""
+
+import threading
+from typing import Any
+
+from distributed import Scheduler, SchedulerPlugin
+
+EVENT_PREFIX = "dask-train-"
+PLUGIN_NAME = "dask-train-metrics"
+
+# (metric, record field, help)
+GAUGES = (
+    ("dask_train_epoch", "epoch", "Last finished epoch"),
+    ("dask_train_step", "step", "Optimizer steps taken"),
+    ("dask_train_loss", "loss", "Training loss (mean over all ranks)"),
+    ("dask_train_accuracy", "accuracy", "Training accuracy (all ranks)"),
+    ("dask_train_val_loss", "val_loss", "Validation loss"),
+    ("dask_train_val_accuracy", "val_accuracy", "Validation accuracy"),
+    ("dask_train_samples_per_second", "samples_per_s", "Training samples per second, all ranks"),
+    ("dask_train_learning_rate", "lr", "Current learning rate"),
+    ("dask_train_world_size", "world_size", "Ranks in the job"),
+)
+
+
+class TrainingMetrics(SchedulerPlugin):
+    """Keeps the latest record of each job (an event topic) and exports it to Prometheus."""
+
+    name = PLUGIN_NAME
+    idempotent = True  # registering again (the next job) keeps the one already running
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self._registered = False
+
+    async def start(self, scheduler: Scheduler) -> None:
+        # Created here, in the scheduler: the plugin travels there pickled, and locks do not.
+        self._lock = threading.Lock()
+        try:
+            from prometheus_client import REGISTRY
+        except ImportError:  # the dashboard then simply has no training gauges
+            return
+        REGISTRY.register(self)
+        self._registered = True
+
+    async def close(self) -> None:
+        if self._registered:
+            from prometheus_client import REGISTRY
+
+            REGISTRY.unregister(self)
+            self._registered = False
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if not topic.startswith(EVENT_PREFIX) or not isinstance(msg, dict):
+            return
+        job = topic.removeprefix(EVENT_PREFIX)
+        with self._lock:
+            state = self.jobs.setdefault(job, {})
+            state.update({k: v for k, v in msg.items() if isinstance(v, int | float | str)})
+
+    def collect(self):  # the prometheus_client Collector protocol
+        from prometheus_client.core import GaugeMetricFamily
+
+        with self._lock:
+            jobs = {job: dict(state) for job, state in self.jobs.items()}
+        for metric, field, help_text in GAUGES:
+            family = GaugeMetricFamily(metric, help_text, labels=["job", "strategy"])
+            for job, state in jobs.items():
+                if isinstance(state.get(field), int | float):
+                    family.add_metric([job, str(state.get("strategy", ""))], float(state[field]))
+            yield family

@@ -1,0 +1,99 @@
+"""One directory per run: what was asked, what happened, and what came out.
+
+runs/<name>-<UTC time>/
+  config.json     the resolved configuration
+  metrics.jsonl   one record per logged step and per epoch, as they arrive
+  summary.json    strategy, world size, epochs, final metrics, samples/s, wall seconds
+  model.pt        the final parameters (a plain state_dict: load with weights_only=True)
+  run.log         the run's log lines
+"""
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+
+from workflows.config import ConfigError, RunConfig
+from workflows.driver import TrainResult
+
+logger = logging.getLogger(__name__)
+
+
+class RunDirectory:
+    def __init__(self, path: Path, config: RunConfig) -> None:
+        self.path, self.config = path, config
+        self._metrics = None
+        self._log_handler: logging.Handler | None = None
+
+    @classmethod
+    def create(cls, config: RunConfig, output: str | Path | None = None) -> Self:
+        """A new run directory at ``output`` (default ``runs/<name>-<UTC time>``).
+
+        A directory that already holds a run is refused: its results are never overwritten.
+        """
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        path = Path(output) if output is not None else Path("runs") / f"{config.name}-{stamp}"
+        if (path / "config.json").exists():
+            held = json.loads((path / "config.json").read_text()).get("name", "?")
+            raise ConfigError(
+                f"--output: {path} already holds run {held!r}; choose a new directory"
+            )
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--output: {path} exists and is not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+        return cls(path, config)
+
+    def __enter__(self) -> Self:
+        self._metrics = (self.path / "metrics.jsonl").open("a", buffering=1)
+        self._log_handler = logging.FileHandler(self.path / "run.log")
+        self._log_handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        )
+        logging.getLogger().addHandler(self._log_handler)
+        logger.info("run %s started in %s", self.config.name, self.path)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._log_handler is not None:
+            logging.getLogger().removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None
+
+    def record(self, record: dict[str, Any]) -> None:
+        """Append one metrics record (an ``on_event`` handler for :func:`train`)."""
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+        if record.get("kind") == "epoch":
+            logger.info("epoch %s/%s: %s", record["epoch"], record["epochs"], record)
+
+    def finish(self, result: TrainResult) -> dict[str, Any]:
+        """Write the final model and the summary; returns the summary."""
+        model_path = self.path / "model.pt"
+        torch.save(result.state_dict, model_path)
+        summary = {
+            "name": result.name,
+            "strategy": result.strategy,
+            "world_size": result.world_size,
+            "epochs": len(result.history),
+            "steps": result.final["step"],
+            "final": {k: v for k, v in result.final.items() if k != "kind"},
+            "samples_per_s": result.steady_samples_per_s,
+            "wall_s": result.wall_s,
+            "first_step_s": result.first_step_s,
+            "store": {
+                "url": result.store.url,
+                "counts": result.store.counts,
+                "reused": result.store.reused,
+            },
+            "model": model_path.name,
+        }
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        logger.info("run %s finished: %s", self.config.name, summary["final"])
+        return summary
