@@ -1,0 +1,34 @@
+"""The notebook driver runs end to end on a real cluster, as a person would run it."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
+
+
+@pytest.mark.slow
+def test_training_notebook_executes_end_to_end(store_dir, monkeypatch):
+    monkeypatch.setenv("DASK_TRAIN_STORE", str(store_dir / "digits"))
+    notebook = nbformat.read(NOTEBOOKS / "train_on_dask.ipynb", as_version=4)
+    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}
+    ).execute()
+    text = "\n".join(
+        output.get("text", "") + str(output.get("data", {}).get("text/plain", ""))
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+    )
+    assert "dashboard: http://127.0.0.1:" in text
+    assert "Epoch [4/4]" in text  # the in-place progress line, at its last update
+    assert "samples/s" in text and "predicted:" in text
+    assert any(
+        "image/png" in output.get("data", {})
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+    )
