@@ -1,6 +1,7 @@
 """The batch CLI end to end, as a scheduler would call it: real processes, real files."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -161,3 +162,57 @@ def test_a_killed_run_exits_130_and_stops_its_workers(tmp_path, store_dir):
     assert "interrupted" in stderr.splitlines()[-1]
     _, alive = psutil.wait_procs(workers, timeout=30)
     assert alive == []
+
+
+def test_an_unreachable_scheduler_exits_2_with_one_line(tmp_path):
+    done = _cli(
+        "run",
+        str(CONFIGS / "digits_ddp.toml"),
+        "--scheduler",
+        "tcp://127.0.0.1:9",
+        "--set",
+        "cluster.connect_timeout_s=2",
+        "--output",
+        str(tmp_path / "run"),
+    )
+    assert done.returncode == 2, done.stderr
+    assert "cluster.scheduler: could not reach the scheduler at tcp://127.0.0.1:9" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()  # nothing ran, so nothing claims the directory
+
+
+def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
+    leader, follower = os.openpty()
+    command = [
+        sys.executable,
+        "-c",
+        "from workflows.cli import main; main()",
+        "run",
+        str(CONFIGS / "digits_ddp.toml"),
+        "--set",
+        f"data.store='{store_dir / 'digits'}'",
+        "--set",
+        "cluster.dashboard_port=0",
+        "--set",
+        "training.epochs=1",
+        "--output",
+        str(tmp_path / "run"),
+    ]
+    process = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed: the process is gone
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        assert process.wait(timeout=120) == 0, process.stderr.read()
+    screen = b"".join(chunks).decode()
+    assert "\r[" in screen and "step 5/" in screen  # the bar, rewritten in place
+    assert "Epoch [1/1]" in screen

@@ -12,6 +12,7 @@ from workers.process_group import (
     ProcessGroupSpec,
     current_membership,
 )
+from workflows.cluster import start_cluster
 from workflows.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
 
 
@@ -140,3 +141,15 @@ def test_a_failing_rank_is_reported_and_the_cluster_recovers(own_cluster):
     client.wait_for_workers(2, timeout=60)
     with ProcessGroup(client, LaunchConfig(world_size=2)) as again:
         assert [r["sum"] for r in again.run(_all_reduce_probe, again.spec.generation)] == [3, 3]
+
+
+def test_a_cluster_without_workers_is_a_clear_bounded_error():
+    with start_cluster(n_workers=1, dashboard_port=0) as empty:
+        empty.cluster.scale(0)
+        deadline = time.monotonic() + 30
+        while empty.worker_addresses and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(LaunchError, match=r"2 workers are needed, but the cluster has 0"):
+            ProcessGroup(empty.client, LaunchConfig(world_size=2, worker_wait_s=1)).start()
+        assert time.monotonic() - started < 15

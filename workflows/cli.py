@@ -13,6 +13,7 @@ import click
 
 from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
+from workflows.driver import format_epoch
 from workflows.launcher import LaunchError
 
 EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
@@ -43,9 +44,13 @@ set_option = click.option(
 
 def _load(config: Path, overrides: tuple[str, ...], scheduler: str | None = None) -> RunConfig:
     try:
+        resolved = load_config(config, overrides)
         if scheduler:
-            overrides = (*overrides, f"cluster.scheduler={scheduler!r}")
-        return load_config(config, overrides)
+            # An existing cluster replaces the config's local one, sizing included.
+            raw = resolved.model_dump()
+            raw["cluster"] |= {"scheduler": scheduler, "n_workers": None}
+            resolved = load_config(raw)
+        return resolved
     except ConfigError as error:
         _fail(EXIT_INVALID, f"invalid config: {error}")
 
@@ -53,6 +58,28 @@ def _load(config: Path, overrides: tuple[str, ...], scheduler: str | None = None
 def _fail(code: int, message: str) -> None:
     click.echo(f"dask-train: {message}", err=True)
     sys.exit(code)
+
+
+class _TerminalProgress:
+    """One line rewritten in place while an epoch runs; the epoch line stays when it ends."""
+
+    def __init__(self) -> None:
+        self.total_steps = 0
+
+    def show(self, record: dict) -> None:
+        kind = record.get("kind")
+        if kind == "start":
+            self.total_steps = int(record["total_steps"])
+        elif kind == "step" and self.total_steps:
+            done = record["step"] / self.total_steps
+            bar = "#" * round(30 * done)
+            click.echo(
+                f"\r[{bar:<30}] {100 * done:5.1f}%  step {record['step']}/{self.total_steps}  "
+                f"loss {record['loss']:.4f}",
+                nl=False,
+            )
+        elif kind == "epoch":
+            click.echo("\r\033[K" + format_epoch(record))
 
 
 @main.command()
@@ -122,12 +149,22 @@ def run(
     # A scheduler's kill (SIGTERM) is handled like Ctrl-C: stop the ranks, close the cluster.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
+    progress = _TerminalProgress() if sys.stdout.isatty() else None
+    if progress and not resolved.training.log_every_steps:
+        # Step records feed the bar; under cron (no terminal) only epoch lines are written.
+        raw = resolved.model_dump()
+        raw["training"]["log_every_steps"] = 5
+        resolved = load_config(raw)
+
     def on_event(record: dict) -> None:
         run_directory.record(record)
-        print_progress(record)
+        if progress:
+            progress.show(record)
+        else:
+            print_progress(record)
 
     try:
-        with run_directory, start_cluster(resolved.cluster) as cluster:
+        with start_cluster(resolved.cluster) as cluster, run_directory:
             click.echo(f"dashboard: {cluster.dashboard_link}")
             result = train(resolved, cluster=cluster, on_event=on_event)
             summary = run_directory.finish(result)

@@ -30,9 +30,9 @@ class RunDirectory:
 
     @classmethod
     def create(cls, config: RunConfig, output: str | Path | None = None) -> Self:
-        """A new run directory at ``output`` (default ``runs/<name>-<UTC time>``).
-
-        A directory that already holds a run is refused: its results are never overwritten.
+        """The run directory at ``output`` (default ``runs/<name>-<UTC time>``), checked now and
+        written once entered. A directory that already holds a run is refused: its results are
+        never overwritten.
         """
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = Path(output) if output is not None else Path("runs") / f"{config.name}-{stamp}"
@@ -43,11 +43,12 @@ class RunDirectory:
             )
         if path.exists() and not path.is_dir():
             raise ConfigError(f"--output: {path} exists and is not a directory")
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
         return cls(path, config)
 
     def __enter__(self) -> Self:
+        """Start writing: from here on the directory holds this run."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.json").write_text(self.config.model_dump_json(indent=2) + "\n")
         self._metrics = (self.path / "metrics.jsonl").open("a", buffering=1)
         self._log_handler = logging.FileHandler(self.path / "run.log")
         self._log_handler.setFormatter(
