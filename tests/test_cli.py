@@ -18,9 +18,23 @@ from workers.models import build_model
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 
 
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from workflows.cli import main; main()", *args]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-c", "from workflows.cli import main; main()", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(_command(*args), capture_output=True, text=True, timeout=300)
+
+
+def _digits_run(store_dir: Path, output: Path, epochs: int) -> list[str]:
+    """Arguments of a digits run that keeps its store, dashboard and directory in the test."""
+    return [
+        *("run", str(CONFIGS / "digits_ddp.toml")),
+        *("--set", f"data.store='{store_dir / 'digits'}'"),
+        *("--set", "cluster.dashboard_port=0"),
+        *("--set", f"training.epochs={epochs}"),
+        *("--output", str(output)),
+    ]
 
 
 def _local_settings(tmp_path) -> list[str]:
@@ -99,13 +113,8 @@ def test_cli_run_with_a_missing_dataset_path_exits_2_naming_the_path(tmp_path):
 
 def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_dir):
     output = tmp_path / "run"
-    settings = [
-        *("--set", f"data.store='{store_dir / 'digits'}'"),
-        *("--set", "cluster.dashboard_port=0"),
-        *("--set", "training.epochs=2"),
-        *("--output", str(output)),
-    ]
-    done = _cli("run", str(CONFIGS / "digits_ddp.toml"), *settings)
+    arguments = _digits_run(store_dir, output, epochs=2)
+    done = _cli(*arguments)
     assert done.returncode == 0, done.stderr
     summary = json.loads((output / "summary.json").read_text())
     assert summary["strategy"] == "ddp" and summary["world_size"] == 2
@@ -118,7 +127,7 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
     model = build_model("cifar_cnn", num_classes=10, seed=0)
     model.load_state_dict(state)  # the final model loads into the registry's model
 
-    again = _cli("run", str(CONFIGS / "digits_ddp.toml"), *settings)
+    again = _cli(*arguments)
     assert again.returncode == 2
     assert f"{output} already holds run 'digits-ddp'" in again.stderr
     assert json.loads((output / "summary.json").read_text()) == summary  # left untouched
@@ -127,21 +136,7 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
 @pytest.mark.slow
 def test_a_killed_run_exits_130_and_stops_its_workers(tmp_path, store_dir):
     output = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-c",
-        "from workflows.cli import main; main()",
-        "run",
-        str(CONFIGS / "digits_ddp.toml"),
-        "--set",
-        f"data.store='{store_dir / 'digits'}'",
-        "--set",
-        "cluster.dashboard_port=0",
-        "--set",
-        "training.epochs=500",
-        "--output",
-        str(output),
-    ]
+    command = _command(*_digits_run(store_dir, output, epochs=500))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -183,21 +178,7 @@ def test_an_unreachable_scheduler_exits_2_with_one_line(tmp_path):
 
 def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
     leader, follower = os.openpty()
-    command = [
-        sys.executable,
-        "-c",
-        "from workflows.cli import main; main()",
-        "run",
-        str(CONFIGS / "digits_ddp.toml"),
-        "--set",
-        f"data.store='{store_dir / 'digits'}'",
-        "--set",
-        "cluster.dashboard_port=0",
-        "--set",
-        "training.epochs=1",
-        "--output",
-        str(tmp_path / "run"),
-    ]
+    command = _command(*_digits_run(store_dir, tmp_path / "run", epochs=1))
     process = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE)
     os.close(follower)
     chunks = []

@@ -241,3 +241,15 @@ def test_pickled_cifar_labels_round_trip_through_the_listing(tmp_path):
     ]
     with open(listing.val[0].removeprefix("file://"), "rb") as f:
         assert len(pickle.load(f, encoding="latin1")["labels"]) == 6
+
+
+def test_a_store_path_holding_something_else_is_never_overwritten(cluster, tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("do not delete")
+    config = DataConfig(dataset="digits", store=str(precious))
+    with pytest.raises(
+        SourceError, match=r"data\.store: .*precious exists and is not a dask-train"
+    ):
+        prepare_store(cluster.client, config, seed=0)
+    assert (precious / "thesis.txt").read_text() == "do not delete"

@@ -47,7 +47,9 @@ class DataConfig(BaseModel):
     )
     chunk_size: int = Field(default=1024, ge=1, description="samples per store chunk")
     shuffle_window: int = Field(default=4, ge=1, description="chunks shuffled together")
-    in_memory: bool = Field(default=False, description="read the rank's shard into memory once")
+    in_memory: bool = Field(
+        default=False, description="read the whole training split into memory once per rank"
+    )
     prefetch_batches: int = Field(default=4, ge=0, description="batches read ahead in a thread")
     augment: bool = Field(default=False, description="random crop (pad 4) and horizontal flip")
     drop_last: bool = Field(default=False, description="drop the samples that do not fill ranks")
@@ -121,8 +123,6 @@ class OpenedStore:
     train: StoreSplit
     val: StoreSplit
     num_classes: int
-    mean: list[float]
-    std: list[float]
 
 
 def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> OpenedStore:
@@ -139,8 +139,6 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Op
         train=split("train"),
         val=split("val"),
         num_classes=len(attrs["classes"]),
-        mean=attrs["mean"],
-        std=attrs["std"],
     )
 
 
@@ -207,7 +205,9 @@ class RankBatches:
         )
 
     def __len__(self) -> int:
-        share = len(self.indices(0))
+        """Batches per epoch (the same every epoch)."""
+        n, world = len(self.split), self.world_size
+        share = n // world if self.config.drop_last else -(-n // world)
         return share // self.batch_size if self.config.drop_last else -(-share // self.batch_size)
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -236,20 +236,24 @@ def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
     stop = threading.Event()
     done = object()
 
+    def hand_over(item: Any) -> bool:
+        """Put item in the queue unless the consumer has gone; False once it has."""
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for batch in batches:
-                while not stop.is_set():
-                    try:
-                        slots.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not hand_over(batch):
                     return
-            slots.put(done)
+            hand_over(done)
         except BaseException as error:  # handed to the consumer, raised there
-            slots.put(error)
+            hand_over(error)
 
     thread = threading.Thread(target=produce, name="dask-train-prefetch", daemon=True)
     thread.start()

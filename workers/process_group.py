@@ -33,6 +33,8 @@ class ProcessGroupSpec:
     init_timeout_s: float
     collective_timeout_s: float
     local_ranks: dict[str, int] = field(default_factory=dict)
+    # A worker restarted at the same address is another process: it must not take the rank.
+    worker_ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -83,11 +85,15 @@ class ProcessGroupPlugin(WorkerPlugin):
         address = worker.address
         if address not in self.spec.ranks:
             return
+        if self.spec.worker_ids and self.spec.worker_ids.get(address) != worker.id:
+            return
         # init_process_group blocks until every rank arrived; in the event loop that would stall
         # heartbeats and get the worker restarted, so it runs in a thread with a bound.
         try:
             await asyncio.wait_for(
-                asyncio.to_thread(self._join, address), timeout=self.spec.init_timeout_s + 10
+                asyncio.to_thread(self._join, address),
+                # Connecting to the store and the backend's own rendezvous each have the bound.
+                timeout=2 * self.spec.init_timeout_s + 10,
             )
         except TimeoutError as error:
             raise RendezvousTimeout(self._timeout_message(self.spec.ranks[address])) from error
@@ -180,9 +186,14 @@ def current_membership(generation: str) -> Membership:
     return membership
 
 
-def describe_worker() -> dict[str, object]:
-    """What the launcher needs to know about a worker before assigning it a rank."""
+def describe_worker(dask_worker: Worker) -> dict[str, object]:
+    """What the launcher needs to know about a worker before assigning it a rank (run with
+    ``Client.run``, which passes the worker in)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         free_port = probe.getsockname()[1]
-    return {"cuda_devices": torch.cuda.device_count(), "free_port": free_port}
+    return {
+        "cuda_devices": torch.cuda.device_count(),
+        "free_port": free_port,
+        "worker_id": dask_worker.id,
+    }

@@ -10,7 +10,7 @@ import functools
 import hashlib
 import io
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import fsspec
@@ -36,7 +36,6 @@ class Listing:
     classes: list[str]
     fingerprint: str  # changes whenever an input file or a record changes
     partition_size: int = 1024
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -65,7 +65,6 @@ class TrainJob:
     training: TrainingConfig
     generation: str
     event_topic: str
-    submitted_at: float
 
 
 @dataclass
@@ -147,11 +146,15 @@ def train(
     # Train.
     history: list[dict[str, float]] = []
     step, samples_seen, warm_samples = 0, 0, 0
-    first_step_at, warm_at = math.nan, math.nan
-    train_started = time.perf_counter()
+    first_step_at = math.nan
+    # Seconds spent in training loops (validation excluded), in total and up to the warm step.
+    loop_seconds, warm_seconds = 0.0, math.nan
     for epoch in range(config.epochs):
         model.train()
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss·n, correct, n
+        # Running totals stay on the device: no host sync inside the step.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        count = 0
         epoch_started = time.perf_counter()
         for x, y in batches.epoch(epoch):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -167,13 +170,9 @@ def train(
                         loss = F.cross_entropy(logits, my)
                     # Weight by share of the rank's batch, so accumulation equals one big batch.
                     precision.scale(loss * (len(my) / len(y))).backward()
-                sums += torch.stack(
-                    [
-                        loss.detach().double() * len(my),
-                        (logits.argmax(1) == my).sum().double(),
-                        torch.tensor(float(len(my)), dtype=torch.float64, device=device),
-                    ]
-                )
+                loss_sum += loss.detach().double() * len(my)
+                correct += (logits.argmax(1) == my).sum()
+                count += len(my)
             if config.grad_clip_norm is not None:
                 precision.unscale(optimizer)
                 nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
@@ -184,7 +183,8 @@ def train(
             if step == 1:
                 first_step_at = time.time()
             if step == warm_step:
-                warm_at, warm_samples = time.perf_counter(), samples_seen
+                warm_seconds = loop_seconds + time.perf_counter() - epoch_started
+                warm_samples = samples_seen
             if (
                 report
                 and rank == 0
@@ -195,7 +195,9 @@ def train(
             if step >= total_steps:
                 break
         train_seconds = time.perf_counter() - epoch_started
+        loop_seconds += train_seconds
 
+        sums = torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(float(count))])
         dist.all_reduce(sums)
         val = _evaluate(
             model,
@@ -223,8 +225,8 @@ def train(
             break
 
     # Close: one throughput figure for the whole run, and rank 0's parameters for the client.
-    finished = time.perf_counter()
-    steady = (samples_seen - warm_samples) / (finished - warm_at) if warm_step else math.nan
+    overall = samples_seen / loop_seconds
+    steady = (samples_seen - warm_samples) / (loop_seconds - warm_seconds) if warm_step else overall
     state_dict = None
     if rank == 0:
         state_dict = {k: v.detach().cpu().clone() for k, v in _unwrap(model).state_dict().items()}
@@ -232,7 +234,7 @@ def train(
         rank=rank,
         history=history,
         steps=step,
-        samples_per_s=samples_seen / (finished - train_started),
+        samples_per_s=overall,
         steady_samples_per_s=steady,
         first_step_at=first_step_at,
         state_dict=state_dict,

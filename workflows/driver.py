@@ -107,7 +107,6 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
             training=config.training,
             generation=group.spec.generation,
             event_topic=events.topic,
-            submitted_at=submitted_at,
         )
         results: list[RankResult] = group.run(run_rank, job, name=f"train-{config.name}")
     wall_s = time.perf_counter() - started
@@ -135,7 +134,8 @@ class _EventRelay:
     shares: a handler that blocks (a print to a slow pipe, a request to the dashboard) would
     stall the cluster. So records are handed to ``on_event`` from a thread of their own, in
     order. Events travel asynchronously and the last ones may still be in flight when the job
-    returns; ``deliver_missed`` hands over those from the result, each record exactly once.
+    returns; ``deliver_missed`` hands over the epoch records among them from the result, so each
+    epoch record arrives exactly once.
     """
 
     _STOP = object()
@@ -162,7 +162,10 @@ class _EventRelay:
             self.on_event(record)
 
     def deliver_missed(self, records: list[dict[str, Any]]) -> None:
-        """Call after leaving the context: the pump thread has stopped by then."""
+        """Call after leaving the context. If the handler is still busy after the bounded wait,
+        the missed records are dropped rather than delivered concurrently."""
+        if self._thread.is_alive():
+            return
         for record in records:
             self._deliver(record)
 

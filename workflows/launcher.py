@@ -47,7 +47,13 @@ class LaunchConfig(BaseModel):
 
 
 class LaunchError(RuntimeError):
-    """The group could not be formed; the message says why and what to change."""
+    """The group cannot be formed as configured (too few workers, a backend the workers lack);
+    the message names the field to change."""
+
+
+class GroupFormationError(RuntimeError):
+    """The ranks did not all join (rendezvous timeout, unreachable peers): a failed run, not a
+    configuration error."""
 
 
 class RankFailed(RuntimeError):
@@ -78,6 +84,7 @@ class ProcessGroup:
             generation=uuid.uuid4().hex[:12],
             ranks={address: rank for rank, address in enumerate(workers)},
             local_ranks={address: hosts[:i].count(hosts[i]) for i, address in enumerate(workers)},
+            worker_ids={address: str(described[address]["worker_id"]) for address in workers},
             master_addr=hosts[0],
             master_port=int(described[workers[0]]["free_port"]),
             backend=backend,
@@ -93,7 +100,7 @@ class ProcessGroup:
             # A failed rendezvous leaves torch.distributed's global state half-made in the
             # workers that got furthest; only a fresh process is sure to be clean.
             self.shutdown(abort=True)
-            raise LaunchError(f"could not form the process group: {error}") from error
+            raise GroupFormationError(f"could not form the process group: {error}") from error
         logger.info(
             "process group %s: %d ranks, %s, master %s:%d, formed in %.2f s",
             spec.generation,
@@ -118,7 +125,9 @@ class ProcessGroup:
             if survivors:
                 logger.warning("restarting rank workers %s to release them", survivors)
                 self.client.restart_workers(survivors, timeout=60, raise_for_error=False)
-        with contextlib.suppress(ValueError):  # already replaced by a newer generation
+        # Restarted workers are new processes: the spec's worker ids keep them out of the group,
+        # whatever address they come back at. Unregistering tears the group down on the rest.
+        with contextlib.suppress(ValueError):  # nothing registered any more
             self.client.unregister_worker_plugin(PLUGIN_NAME)
 
     def __enter__(self) -> Self:

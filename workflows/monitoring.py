@@ -9,6 +9,7 @@ from distributed import Scheduler, SchedulerPlugin
 
 EVENT_PREFIX = "dask-train-"
 PLUGIN_NAME = "dask-train-metrics"
+KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
 
 # (metric, record field, help)
 GAUGES = (
@@ -56,6 +57,8 @@ class TrainingMetrics(SchedulerPlugin):
             return
         job = topic.removeprefix(EVENT_PREFIX)
         with self._lock:
+            if job not in self.jobs and len(self.jobs) >= KEEP_JOBS:
+                del self.jobs[next(iter(self.jobs))]  # the oldest job's series go
             state = self.jobs.setdefault(job, {})
             state.update({k: v for k, v in msg.items() if isinstance(v, int | float | str)})
 

@@ -64,6 +64,11 @@ def prepare_store(
         logger.info("reusing the complete store at %s", url)
         return _manifest(url, existing, reused=True, seconds=time.perf_counter() - started)
     if existing is None and _has_content(url, config.storage_options):
+        if not _is_ours(url, config.storage_options):
+            raise SourceError(
+                f"data.store: {url} exists and is not a dask-train dataset store; refusing to "
+                "overwrite it (point data.store at a new or empty location)"
+            )
         logger.warning("rebuilding %s: it holds no complete store (an interrupted run?)", url)
     attrs = _build(client, config, listing, fingerprint, seed)
     return _manifest(url, attrs, reused=False, seconds=time.perf_counter() - started)
@@ -98,7 +103,8 @@ def _build(
 ) -> dict[str, Any]:
     url, options = config.store_url, config.storage_options or None
     tag = fingerprint[:8]
-    zarr.open_group(url, mode="w", storage_options=options)  # wipes whatever was there
+    group = zarr.open_group(url, mode="w", storage_options=options)  # wipes the old store
+    group.attrs.update({"format": STORE_FORMAT, "complete": False})  # ours, not finished
 
     # Decode and resize: one task per partition, each writing its own raw uint8 block and
     # returning its count, labels, bad records and per-channel sums of x and x².
@@ -122,7 +128,7 @@ def _build(
             for start in range(0, len(records), size)
         ]
     # Statistics: a Dask reduction of the training partitions' sums. Pixels are integers, so
-    # the sums are exact in uint64 and so are mean and std.
+    # the sums are exact in uint64; mean and std are then one float64 division away.
     statistics = client.submit(
         combine_statistics, decoded["train"], key=f"statistics-train-{tag}", pure=False
     )
@@ -234,6 +240,14 @@ def _manifest(url: str, attrs: dict[str, Any], *, reused: bool, seconds: float) 
         reused=reused,
         seconds=seconds,
     )
+
+
+def _is_ours(url: str, storage_options: dict[str, Any] | None) -> bool:
+    try:
+        group = zarr.open_group(url, mode="r", storage_options=storage_options or None)
+    except Exception:  # not a zarr group at all
+        return False
+    return group.attrs.get("format") == STORE_FORMAT
 
 
 def _has_content(url: str, storage_options: dict[str, Any] | None) -> bool:
