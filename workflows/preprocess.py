@@ -155,6 +155,9 @@ def _build(
             dtype=np.float32,
             overwrite=True,
             chunks=(config.chunk_size, *shape[1:]),
+            # Normalized floats barely compress, and every rank decompresses its chunks on the
+            # cores that train: store them as they are.
+            compressors=None,
             storage_options=options,
         )
         for index, start in enumerate(range(0, total, config.chunk_size)):
