@@ -5,7 +5,7 @@ samples. Each epoch, the chunks are shuffled, samples are shuffled within window
 chunks, and the resulting order is cut into one contiguous share per rank: every training
 sample is seen exactly once per epoch across ranks (padded with repeats like DistributedSampler,
 or cut with ``drop_last``), the order is a pure function of (seed, epoch), and each rank only
-ever decompresses its own few chunks at a time.
+ever reads its own few chunks at a time.
 """
 
 import math
@@ -230,7 +230,7 @@ class RankBatches:
 
 
 def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Read the next batches in a thread while the current one trains (zarr decompression
+    """Read the next batches in a thread while the current one trains (zarr I/O
     releases the GIL)."""
     slots: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
