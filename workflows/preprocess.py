@@ -59,12 +59,12 @@ def prepare_store(
     listing = list_source(config, seed=seed)
     fingerprint = _fingerprint(listing, config, seed)
     url = config.store_url
-    existing = read_manifest(url, storage_options=config.storage_options)
-    if existing is not None and existing.get("fingerprint") == fingerprint and not force:
+    attrs = _store_attrs(url, config.storage_options)  # one read decides reuse and safety
+    if _is_complete(attrs) and attrs.get("fingerprint") == fingerprint and not force:
         logger.info("reusing the complete store at %s", url)
-        return _manifest(url, existing, reused=True, seconds=time.perf_counter() - started)
-    if existing is None and _has_content(url, config.storage_options):
-        if not _is_ours(url, config.storage_options):
+        return _manifest(url, attrs, reused=True, seconds=time.perf_counter() - started)
+    if not _is_complete(attrs) and _has_content(url, config.storage_options):
+        if attrs is None or attrs.get("format") != STORE_FORMAT:
             raise SourceError(
                 f"data.store: {url} exists and is not a dask-train dataset store; refusing to "
                 "overwrite it (point data.store at a new or empty location)"
@@ -88,14 +88,23 @@ def list_source(config: DataConfig, *, seed: int) -> Listing:
 
 def read_manifest(url: str, *, storage_options: dict[str, Any] | None = None) -> dict | None:
     """The manifest of a complete store at ``url``, or None (absent, half-written, other format)."""
+    attrs = _store_attrs(url, storage_options)
+    return attrs if _is_complete(attrs) else None
+
+
+def _store_attrs(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The zarr group attributes at ``url``, or None where there is no zarr group."""
     try:
         group = zarr.open_group(url, mode="r", storage_options=storage_options or None)
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
+    except Exception:  # absent, or not zarr at all: either way not a store of ours
         return None
-    attrs = dict(group.attrs)
-    if attrs.get("complete") is not True or attrs.get("format") != STORE_FORMAT:
-        return None
-    return attrs
+    return dict(group.attrs)
+
+
+def _is_complete(attrs: dict[str, Any] | None) -> bool:
+    return (
+        attrs is not None and attrs.get("format") == STORE_FORMAT and attrs.get("complete") is True
+    )
 
 
 def _build(
@@ -243,14 +252,6 @@ def _manifest(url: str, attrs: dict[str, Any], *, reused: bool, seconds: float) 
         reused=reused,
         seconds=seconds,
     )
-
-
-def _is_ours(url: str, storage_options: dict[str, Any] | None) -> bool:
-    try:
-        group = zarr.open_group(url, mode="r", storage_options=storage_options or None)
-    except Exception:  # not a zarr group at all
-        return False
-    return group.attrs.get("format") == STORE_FORMAT
 
 
 def _has_content(url: str, storage_options: dict[str, Any] | None) -> bool:
