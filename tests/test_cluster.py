@@ -5,11 +5,13 @@ import os
 import time
 import urllib.request
 
+import dask
 import pytest
 import torch
+from distributed import Client
 from torch.utils.data import DataLoader, TensorDataset
 
-from workflows.cluster import ClusterConfig, count_gpus, start_cluster
+from workflows.cluster import ClusterConfig, count_gpus, live_workers, start_cluster
 
 
 def _process_facts() -> dict[str, object]:
@@ -33,10 +35,20 @@ def test_workers_are_separate_non_daemonic_processes_with_tuned_malloc(cluster):
         assert f["malloc_trim"] == str(256 * 2**20)
         assert f["malloc_mmap"] == str(32 * 2**20)
         assert f["omp_threads"] == "1"
-    assert cluster.client.scheduler_info(n_workers=-1)["workers"]
-    assert all(
-        w["nthreads"] == 1 for w in cluster.client.scheduler_info(n_workers=-1)["workers"].values()
-    )
+    workers = live_workers(cluster.client)
+    assert len(workers) == 2
+    assert all(w["nthreads"] == 1 for w in workers.values())
+
+
+def test_live_workers_never_reads_the_clients_worker_less_cache(cluster):
+    # A client refreshes its scheduler_info() cache without workers; with a fast refresh,
+    # reading that cache soon shows a live cluster as empty, and a training job as "worker left".
+    with (
+        dask.config.set({"distributed.client.scheduler-info-interval": "5ms"}),
+        Client(cluster.client.scheduler.address, timeout=30) as client,
+    ):
+        for _ in range(300):
+            assert len(live_workers(client)) == 2
 
 
 def test_without_malloc_tuning_workers_get_glibc_defaults_not_dasks_trim():

@@ -124,7 +124,7 @@ class TrainingCluster:
 
     @property
     def worker_addresses(self) -> list[str]:
-        return sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        return sorted(live_workers(self.client))
 
     def close(self) -> None:
         client = getattr(self, "client", None)
@@ -211,3 +211,13 @@ def _connect(address: str, timeout_s: float) -> Client:
             f"cluster.scheduler: could not reach the scheduler at {address} within "
             f"{timeout_s:g} s ({error})"
         ) from error
+
+
+def live_workers(client: Client) -> dict[str, dict]:
+    """The scheduler's current view of its workers: address -> identity.
+
+    Asks the scheduler on every call. ``Client.scheduler_info()`` returns a cache that the
+    client's own periodic refresh overwrites with a worker-less summary, so reading it can
+    show a live worker as gone.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]

@@ -17,7 +17,7 @@ import torch
 from distributed import Client
 
 from workers.train import RankResult, TrainJob, run_rank
-from workflows.cluster import TrainingCluster, start_cluster
+from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import ProcessGroup
 from workflows.monitoring import EVENT_PREFIX, TrainingMetrics
@@ -87,7 +87,7 @@ def train(
 def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) -> TrainResult:
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
-    world_size = config.world_size or max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
+    world_size = config.world_size or max(1, len(live_workers(client)))
     config.check_batch(world_size)
     # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()

@@ -25,6 +25,7 @@ from workers.process_group import (
     ProcessGroupSpec,
     describe_worker,
 )
+from workflows.cluster import live_workers
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class ProcessGroup:
     # -- choosing workers -------------------------------------------------------------------
 
     def _alive_workers(self) -> list[str]:
-        return list(self.client.scheduler_info(n_workers=-1)["workers"])
+        return list(live_workers(self.client))
 
     def _choose_workers(self) -> list[str]:
         wanted = self.config.world_size
@@ -224,7 +225,7 @@ class ProcessGroup:
                 f"{have} after waiting {self.config.worker_wait_s:g} s (lower launch.world_size "
                 "or add workers)"
             ) from error
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = live_workers(self.client)
         ordered = sorted(
             info, key=lambda a: (info[a]["host"], _natural_key(str(info[a].get("name"))), a)
         )
