@@ -45,6 +45,8 @@ def train_in_one_process(config: RunConfig, *, world_size: int, steps: int) -> d
             index = torch.from_numpy(np.concatenate([s[start : start + per_rank] for s in shards]))
             optimizer.zero_grad()
             F.cross_entropy(model(images[index]), labels[index]).backward()
+            if t.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
             optimizer.step()
             done += 1
         epoch += 1

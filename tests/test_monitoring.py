@@ -37,3 +37,17 @@ def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
     assert after["dask_train_epoch"] == 3
     assert after["dask_train_step"] == result.final["step"]
     assert abs(after["dask_train_val_accuracy"] - result.final["val_accuracy"]) < 1e-9
+
+
+def test_a_second_cluster_in_the_same_process_exports_its_jobs_too(
+    cluster, own_cluster, make_config
+):
+    # prometheus_client's registry is process-wide: the second scheduler's plugin must join
+    # the exporter rather than fail to register (it once raised DuplicateTimeseries).
+    train(make_config({"name": "metrics-first"}, epochs=1), cluster=cluster, on_event=None)
+    train(make_config({"name": "metrics-second"}, epochs=1), cluster=own_cluster, on_event=None)
+    url = own_cluster.dashboard_link.replace("/status", "/metrics")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    assert 'dask_train_epoch{job="metrics-first-' in text
+    assert 'dask_train_epoch{job="metrics-second-' in text

@@ -300,3 +300,27 @@ def eval_batches(
             torch.from_numpy(np.asarray(split.images[begin:end])),
             torch.from_numpy(split.labels[begin:end]),
         )
+
+
+def fixed_shape_eval_batches(
+    split: StoreSplit, *, rank: int, world_size: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The same share as :func:`eval_batches`, as ``(images, labels, real_rows)`` batches that
+    all have ``batch_size`` rows, and the same number of batches on every rank.
+
+    A pipeline's stages exchange fixed-shape buffers and sharded replicas gather parameters in
+    lockstep, so the tail is padded with zeros and the caller counts only ``real_rows``.
+    """
+    n = len(split)
+    share = -(-n // world_size)
+    start, stop = rank * share, min(n, (rank + 1) * share)
+    shape = tuple(split.images.shape[1:])
+    for begin in range(start, start + share, batch_size):
+        end = max(begin, min(stop, begin + batch_size))
+        real = end - begin
+        images = torch.zeros((batch_size, *shape), dtype=torch.float32)
+        labels = torch.zeros(batch_size, dtype=torch.int64)
+        if real:
+            images[:real] = torch.from_numpy(np.asarray(split.images[begin:end]))
+            labels[:real] = torch.from_numpy(split.labels[begin:end])
+        yield images, labels, real

@@ -29,8 +29,46 @@ class CifarCNN(nn.Sequential):
         self.fc2 = nn.Linear(64, num_classes)
 
 
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions with a skip connection (no batch norm: micro-batches of a pipeline
+    would each see other statistics than the whole batch, and the numbers would drift)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.conv2(torch.relu(self.conv1(x))))
+
+
+class SmallResNet(nn.Sequential):
+    """A small residual network whose layers cost very different amounts.
+
+    Most of the work sits in the four full-resolution blocks at the front and little in the
+    downsampled tail, so cutting it into stages with equal numbers of layers leaves the later
+    stages idle: the case the stage planner exists for.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, 32, kernel_size=3, padding=1), nn.ReLU())
+        self.block1 = ResidualBlock(32)
+        self.block2 = ResidualBlock(32)
+        self.block3 = ResidualBlock(32)
+        self.block4 = ResidualBlock(32)
+        self.down1 = nn.Sequential(nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU())
+        self.block5 = ResidualBlock(64)
+        self.down2 = nn.Sequential(nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU())
+        self.block6 = ResidualBlock(128)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.fc = nn.Linear(128, num_classes)
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "cifar_cnn": CifarCNN,
+    "small_resnet": SmallResNet,
 }
 
 
@@ -45,6 +83,14 @@ def build_model(name: str, *, num_classes: int, seed: int, image_size: int = 32)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return MODELS[name](num_classes=num_classes, image_size=image_size)
+
+
+def layer_names(name: str) -> list[str]:
+    """The top-level modules of a registered model: where it can be cut into stages."""
+    if name not in MODELS:
+        raise ValueError(f"model.name: unknown model {name!r}; choose one of {sorted(MODELS)}")
+    with torch.device("meta"):
+        return [child for child, _ in MODELS[name]().named_children()]
 
 
 class ModelConfig(BaseModel):

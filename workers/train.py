@@ -17,13 +17,29 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from workers.data import DataConfig, RankBatches, eval_batches, open_store
+from workers.data import (
+    DataConfig,
+    RankBatches,
+    StoreSplit,
+    eval_batches,
+    fixed_shape_eval_batches,
+    open_store,
+)
 from workers.models import ModelConfig, build_model
 from workers.process_group import Membership, current_membership
 from workers.strategies.data_parallel import apply_data_parallel
 from workers.strategies.ddp import apply_ddp
+from workers.strategies.pipeline import (
+    Pipeline,
+    PipelineConfig,
+    apply_pipeline,
+    clip_grad_norm,
+    full_state_dict,
+)
 
-STRATEGIES = ("ddp", "data_parallel")
+STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline")
+# Strategies that cut the model into stages on several ranks.
+STAGED = ("model_parallel", "pipeline")
 
 
 class TrainingConfig(BaseModel):
@@ -31,7 +47,7 @@ class TrainingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    strategy: Literal["ddp", "data_parallel"] = "ddp"
+    strategy: Literal["ddp", "data_parallel", "model_parallel", "pipeline"] = "ddp"
     epochs: int = Field(default=3, ge=1)
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
     batch_size: int = Field(default=64, ge=1, description="global batch per optimizer step")
@@ -65,6 +81,8 @@ class TrainJob:
     training: TrainingConfig
     generation: str
     event_topic: str
+    # Staged strategies: split_points resolved by the client, so every rank cuts alike.
+    pipeline: PipelineConfig | None = None
 
 
 @dataclass
@@ -88,7 +106,14 @@ def run_rank(job: TrainJob) -> RankResult:
     def report(record: dict[str, Any]) -> None:
         worker.log_event(job.event_topic, record)
 
-    return train(job.data, job.model, job.training, membership=membership, report=report)
+    return train(
+        job.data,
+        job.model,
+        job.training,
+        membership=membership,
+        pipeline=job.pipeline,
+        report=report,
+    )
 
 
 def train(
@@ -97,33 +122,55 @@ def train(
     config: TrainingConfig,
     *,
     membership: Membership,
+    pipeline: PipelineConfig | None = None,
     report: Callable[[dict[str, Any]], None] | None = None,
 ) -> RankResult:
     rank, world_size, device = membership.rank, membership.world_size, membership.device
     torch.manual_seed(config.seed + rank)
     precision = _Precision(config.precision, device)
 
-    # Build: data shard, model, strategy, optimizer, schedule.
+    # Build: model and strategy, then this rank's data shard, optimizer and schedule.
     store = open_store(data_config.store_url, storage_options=data_config.storage_options)
-    per_rank_batch = config.batch_size // world_size
-    micro_batch = max(1, per_rank_batch // config.grad_accum_steps)
-    batches = RankBatches(
-        store.train,
-        data_config,
-        rank=rank,
-        world_size=world_size,
-        batch_size=per_rank_batch,
-        seed=config.seed,
-    )
     model = build_model(
         model_config.name,
         num_classes=store.num_classes,
         seed=config.seed,
         image_size=data_config.image_size,
     )
-    model = _apply_strategy(config.strategy, model, device=device)
+    pipe: Pipeline | None = None
+    if config.strategy in STAGED:
+        assert pipeline is not None and pipeline.split_points is not None
+        # Model parallel is a pipeline of one micro-batch: one stage works at a time.
+        pipe = apply_pipeline(
+            model,
+            config=pipeline,
+            split_points=pipeline.split_points,
+            n_microbatches=1 if config.strategy == "model_parallel" else pipeline.n_microbatches,
+            loss_fn=F.cross_entropy,
+            device=device,
+        )
+        # Replicas of the same stages read different data; the stages of a row read the same.
+        data_rank, data_world = pipe.dp_rank, pipe.dp_size
+        parameters = pipe.parameters()
+        # The last stage knows the loss, so its first replica reports.
+        reporter = rank == world_size - pipe.dp_size
+    else:
+        model = _apply_strategy(config.strategy, model, device=device)
+        data_rank, data_world = rank, world_size
+        parameters = list(model.parameters())
+        reporter = rank == 0
+    per_rank_batch = config.batch_size // data_world
+    micro_batch = max(1, per_rank_batch // config.grad_accum_steps)
+    batches = RankBatches(
+        store.train,
+        data_config,
+        rank=data_rank,
+        world_size=data_world,
+        batch_size=per_rank_batch,
+        seed=config.seed,
+    )
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     total_steps = config.epochs * len(batches)
     if config.max_steps is not None:
@@ -132,7 +179,7 @@ def train(
     # Throughput is measured from the end of this step on: the first steps pay one-off costs.
     warm_step = min(3, total_steps // 4)
 
-    if report and rank == 0:
+    if report and reporter:
         report(
             {
                 "kind": "start",
@@ -150,7 +197,7 @@ def train(
     # Seconds spent in training loops (validation excluded), in total and up to the warm step.
     loop_seconds, warm_seconds = 0.0, math.nan
     for epoch in range(config.epochs):
-        model.train()
+        (pipe or model).train()
         # Running totals stay on the device: no host sync inside the step.
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         correct = torch.zeros((), dtype=torch.int64, device=device)
@@ -159,27 +206,47 @@ def train(
         for x, y in batches.epoch(epoch):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            micro_batches = list(zip(x.split(micro_batch), y.split(micro_batch), strict=True))
-            for i, (mx, my) in enumerate(micro_batches):
-                # Only the last micro-batch all-reduces; the others just accumulate locally.
-                last = i == len(micro_batches) - 1
-                sync = nullcontext() if last else getattr(model, "no_sync", nullcontext)()
-                with sync:
-                    with precision.autocast():
-                        logits = model(mx)
-                        loss = F.cross_entropy(logits, my)
-                    # Weight by share of the rank's batch, so accumulation equals one big batch.
-                    precision.scale(loss * (len(my) / len(y))).backward()
-                loss_sum += loss.detach().double() * len(my)
-                correct += (logits.argmax(1) == my).sum()
-                count += len(my)
+            if pipe is not None:
+                # The schedule cuts the batch into micro-batches, runs forward and backward
+                # through every stage and averages the gradients over micro-batches.
+                losses: list[torch.Tensor] = []
+                with precision.autocast():
+                    logits = pipe.schedule.step(
+                        *([x] if pipe.is_first else []),
+                        target=y if pipe.is_last else None,
+                        losses=losses if pipe.is_last else None,
+                    )
+                if pipe.is_last:
+                    # Micro-batches are equal in size, so their mean loss is the batch's.
+                    loss = torch.stack(losses).detach().mean()
+                    loss_sum += loss.double() * len(y)
+                    correct += (logits.argmax(1) == y).sum()
+                    count += len(y)
+            else:
+                micro_batches = list(zip(x.split(micro_batch), y.split(micro_batch), strict=True))
+                for i, (mx, my) in enumerate(micro_batches):
+                    # Only the last micro-batch all-reduces; the others accumulate locally.
+                    last = i == len(micro_batches) - 1
+                    sync = nullcontext() if last else getattr(model, "no_sync", nullcontext)()
+                    with sync:
+                        with precision.autocast():
+                            logits = model(mx)
+                            loss = F.cross_entropy(logits, my)
+                        # Weight by share of the rank's batch: accumulation equals one batch.
+                        precision.scale(loss * (len(my) / len(y))).backward()
+                    loss_sum += loss.detach().double() * len(my)
+                    correct += (logits.argmax(1) == my).sum()
+                    count += len(my)
             if config.grad_clip_norm is not None:
                 precision.unscale(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+                if pipe is not None:
+                    clip_grad_norm(pipe, config.grad_clip_norm)
+                else:
+                    nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
             precision.step(optimizer)
             schedule.step()
             step += 1
-            samples_seen += len(y) * world_size
+            samples_seen += len(y) * data_world
             if step == 1:
                 first_step_at = time.time()
             if step == warm_step:
@@ -187,7 +254,7 @@ def train(
                 warm_samples = samples_seen
             if (
                 report
-                and rank == 0
+                and reporter
                 and config.log_every_steps
                 and step % config.log_every_steps == 0
             ):
@@ -197,14 +264,22 @@ def train(
         train_seconds = time.perf_counter() - epoch_started
         loop_seconds += train_seconds
 
+        # Ranks without the last stage add zeros: the sum counts each sample once.
         sums = torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(float(count))])
         dist.all_reduce(sums)
-        val = _evaluate(
-            model,
-            eval_batches(store.val, rank=rank, world_size=world_size, batch_size=per_rank_batch),
-            device=device,
-            precision=precision,
-        )
+        if pipe is not None:
+            val = _evaluate_pipeline(
+                pipe, store.val, batch_size=per_rank_batch, device=device, precision=precision
+            )
+        else:
+            val = _evaluate(
+                model,
+                eval_batches(
+                    store.val, rank=rank, world_size=world_size, batch_size=per_rank_batch
+                ),
+                device=device,
+                precision=precision,
+            )
         loss_sum, correct, count = sums.tolist()
         record = {
             "kind": "epoch",
@@ -219,16 +294,20 @@ def train(
             "lr": schedule.get_last_lr()[0],
         }
         history.append(record)
-        if report and rank == 0:
+        if report and reporter:
             report(record)
         if step >= total_steps:
             break
 
-    # Close: one throughput figure for the whole run, and rank 0's parameters for the client.
+    # Close: one throughput figure for the whole run, and the parameters for the client: rank
+    # 0's whole model, or each stage's from its first replica.
     overall = samples_seen / loop_seconds
     steady = (samples_seen - warm_samples) / (loop_seconds - warm_seconds) if warm_step else overall
     state_dict = None
-    if rank == 0:
+    if pipe is not None:
+        stage_state = full_state_dict(pipe)  # gathers FSDP shards: every replica takes part
+        state_dict = stage_state if pipe.dp_rank == 0 else None
+    elif rank == 0:
         state_dict = {k: v.detach().cpu().clone() for k, v in _unwrap(model).state_dict().items()}
     return RankResult(
         rank=rank,
@@ -262,6 +341,38 @@ def _evaluate(
         sums[2] += len(y)
     if dist.is_initialized():
         dist.all_reduce(sums)
+    loss_sum, correct, count = sums.tolist()
+    return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
+
+
+@torch.no_grad()
+def _evaluate_pipeline(
+    pipe: Pipeline,
+    split: StoreSplit,
+    *,
+    batch_size: int,
+    device: torch.device,
+    precision: "_Precision",
+) -> dict[str, float]:
+    pipe.train(False)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y, real in fixed_shape_eval_batches(
+        split, rank=pipe.dp_rank, world_size=pipe.dp_size, batch_size=batch_size
+    ):
+        with precision.autocast():
+            # Forward only: no activations are kept for a backward that never comes.
+            # The schedule computes its loss_fn on the last stage too; padded rows make that
+            # loss wrong, so the sums below come from the real rows of the logits instead.
+            logits = pipe.schedule.eval(
+                *([x.to(device)] if pipe.is_first else []),
+                target=y.to(device) if pipe.is_last else None,
+            )
+        if pipe.is_last:
+            logits, y = logits[:real].float(), y[:real].to(device)
+            sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
+            sums[1] += (logits.argmax(1) == y).sum().double()
+            sums[2] += real
+    dist.all_reduce(sums)
     loss_sum, correct, count = sums.tolist()
     return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
 

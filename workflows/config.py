@@ -12,8 +12,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from workers.data import DataConfig
-from workers.models import ModelConfig
-from workers.train import TrainingConfig
+from workers.models import ModelConfig, layer_names
+from workers.strategies.pipeline import PipelineConfig
+from workers.train import STAGED, TrainingConfig
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 
@@ -31,6 +32,22 @@ class RunConfig(BaseModel):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     training: TrainingConfig = TrainingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _staged_batches_have_one_shape(cls, raw: Any) -> Any:
+        # Stages exchange fixed-shape buffers: staged strategies drop the last partial batch
+        # unless the user says otherwise (which _sections_agree then refuses, by name).
+        if not isinstance(raw, dict):
+            return raw
+        training, data = raw.get("training") or {}, raw.get("data") or {}
+        strategy = getattr(training, "strategy", None) or (
+            training.get("strategy") if isinstance(training, dict) else None
+        )
+        if strategy in STAGED and isinstance(data, dict) and "drop_last" not in data:
+            raw = {**raw, "data": {**data, "drop_last": True}}
+        return raw
 
     @model_validator(mode="after")
     def _sections_agree(self) -> "RunConfig":
@@ -51,9 +68,75 @@ class RunConfig(BaseModel):
                 f"data.image_size: {self.model.name} pools twice, so the size must be a "
                 f"multiple of 4 (got {self.data.image_size})"
             )
-        ranks = 1 if self.training.strategy == "data_parallel" else (world or workers or 1)
-        self.check_batch(ranks)
+        if self.training.strategy in STAGED:
+            self._check_staged()
+        ranks = 1 if self.training.strategy == "data_parallel" else (world or workers)
+        # An unknown world is checked again by the driver, once the cluster's size is known.
+        if ranks is not None or self.training.strategy not in STAGED:
+            self.check_batch(ranks or 1)
         return self
+
+    def _check_staged(self) -> None:
+        t, p, strategy = self.training, self.pipeline, self.training.strategy
+        if not self.data.drop_last:
+            raise ValueError(
+                f"data.drop_last: {strategy} needs every batch the same shape; set "
+                "drop_last = true (the last partial batch of an epoch is left out)"
+            )
+        if t.grad_accum_steps > 1:
+            raise ValueError(
+                f"training.grad_accum_steps: {strategy} accumulates over "
+                "pipeline.n_microbatches already; set grad_accum_steps = 1"
+            )
+        if t.precision == "fp16":
+            raise ValueError(
+                f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
+            )
+        if strategy == "model_parallel" and (p.dp > 1 or p.stages_per_rank > 1):
+            raise ValueError(
+                "pipeline.dp: model_parallel runs one copy of the model, one stage per rank; "
+                "for replicas or interleaving use strategy = 'pipeline'"
+            )
+        names = layer_names(self.model.name)
+        if p.split_points is not None:
+            unknown = [point for point in p.split_points if point not in names]
+            if unknown:
+                raise ValueError(
+                    f"pipeline.split_points: {unknown} name no top-level module of "
+                    f"{self.model.name}; its modules are {names}"
+                )
+        pp = self._pipeline_ranks(self.world_size or self.cluster.n_workers)
+        stages = None if pp is None else pp * p.stages_per_rank
+        if stages is not None and stages > len(names):
+            raise ValueError(
+                f"pipeline: {stages} stages need at least {stages} layers, and "
+                f"{self.model.name} has {len(names)}; use fewer workers or stages_per_rank"
+            )
+
+    def _pipeline_ranks(self, world_size: int | None) -> int | None:
+        """Ranks per pipeline (pp) for a world size, or None while the world is unknown."""
+        if world_size is None:
+            return None
+        p = self.pipeline
+        if world_size % p.dp:
+            raise ConfigError(
+                f"pipeline.dp: {world_size} workers do not split into replicas of {p.dp}; "
+                f"pp x dp must equal the worker count (set launch.world_size to a multiple "
+                f"of {p.dp})"
+            )
+        pp = world_size // p.dp
+        if self.training.strategy == "model_parallel" and pp < 2:
+            raise ConfigError(
+                "launch.world_size: model_parallel needs at least 2 workers to hold 2 stages"
+            )
+        if p.split_points is not None and len(p.split_points) + 1 != pp * p.stages_per_rank:
+            raise ConfigError(
+                f"pipeline.split_points: {len(p.split_points)} points make "
+                f"{len(p.split_points) + 1} stages, but {world_size} workers as pp={pp} x "
+                f"dp={p.dp} with {p.stages_per_rank} stage(s) per rank hold "
+                f"{pp * p.stages_per_rank}; change split_points or launch.world_size"
+            )
+        return pp
 
     @property
     def world_size(self) -> int | None:
@@ -64,6 +147,17 @@ class RunConfig(BaseModel):
     def check_batch(self, world_size: int) -> None:
         """The global batch must split evenly into ranks and accumulation micro-batches."""
         t = self.training
+        if t.strategy in STAGED:
+            self._pipeline_ranks(world_size)
+            p = self.pipeline
+            m = p.n_microbatches if t.strategy == "pipeline" else 1
+            if t.batch_size % (p.dp * m):
+                raise ConfigError(
+                    f"training.batch_size: {t.batch_size} must be a multiple of pipeline.dp x "
+                    f"pipeline.n_microbatches = {p.dp} x {m}, so every micro-batch has the "
+                    "same shape"
+                )
+            return
         if t.batch_size < world_size:
             raise ConfigError(
                 f"training.batch_size: {t.batch_size} is smaller than the world size "

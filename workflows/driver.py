@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from distributed import Client
 
-from workers.train import RankResult, TrainJob, run_rank
+from workers.train import STAGED, RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import ProcessGroup
 from workflows.monitoring import EVENT_PREFIX, TrainingMetrics
+from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store
 
 EventHandler = Callable[[dict[str, Any]], None]
@@ -40,6 +41,7 @@ class TrainResult:
     first_step_s: float
     store: StoreManifest
     state_dict: dict[str, torch.Tensor] = field(repr=False)
+    split_points: tuple[str, ...] | None = None  # where staged strategies cut the model
 
     @property
     def final(self) -> dict[str, float]:
@@ -92,6 +94,13 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
     # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()
     manifest = prepare_store(client, data, seed=config.training.seed)
+    pipeline = None
+    if config.training.strategy in STAGED:
+        # Cut once on the client, so every rank holds the same stages.
+        points = resolve_split_points(
+            client, config, world_size=world_size, num_classes=manifest.num_classes
+        )
+        pipeline = config.pipeline.model_copy(update={"split_points": points})
     launch = config.launch.model_copy(update={"world_size": world_size})
     # The scheduler keeps the latest figures of every job for the dashboard's /metrics.
     client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
@@ -107,12 +116,16 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
             training=config.training,
             generation=group.spec.generation,
             event_topic=events.topic,
+            pipeline=pipeline,
         )
         results: list[RankResult] = group.run(run_rank, job, name=f"train-{config.name}")
     wall_s = time.perf_counter() - started
     rank0 = results[0]
     events.deliver_missed(rank0.history)
-    assert rank0.state_dict is not None
+    # Staged strategies hand back one stage per rank; together they are the whole model.
+    state_dict: dict[str, torch.Tensor] = {}
+    for result in results:
+        state_dict.update(result.state_dict or {})
     return TrainResult(
         name=config.name,
         strategy=config.training.strategy,
@@ -123,7 +136,8 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
         wall_s=wall_s,
         first_step_s=rank0.first_step_at - submitted_at,
         store=manifest,
-        state_dict=rank0.state_dict,
+        state_dict=state_dict,
+        split_points=None if pipeline is None else pipeline.split_points,
     )
 
 

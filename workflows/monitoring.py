@@ -3,6 +3,7 @@ and serves the latest figures of every job as Prometheus gauges at the dashboard
 """
 
 import threading
+import weakref
 from typing import Any
 
 from distributed import Scheduler, SchedulerPlugin
@@ -33,24 +34,14 @@ class TrainingMetrics(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.jobs: dict[str, dict[str, Any]] = {}
-        self._registered = False
 
     async def start(self, scheduler: Scheduler) -> None:
         # Created here, in the scheduler: the plugin travels there pickled, and locks do not.
         self._lock = threading.Lock()
-        try:
-            from prometheus_client import REGISTRY
-        except ImportError:  # the dashboard then simply has no training gauges
-            return
-        REGISTRY.register(self)
-        self._registered = True
+        _exporter.add(self)
 
     async def close(self) -> None:
-        if self._registered:
-            from prometheus_client import REGISTRY
-
-            REGISTRY.unregister(self)
-            self._registered = False
+        _exporter.discard(self)
 
     def log_event(self, topic: str, msg: Any) -> None:
         if not topic.startswith(EVENT_PREFIX) or not isinstance(msg, dict):
@@ -62,14 +53,48 @@ class TrainingMetrics(SchedulerPlugin):
             state = self.jobs.setdefault(job, {})
             state.update({k: v for k, v in msg.items() if isinstance(v, int | float | str)})
 
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {job: dict(state) for job, state in self.jobs.items()}
+
+
+class _Exporter:
+    """The one Prometheus collector of this process.
+
+    prometheus_client's registry is global, and one process may hold several schedulers (two
+    LocalClusters in a notebook, a test session): each scheduler's plugin joins this exporter,
+    which registers once and reports the jobs of all of them (job names are unique).
+    """
+
+    def __init__(self) -> None:
+        self._plugins: weakref.WeakSet[TrainingMetrics] = weakref.WeakSet()
+        self._registered = False
+
+    def add(self, plugin: TrainingMetrics) -> None:
+        self._plugins.add(plugin)
+        if not self._registered:
+            try:
+                from prometheus_client import REGISTRY
+            except ImportError:  # the dashboard then simply has no training gauges
+                return
+            REGISTRY.register(self)
+            self._registered = True
+
+    def discard(self, plugin: TrainingMetrics) -> None:
+        self._plugins.discard(plugin)
+
     def collect(self):  # the prometheus_client Collector protocol
         from prometheus_client.core import GaugeMetricFamily
 
-        with self._lock:
-            jobs = {job: dict(state) for job, state in self.jobs.items()}
+        jobs: dict[str, dict[str, Any]] = {}
+        for plugin in list(self._plugins):
+            jobs.update(plugin.snapshot())
         for metric, field, help_text in GAUGES:
             family = GaugeMetricFamily(metric, help_text, labels=["job", "strategy"])
             for job, state in jobs.items():
                 if isinstance(state.get(field), int | float):
                     family.add_metric([job, str(state.get("strategy", ""))], float(state[field]))
             yield family
+
+
+_exporter = _Exporter()

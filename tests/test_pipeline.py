@@ -1,0 +1,149 @@
+"""Model parallel, pipeline schedules and pipeline x data parallel on real gloo process groups.
+
+Every case trains k steps on a real cluster and must leave the parameters the single-process
+reference leaves (PyTorch's own pipelining tests use rtol 1e-5, atol 4e-5).
+"""
+
+import pytest
+import torch
+
+from tests.reference import train_in_one_process
+from workflows.cluster import start_cluster
+from workflows.config import ConfigError, load_config
+from workflows.driver import train
+
+BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
+STEPS = 5
+
+
+def _assert_matches_reference(result, config, *, steps: int = STEPS) -> None:
+    expected = train_in_one_process(config, world_size=config.pipeline.dp, steps=steps)
+    assert result.state_dict.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    # The run moved the parameters: equality is not the initial state twice.
+    untrained = train_in_one_process(config, world_size=config.pipeline.dp, steps=0)
+    assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"])
+
+
+@pytest.fixture
+def staged_config(make_config):
+    def staged_config(strategy="pipeline", pipeline=None, data=None, **training):
+        raw = {"name": "staged", "pipeline": pipeline or {}, "data": data or {}}
+        return make_config(raw, strategy=strategy, **(BASE | {"max_steps": STEPS} | training))
+
+    return staged_config
+
+
+def test_model_parallel_with_the_seed_articles_split_matches_one_process(cluster, staged_config):
+    # The seed's ModelPart1 (convolutions) and ModelPart2 (linear layers) as a config.
+    config = staged_config("model_parallel", {"split_points": ["flatten"]})
+    result = train(config, cluster=cluster, on_event=None)
+    assert result.strategy == "model_parallel" and result.world_size == 2
+    assert result.split_points == ("flatten",)
+    _assert_matches_reference(result, config)
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        {"schedule": "gpipe", "n_microbatches": 8},
+        {"schedule": "1f1b", "n_microbatches": 4},
+        {"schedule": "interleaved_1f1b", "n_microbatches": 4, "stages_per_rank": 2},
+    ],
+    ids=["gpipe", "1f1b", "interleaved_1f1b"],
+)
+def test_pipeline_schedules_match_one_process(cluster, staged_config, pipeline):
+    events = []
+    config = staged_config(pipeline=pipeline, log_every_steps=1)
+    result = train(config, cluster=cluster, on_event=events.append)
+    # Planned cut: 2 ranks x stages_per_rank stages, in the model's order.
+    assert len(result.split_points) == 2 * pipeline.get("stages_per_rank", 1) - 1
+    _assert_matches_reference(result, config)
+    # The last stage reports the loss, like rank 0 does under DDP.
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    assert all(e["loss"] > 0 for e in steps)
+    (epoch,) = result.history
+    assert 0 < epoch["val_accuracy"] <= 1 and epoch["val_loss"] > 0
+
+
+def test_pipeline_clips_by_the_norm_of_the_whole_model(cluster, staged_config):
+    # The norm spans both stages: clipping each stage by its own norm would differ.
+    config = staged_config(pipeline={"n_microbatches": 4}, grad_clip_norm=0.05)
+    result = train(config, cluster=cluster, on_event=None)
+    _assert_matches_reference(result, config)
+
+
+def test_pipeline_across_an_epoch_boundary_drops_the_partial_batch(cluster, staged_config):
+    # 1,438 training digits in batches of 256: 5 full batches an epoch, the rest dropped.
+    config = staged_config(
+        pipeline={"schedule": "gpipe", "n_microbatches": 8}, batch_size=256, epochs=2, max_steps=7
+    )
+    assert config.data.drop_last
+    result = train(config, cluster=cluster, on_event=None)
+    assert [r["step"] for r in result.history] == [5, 7]
+    _assert_matches_reference(result, config, steps=7)
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
+        yield training_cluster
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        {"schedule": "1f1b", "dp_mode": "ddp"},
+        {"schedule": "1f1b", "dp_mode": "fsdp"},
+        {"schedule": "gpipe", "dp_mode": "fsdp"},
+    ],
+    ids=["1f1b-ddp", "1f1b-fsdp", "gpipe-fsdp"],
+)
+def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
+    four_workers, staged_config, pipeline
+):
+    config = staged_config(pipeline={"dp": 2, "n_microbatches": 4, **pipeline})
+    result = train(config, cluster=four_workers, on_event=None)
+    assert result.world_size == 4
+    _assert_matches_reference(result, config)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"data": {"drop_last": False}}, "data.drop_last: pipeline needs every batch"),
+        ({"training": {"batch_size": 60}}, "pipeline.dp x pipeline.n_microbatches = 1 x 8"),
+        ({"pipeline": {"split_points": ["conv9"]}}, "['conv9'] name no top-level module"),
+        (
+            {"pipeline": {"split_points": ["conv2", "fc1"]}},
+            "2 points make 3 stages, but 2 workers",
+        ),
+        ({"launch": {"world_size": 2}, "pipeline": {"dp": 3}}, "pp x dp must equal the worker"),
+        ({"pipeline": {"dp": 2, "schedule": "gpipe", "dp_mode": "ddp"}}, "use dp_mode = 'fsdp'"),
+        ({"pipeline": {"schedule": "interleaved_1f1b"}}, "set stages_per_rank = 2 or more"),
+        ({"pipeline": {"stages_per_rank": 2}}, "use schedule = 'interleaved_1f1b'"),
+        ({"training": {"grad_accum_steps": 2}}, "accumulates over pipeline.n_microbatches"),
+        ({"launch": {"world_size": 12}, "cluster": {"n_workers": 12}}, "12 stages need at least"),
+        ({"training": {"strategy": "model_parallel"}, "launch": {"world_size": 1}}, "at least 2"),
+        ({"training": {"precision": "fp16"}}, "no loss scaling for fp16"),
+    ],
+)
+def test_bad_staged_configs_are_refused_before_launch_naming_the_field(raw, message):
+    base = {
+        "launch": {"world_size": 2},
+        "training": {"strategy": "pipeline", "batch_size": 32},
+    }
+    merged = {key: base.get(key, {}) | raw.get(key, {}) for key in base.keys() | raw.keys()}
+    with pytest.raises(ConfigError) as error:
+        load_config(merged)
+    assert message in str(error.value)
+
+
+def test_a_world_known_only_at_launch_is_checked_before_anything_runs(cluster, staged_config):
+    # The cluster has 2 workers; 3 replicas cannot split them. No rank task may start.
+    config = staged_config(pipeline={"dp": 3})
+    with pytest.raises(ConfigError, match="2 workers do not split into replicas of 3"):
+        train(config, cluster=cluster, on_event=None)

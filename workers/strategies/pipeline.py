@@ -1,0 +1,265 @@
+"""Model and pipeline parallelism with ``torch.distributed.pipelining``, optionally x data parallel.
+
+The model is cut at named top-level children into consecutive stages. Ranks form a
+``(pp, dp)`` mesh: the ``pp`` ranks of a row hold one stage each (or several, interleaved)
+and pass activations forward and gradients back; the ``dp`` replicas of a stage average
+gradients with FSDP2 or DDP. Model parallelism is the degenerate pipeline: one micro-batch,
+so only one stage works at a time, exactly the seed article's ModelPart1 → ModelPart2.
+"""
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+class PipelineConfig(BaseModel):
+    """How the model is cut into stages and how the stages are scheduled.
+
+    ``model_parallel`` uses the cut (``split_points`` / ``balance``) and ignores the schedule.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    n_microbatches: int = Field(default=8, ge=1)
+    stages_per_rank: int = Field(default=1, ge=1, description="more than 1: interleaved only")
+    split_points: tuple[str, ...] | None = Field(
+        default=None,
+        description="names of the top-level modules that start stage 2, 3, …; unset: planned",
+    )
+    balance: Literal["profile", "layers"] = Field(
+        default="profile",
+        description="without split_points: profile each layer on a worker and balance time, "
+        "or give each stage an equal number of layers",
+    )
+    dp: int = Field(default=1, ge=1, description="data-parallel replicas of every stage")
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> "PipelineConfig":
+        interleaved = self.schedule == "interleaved_1f1b"
+        if interleaved and self.stages_per_rank < 2:
+            raise ValueError(
+                "pipeline.stages_per_rank: interleaved_1f1b runs several stages per rank; "
+                "set stages_per_rank = 2 or more, or use schedule = '1f1b'"
+            )
+        if not interleaved and self.stages_per_rank > 1:
+            raise ValueError(
+                f"pipeline.stages_per_rank: {self.schedule} runs one stage per rank; "
+                "set stages_per_rank = 1, or use schedule = 'interleaved_1f1b'"
+            )
+        # Measured with torch 2.14 on gloo: GPipe over DDP-wrapped stages trips the reducer's
+        # "rebuilt params size" assert on the second step, because every micro-batch's
+        # backward runs before DDP's bucket rebuild; 1F1B interleaves them and stays correct.
+        if self.dp > 1 and self.dp_mode == "ddp" and self.schedule != "1f1b":
+            raise ValueError(
+                f"pipeline.dp_mode: DDP-wrapped stages only work with the 1f1b schedule "
+                f"(with {self.schedule} DDP's reducer fails); use dp_mode = 'fsdp', "
+                "or schedule = '1f1b'"
+            )
+        if self.split_points is not None and len(set(self.split_points)) != len(self.split_points):
+            raise ValueError(f"pipeline.split_points: names repeat in {list(self.split_points)}")
+        return self
+
+
+def cut_into_stages(model: nn.Module, split_points: Sequence[str]) -> list[nn.Sequential]:
+    """Consecutive stages; stage ``i+1`` starts at ``split_points[i]``.
+
+    Each stage keeps its children's names, so a stage's ``state_dict`` keys are the full model's.
+    """
+    names = [name for name, _ in model.named_children()]
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(
+            f"model: {type(model).__name__} is not an nn.Sequential of named layers, so it "
+            "cannot be cut into pipeline stages"
+        )
+    positions = []
+    for point in split_points:
+        if point not in names:
+            raise ValueError(
+                f"pipeline.split_points: {point!r} names no top-level module; the model's are "
+                f"{names}"
+            )
+        positions.append(names.index(point))
+    if positions != sorted(positions) or 0 in positions:
+        raise ValueError(
+            f"pipeline.split_points: {list(split_points)} must follow the model's order "
+            f"{names} and leave the first stage at least one layer"
+        )
+    bounds = [0, *positions, len(names)]
+    children = dict(model.named_children())
+    return [
+        nn.Sequential(OrderedDict((n, children[n]) for n in names[start:end]))
+        for start, end in itertools.pairwise(bounds)
+    ]
+
+
+def even_split(names: Sequence[str], n_stages: int) -> list[str]:
+    """Split points that give every stage the same number of layers (the first ones get more)."""
+    if n_stages > len(names):
+        raise ValueError(
+            f"pipeline: {n_stages} stages need at least {n_stages} layers; the model has "
+            f"{len(names)} ({list(names)})"
+        )
+    base, extra = divmod(len(names), n_stages)
+    points, at = [], 0
+    for stage in range(n_stages - 1):
+        at += base + (stage < extra)
+        points.append(names[at])
+    return points
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a pipeline: its stage modules and the schedule that drives them."""
+
+    stages: list[nn.Module]  # the (possibly FSDP/DDP-wrapped) modules this rank holds
+    schedule: object
+    is_first: bool
+    is_last: bool
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup | None
+    mesh: DeviceMesh
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for stage in self.stages for p in stage.parameters()]
+
+    def train(self, mode: bool = True) -> None:
+        for stage in self.stages:
+            stage.train(mode)
+
+
+def apply_pipeline(
+    model: nn.Module,
+    *,
+    config: PipelineConfig,
+    split_points: Sequence[str],
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> Pipeline:
+    """Keep this rank's stages of ``model`` and build the schedule that runs them.
+
+    The default process group must be initialized; its world is laid out as a ``(pp, dp)``
+    mesh with ``dp = config.dp``. ``n_microbatches = 1`` with GPipe is plain model parallelism.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = config.dp
+    if world % dp:
+        raise ValueError(f"pipeline.dp: {dp} does not divide the world size {world}")
+    pp = world // dp
+    n_stages = pp * config.stages_per_rank
+    stages = cut_into_stages(model, split_points)
+    if len(stages) != n_stages:
+        raise ValueError(
+            f"pipeline.split_points: {len(split_points)} points make {len(stages)} stages, but "
+            f"{pp} pipeline ranks x {config.stages_per_rank} stages per rank need {n_stages}"
+        )
+    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    pp_group = mesh.get_group("pp")
+    dp_group = mesh.get_group("dp") if dp > 1 else None
+    assert rank == pp_rank * dp + dp_rank
+
+    # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
+    mine = list(range(pp_rank, n_stages, pp))
+    modules, pipeline_stages = [], []
+    for index in mine:
+        module = _replicate(stages[index].to(device), config=config, mesh=mesh, device=device)
+        modules.append(module)
+        pipeline_stages.append(PipelineStage(module, index, n_stages, device, group=pp_group))
+    schedule_class = ScheduleGPipe if n_microbatches == 1 else SCHEDULES[config.schedule]
+    if schedule_class is ScheduleInterleaved1F1B:
+        schedule = schedule_class(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    else:
+        (stage,) = pipeline_stages
+        schedule = schedule_class(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return Pipeline(
+        stages=modules,
+        schedule=schedule,
+        is_first=0 in mine,
+        is_last=n_stages - 1 in mine,
+        pp_rank=pp_rank,
+        pp_size=pp,
+        dp_rank=dp_rank,
+        dp_size=dp,
+        pp_group=pp_group,
+        dp_group=dp_group,
+        mesh=mesh,
+    )
+
+
+def _replicate(
+    module: nn.Module, *, config: PipelineConfig, mesh: DeviceMesh, device: torch.device
+) -> nn.Module:
+    """Make the dp replicas of one stage average their gradients."""
+    if config.dp == 1:
+        return module
+    if config.dp_mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # static_graph=True looks tempting for a fixed pipeline but gives silently wrong
+        # parameters with torch 2.14 (measured), so the dynamic reducer stays.
+        return DistributedDataParallel(
+            module,
+            process_group=mesh.get_group("dp"),
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(module, mesh=mesh["dp"])
+
+
+def full_state_dict(pipeline: Pipeline) -> dict[str, torch.Tensor]:
+    """This rank's stages' parameters as plain CPU tensors under the full model's names.
+
+    FSDP shards are gathered, so every dp replica holds the whole stage afterwards.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for module in pipeline.stages:
+        plain = module.module if hasattr(module, "module") else module
+        for name, value in plain.state_dict().items():
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            state[name] = value.detach().cpu().clone()
+    return state
+
+
+def clip_grad_norm(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
+    """Clip by the norm of the whole model's gradient, which is spread over the pp ranks."""
+    grads = [p.grad for p in pipeline.parameters() if p.grad is not None]
+    local = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+    squared = torch.zeros((), dtype=torch.float64, device=pipeline.mesh.device_type)
+    for g in local:
+        squared += g.double().pow(2).sum()
+    # Every dp replica holds the same (averaged) gradients: summing over pp alone is the norm.
+    dist.all_reduce(squared, group=pipeline.pp_group)
+    total = squared.sqrt()
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(g.dtype))
+    return total

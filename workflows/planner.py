@@ -1,0 +1,258 @@
+"""Stage planning: where to cut a model so that no pipeline stage waits on a slower one.
+
+The profile (``workers.profiling``) is measured on a rank worker; this module only does
+arithmetic on it: the contiguous partition that minimizes the slowest stage under the
+device's memory, the predicted pipeline bubble, and which strategy fits the model, batch and
+cluster.
+"""
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from distributed import Client
+
+from workers.models import layer_names
+from workers.profiling import DeviceProfile, LayerProfile, profile_model
+from workers.strategies.pipeline import even_split
+from workflows.cluster import live_workers
+from workflows.config import RunConfig
+
+# Per parameter byte a stage also holds its gradient and SGD's momentum buffer.
+_PARAM_COPIES = 3
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    layers: tuple[str, ...]
+    seconds: float  # forward + backward of one micro-batch
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    schedule: str
+    n_stages: int
+    n_microbatches: int
+    dp: int
+    split_points: tuple[str, ...]
+    stages: tuple[StagePlan, ...]
+    profile: DeviceProfile
+    predicted_step_s: dict[str, float]  # strategy -> seconds per optimizer step
+    fits_one_device: bool
+    recommendation: str
+
+    @property
+    def bubble(self) -> float:
+        """Share of a pipelined step each stage idles: (p - 1) / (m + p - 1)."""
+        p, m = self.n_stages, self.n_microbatches
+        return (p - 1) / (m + p - 1)
+
+    def render(self) -> str:
+        mib = 2**20
+        lines = [
+            f"Per-layer profile on {self.profile.device}, micro-batch of "
+            f"{self.profile.micro_batch} (forward + backward):",
+            f"  {'layer':<12}{'ms':>9}{'params MiB':>12}{'activations MiB':>17}",
+        ]
+        for layer in self.profile.layers:
+            lines.append(
+                f"  {layer.name:<12}{layer.seconds * 1e3:>9.3f}{layer.param_bytes / mib:>12.3f}"
+                f"{layer.activation_bytes / mib:>17.3f}"
+            )
+        lines.append(
+            f"Split into {self.n_stages} stages at {list(self.split_points)} "
+            f"(device memory {self.profile.memory_bytes / mib:,.0f} MiB per stage):"
+        )
+        for index, stage in enumerate(self.stages):
+            lines.append(
+                f"  stage {index}: {', '.join(stage.layers)}: {stage.seconds * 1e3:.3f} ms, "
+                f"{stage.memory_bytes / mib:.1f} MiB"
+            )
+        lines.append(
+            f"Predicted bubble with {self.schedule}, m={self.n_microbatches}: "
+            f"(p-1)/(m+p-1) = {self.bubble:.1%}"
+        )
+        lines.append("Predicted seconds per optimizer step:")
+        for strategy, seconds in self.predicted_step_s.items():
+            lines.append(f"  {strategy:<15}{seconds * 1e3:>10.2f} ms")
+        lines.append(f"Recommendation: {self.recommendation}")
+        return "\n".join(lines)
+
+
+def stage_memory(layers: Sequence[LayerProfile], in_flight: int) -> int:
+    """Bytes a stage of ``layers`` needs with ``in_flight`` micro-batches' activations held."""
+    params = sum(layer.param_bytes for layer in layers) * _PARAM_COPIES
+    return params + sum(layer.activation_bytes for layer in layers) * in_flight
+
+
+def balanced_split(
+    layers: Sequence[LayerProfile], n_stages: int, *, memory_bytes: int, in_flight: int
+) -> list[str]:
+    """Split points of the contiguous partition whose slowest stage is fastest and fits memory.
+
+    Dynamic programming over (stages used, layers covered): O(stages · layers²).
+    """
+    n = len(layers)
+    if n_stages > n:
+        raise ValueError(f"pipeline: {n_stages} stages need at least {n_stages} layers, have {n}")
+    prefix = [0.0]
+    for layer in layers:
+        prefix.append(prefix[-1] + layer.seconds)
+    infinity = float("inf")
+    # best[k][j]: the slowest stage when the first j layers form k stages; cut[k][j]: where
+    # the k-th stage starts in that partition.
+    best = [[infinity] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == infinity:
+                    continue
+                if stage_memory(layers[i:j], in_flight) > memory_bytes:
+                    continue
+                slowest = max(best[k - 1][i], prefix[j] - prefix[i])
+                if slowest < best[k][j]:
+                    best[k][j], cut[k][j] = slowest, i
+    if best[n_stages][n] == infinity:
+        raise ValueError(
+            f"pipeline: the model does not fit in {n_stages} stages of "
+            f"{memory_bytes / 2**20:,.0f} MiB; use more workers or fewer micro-batches in flight"
+        )
+    starts, j = [], n
+    for k in range(n_stages, 0, -1):
+        j = cut[k][j]
+        starts.append(j)
+    return [layers[i].name for i in sorted(starts)[1:]]
+
+
+def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int) -> Plan:
+    """Profile the model on the first worker and plan its stages for ``world_size`` ranks."""
+    t, p = config.training, config.pipeline
+    dp = p.dp if t.strategy == "pipeline" else 1
+    stages_per_rank = p.stages_per_rank if t.strategy == "pipeline" else 1
+    n_stages = max(2, world_size // dp) * stages_per_rank
+    m = p.n_microbatches if t.strategy == "pipeline" else 1
+    # What the schedule keeps alive per stage: GPipe every micro-batch, 1F1B at most p.
+    in_flight = m if p.schedule == "gpipe" or t.strategy == "model_parallel" else min(m, n_stages)
+    micro_batch = max(1, t.batch_size // (dp * m))
+    workers = sorted(live_workers(client))
+    profile: DeviceProfile = client.submit(
+        profile_model,
+        config.model.name,
+        num_classes=num_classes,
+        image_size=config.data.image_size,
+        in_channels=3,
+        micro_batch=micro_batch,
+        key=f"profile-{config.model.name}",
+        workers=workers[:1],
+        pure=False,
+    ).result(timeout=300)
+    names = [layer.name for layer in profile.layers]
+    if p.split_points is not None:
+        points = list(p.split_points)
+    elif p.balance == "layers":
+        points = even_split(names, n_stages)
+    else:
+        points = balanced_split(
+            profile.layers, n_stages, memory_bytes=profile.memory_bytes, in_flight=in_flight
+        )
+    bounds = [0, *(names.index(point) for point in points), len(names)]
+    stages = tuple(
+        StagePlan(
+            layers=tuple(names[a:b]),
+            seconds=sum(layer.seconds for layer in profile.layers[a:b]),
+            memory_bytes=stage_memory(profile.layers[a:b], in_flight),
+        )
+        for a, b in itertools.pairwise(bounds)
+    )
+    return _recommend(
+        config,
+        profile=profile,
+        stages=stages,
+        points=points,
+        world_size=world_size,
+        n_microbatches=m,
+        dp=dp,
+    )
+
+
+def _recommend(
+    config: RunConfig,
+    *,
+    profile: DeviceProfile,
+    stages: tuple[StagePlan, ...],
+    points: list[str],
+    world_size: int,
+    n_microbatches: int,
+    dp: int,
+) -> Plan:
+    # Compute scales with rows: a step of B rows costs B / micro_batch micro-batch units.
+    unit = sum(layer.seconds for layer in profile.layers)
+    rows = config.training.batch_size
+    per_row = unit / profile.micro_batch
+    whole = stage_memory(profile.layers, 1)
+    fits = whole <= profile.memory_bytes
+    p, m = len(stages), n_microbatches
+    slowest = max(stage.seconds for stage in stages)
+    slowest_per_row = slowest / profile.micro_batch
+    predicted = {
+        # DDP: every rank runs the whole model on its share of the batch (all-reduce ignored).
+        "ddp": per_row * rows / world_size,
+        # Model parallel: one batch walks the stages one after another.
+        "model_parallel": per_row * rows,
+        # Pipeline: m + p - 1 slots, each as long as the slowest stage on a micro-batch.
+        "pipeline": slowest_per_row * (rows / (dp * m)) * (m + p - 1),
+    }
+    if fits:
+        choice = "ddp"
+        why = (
+            f"the whole model needs {whole / 2**20:.1f} MiB and fits one device, so DDP keeps "
+            f"every worker busy without a pipeline bubble ({predicted['ddp'] * 1e3:.2f} ms per "
+            f"step vs {predicted['pipeline'] * 1e3:.2f} ms pipelined)"
+        )
+    elif m > 1 and predicted["pipeline"] < predicted["model_parallel"]:
+        choice = "pipeline"
+        why = (
+            f"the model ({whole / 2**20:.1f} MiB) does not fit one device; pipelining "
+            f"{m} micro-batches overlaps the stages ({predicted['pipeline'] * 1e3:.2f} ms per "
+            f"step vs {predicted['model_parallel'] * 1e3:.2f} ms model parallel)"
+        )
+    else:
+        choice = "model_parallel"
+        why = (
+            f"the model ({whole / 2**20:.1f} MiB) does not fit one device; with one "
+            "micro-batch nothing overlaps, so plain model parallelism is as fast as a pipeline"
+        )
+    return Plan(
+        strategy=config.training.strategy,
+        schedule=config.pipeline.schedule if config.training.strategy == "pipeline" else "gpipe",
+        n_stages=p,
+        n_microbatches=m,
+        dp=dp,
+        split_points=tuple(points),
+        stages=stages,
+        profile=profile,
+        predicted_step_s=predicted,
+        fits_one_device=fits,
+        recommendation=f"{choice}: {why}",
+    )
+
+
+def resolve_split_points(
+    client: Client, config: RunConfig, *, world_size: int, num_classes: int
+) -> tuple[str, ...]:
+    """The cut every rank will use: the configured one, an even one, or a planned one."""
+    p = config.pipeline
+    if p.split_points is not None:
+        return p.split_points
+    if p.balance == "layers":
+        n_stages = world_size // p.dp if config.training.strategy == "pipeline" else world_size
+        n_stages *= p.stages_per_rank
+        return tuple(even_split(layer_names(config.model.name), n_stages))
+    return plan(client, config, world_size=world_size, num_classes=num_classes).split_points
+
+
+__all__ = ["Plan", "balanced_split", "plan", "resolve_split_points", "stage_memory"]
