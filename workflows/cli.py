@@ -127,6 +127,41 @@ def preprocess(
 @config_argument
 @set_option
 @click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
+def plan(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> None:
+    """Profile CONFIG's model on a worker; print the stage split and the strategy that fits."""
+    from workflows.cluster import live_workers, start_cluster
+    from workflows.planner import plan as plan_stages
+    from workflows.preprocess import read_manifest
+
+    resolved = _load(config, overrides, scheduler)
+    data = resolved.data.resolved()
+    manifest = read_manifest(data.store_url, storage_options=data.storage_options)
+    # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
+    num_classes = len(manifest["classes"]) if manifest else 10
+    try:
+        with start_cluster(resolved.cluster) as cluster:
+            world_size = resolved.world_size or len(live_workers(cluster.client))
+            resolved.check_batch(world_size)
+            result = plan_stages(
+                cluster.client, resolved, world_size=world_size, num_classes=num_classes
+            )
+    except KeyboardInterrupt:
+        _fail(EXIT_INTERRUPTED, "interrupted")
+    except (ConfigError, ValueError, ConnectionError) as error:
+        _fail(EXIT_INVALID, str(error))
+    except Exception as error:
+        _fail(EXIT_FAILED, f"planning failed: {type(error).__name__}: {error}")
+    click.echo(
+        f"{resolved.model.name} on {world_size} workers, global batch "
+        f"{resolved.training.batch_size}"
+    )
+    click.echo(result.render())
+
+
+@main.command()
+@config_argument
+@set_option
+@click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
 @click.option(
     "--output",
     type=click.Path(path_type=Path),

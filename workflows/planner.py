@@ -131,12 +131,14 @@ def balanced_split(
 def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int) -> Plan:
     """Profile the model on the first worker and plan its stages for ``world_size`` ranks."""
     t, p = config.training, config.pipeline
-    dp = p.dp if t.strategy == "pipeline" else 1
-    stages_per_rank = p.stages_per_rank if t.strategy == "pipeline" else 1
+    # A DDP config is planned as the pipeline its [pipeline] section describes, to compare.
+    pipelined = t.strategy != "model_parallel"
+    dp = p.dp if pipelined else 1
+    stages_per_rank = p.stages_per_rank if pipelined else 1
     n_stages = max(2, world_size // dp) * stages_per_rank
-    m = p.n_microbatches if t.strategy == "pipeline" else 1
+    m = p.n_microbatches if pipelined else 1
     # What the schedule keeps alive per stage: GPipe every micro-batch, 1F1B at most p.
-    in_flight = m if p.schedule == "gpipe" or t.strategy == "model_parallel" else min(m, n_stages)
+    in_flight = m if p.schedule == "gpipe" or not pipelined else min(m, n_stages)
     micro_batch = max(1, t.batch_size // (dp * m))
     workers = sorted(live_workers(client))
     profile: DeviceProfile = client.submit(
@@ -228,7 +230,9 @@ def _recommend(
         )
     return Plan(
         strategy=config.training.strategy,
-        schedule=config.pipeline.schedule if config.training.strategy == "pipeline" else "gpipe",
+        schedule="gpipe"
+        if config.training.strategy == "model_parallel"
+        else config.pipeline.schedule,
         n_stages=p,
         n_microbatches=m,
         dp=dp,

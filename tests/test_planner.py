@@ -1,0 +1,109 @@
+"""Stage planning: real per-layer profiles, the balanced cut, and the ``plan`` command."""
+
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from workers.profiling import LayerProfile, profile_layers
+from workers.strategies.pipeline import even_split
+from workflows.planner import balanced_split, stage_memory
+
+CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
+MIB = 2**20
+
+
+def _layers(seconds: list[float], param_mib: list[float] | None = None) -> list[LayerProfile]:
+    params = param_mib or [0.0] * len(seconds)
+    return [
+        LayerProfile(f"l{i}", s, int(p * MIB), activation_bytes=MIB, output_bytes=MIB)
+        for i, (s, p) in enumerate(zip(seconds, params, strict=True))
+    ]
+
+
+def test_balanced_split_minimizes_the_slowest_stage():
+    layers = _layers([1, 1, 1, 1, 8, 1])
+    # Even by layers: [1,1,1] | [1,8,1] -> slowest 10. Balanced: [1,1,1,1] | [8,1] -> 9.
+    assert even_split([layer.name for layer in layers], 2) == ["l3"]
+    assert balanced_split(layers, 2, memory_bytes=10**12, in_flight=1) == ["l4"]
+    assert balanced_split(layers, 3, memory_bytes=10**12, in_flight=1) == ["l4", "l5"]
+
+
+def test_balanced_split_respects_the_device_memory():
+    layers = _layers([1, 1, 1, 1, 8, 1], param_mib=[0, 0, 0, 0, 0, 30])
+    # l5 holds 90 MiB (parameters, gradients, momentum) + 8 MiB of activations for 8
+    # micro-batches in flight: with l4 beside it a 100 MiB device overflows, so the time-best
+    # cut [l0-l3 | l4 l5] gives way to [l0-l4 | l5].
+    assert stage_memory(layers[4:], in_flight=8) > 100 * MIB >= stage_memory(layers[5:], 8)
+    assert balanced_split(layers, 2, memory_bytes=10**12, in_flight=8) == ["l4"]
+    assert balanced_split(layers, 2, memory_bytes=100 * MIB, in_flight=8) == ["l5"]
+    with pytest.raises(ValueError, match="does not fit in 2 stages of 95 MiB"):
+        balanced_split(layers, 2, memory_bytes=95 * MIB, in_flight=8)
+
+
+def test_the_planner_cuts_where_a_deliberately_unbalanced_model_needs_it():
+    # Four cheap layers, then one that costs more than all of them together, then a cheap one.
+    model = nn.Sequential(
+        OrderedDict(
+            [
+                ("a", nn.Linear(64, 64)),
+                ("b", nn.Linear(64, 64)),
+                ("c", nn.Linear(64, 64)),
+                ("d", nn.Linear(64, 64)),
+                (
+                    "heavy",
+                    nn.Sequential(nn.Linear(64, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 64)),
+                ),
+                ("out", nn.Linear(64, 10)),
+            ]
+        )
+    )
+    profile = profile_layers(model, sample=torch.randn(256, 64))
+    assert [layer.name for layer in profile] == ["a", "b", "c", "d", "heavy", "out"]
+    heavy = profile[4]
+    assert heavy.seconds > sum(layer.seconds for layer in profile if layer.name != "heavy")
+    assert heavy.param_bytes == sum(p.numel() * 4 for p in model.heavy.parameters())
+    assert heavy.activation_bytes > 0 and heavy.output_bytes == 256 * 64 * 4
+    names = [layer.name for layer in profile]
+    assert even_split(names, 2) == ["d"]  # the naive cut leaves the heavy layer with others
+    assert balanced_split(profile, 2, memory_bytes=10**12, in_flight=1) == ["heavy"]
+
+
+def test_plan_command_prints_profile_split_bubble_and_recommendation(tmp_path):
+    command = [
+        sys.executable,
+        *("-c", "from workflows.cli import main; main()"),
+        *("plan", str(CONFIGS / "digits_ddp.toml")),
+        *("--set", f"data.store='{tmp_path / 'store'}'"),
+        *("--set", "cluster.dashboard_port=0"),
+        *("--set", "model.name='small_resnet'"),
+        *("--set", "training.strategy='pipeline'"),
+        *("--set", "training.batch_size=64"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "small_resnet on 2 workers, global batch 64" in out
+    for layer in ("stem", "block1", "block6", "fc"):
+        assert f"\n  {layer} " in out
+    assert "Split into 2 stages at ['" in out
+    assert "(p-1)/(m+p-1) = 11.1%" in out  # p=2, m=8
+    assert "Recommendation: ddp: the whole model" in out  # a small model fits one device
+
+
+def test_plan_command_refuses_a_config_that_cannot_be_staged(tmp_path):
+    command = [
+        sys.executable,
+        *("-c", "from workflows.cli import main; main()"),
+        *("plan", str(CONFIGS / "digits_ddp.toml")),
+        *("--set", "training.strategy='pipeline'"),
+        *("--set", "pipeline.split_points=['nope']"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "pipeline.split_points: ['nope'] name no top-level module" in done.stderr
+    assert "Traceback" not in done.stderr
