@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from workers.data import DataConfig, RankBatches, eval_batches, open_store, rank_epoch_indices
+from workers.data import (
+    DataConfig,
+    RankBatches,
+    eval_batches,
+    fixed_shape_eval_batches,
+    open_store,
+    rank_epoch_indices,
+)
 from workflows.preprocess import prepare_store
 
 
@@ -138,3 +145,18 @@ def test_an_incomplete_store_is_refused(tmp_path):
     zarr.open_group(str(tmp_path / "half"), mode="w")
     with pytest.raises(FileNotFoundError, match="holds no complete dataset store"):
         open_store(str(tmp_path / "half"))
+
+
+def test_fixed_shape_eval_batches_pad_the_tail_and_give_every_rank_as_many_batches(digits_store):
+    # Pipelines need one batch shape and sharded replicas need equal batch counts.
+    split = open_store(digits_store.store_url).val
+    n, world, batch = len(split), 3, 64
+    per_rank = [
+        list(fixed_shape_eval_batches(split, rank=r, world_size=world, batch_size=batch))
+        for r in range(world)
+    ]
+    assert len({len(batches) for batches in per_rank}) == 1
+    assert all(x.shape == (batch, *split.images.shape[1:]) for b in per_rank for x, _, _ in b)
+    assert sum(real for b in per_rank for _, _, real in b) == n
+    labels = torch.cat([y[:real] for b in per_rank for _, y, real in b])
+    assert labels.tolist() == split.labels.tolist()  # each sample once, in order
