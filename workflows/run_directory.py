@@ -82,6 +82,7 @@ class RunDirectory:
             "name": result.name,
             "strategy": result.strategy,
             "world_size": result.world_size,
+            "split_points": list(result.split_points) if result.split_points else None,
             "epochs": len(result.history),
             "steps": result.final["step"],
             "final": {k: v for k, v in result.final.items() if k != "kind"},
