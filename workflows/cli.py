@@ -4,10 +4,13 @@ Exit codes a scheduler can act on: 0 success, 2 invalid config or arguments (one
 traceback), 1 training failure, 130 interrupted.
 """
 
+import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -55,9 +58,25 @@ def _load(config: Path, overrides: tuple[str, ...], scheduler: str | None = None
         _fail(EXIT_INVALID, f"invalid config: {error}")
 
 
-def _fail(code: int, message: str) -> None:
+def _fail(code: int, message: str) -> NoReturn:
     click.echo(f"dask-train: {message}", err=True)
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _exit_codes(
+    action: str, *invalid: type[Exception], interrupted: str = "interrupted"
+) -> Iterator[None]:
+    """Turn what goes wrong inside into the exit code and the one line a scheduler acts on."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _fail(EXIT_INTERRUPTED, interrupted)
+    except (ConfigError, SourceError, ConnectionError, *invalid) as error:
+        _fail(EXIT_INVALID, str(error))
+    except Exception as error:
+        logging.getLogger(__name__).debug("%s failed", action, exc_info=True)
+        _fail(EXIT_FAILED, f"{action} failed: {type(error).__name__}: {error}")
 
 
 class _TerminalProgress:
@@ -104,18 +123,11 @@ def preprocess(
     from workflows.preprocess import prepare_store
 
     resolved = _load(config, overrides, scheduler)
-    try:
-        with start_cluster(resolved.cluster) as cluster:
-            click.echo(f"dashboard: {cluster.dashboard_link}")
-            manifest = prepare_store(
-                cluster.client, resolved.data.resolved(), seed=resolved.training.seed, force=force
-            )
-    except KeyboardInterrupt:
-        _fail(EXIT_INTERRUPTED, "interrupted")
-    except (ConfigError, SourceError, ConnectionError) as error:
-        _fail(EXIT_INVALID, str(error))
-    except Exception as error:
-        _fail(EXIT_FAILED, f"preprocessing failed: {type(error).__name__}: {error}")
+    with _exit_codes("preprocessing"), start_cluster(resolved.cluster) as cluster:
+        click.echo(f"dashboard: {cluster.dashboard_link}")
+        manifest = prepare_store(
+            cluster.client, resolved.data.resolved(), seed=resolved.training.seed, force=force
+        )
     state = "up to date, reused" if manifest.reused else f"built in {manifest.seconds:.1f} s"
     click.echo(
         f"store {manifest.url}: {state}; train {manifest.counts['train']}, "
@@ -138,19 +150,13 @@ def plan(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> Non
     manifest = read_manifest(data.store_url, storage_options=data.storage_options)
     # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
     num_classes = len(manifest["classes"]) if manifest else 10
-    try:
-        with start_cluster(resolved.cluster) as cluster:
-            world_size = resolved.world_size or len(live_workers(cluster.client))
-            resolved.check_batch(world_size)
-            result = plan_stages(
-                cluster.client, resolved, world_size=world_size, num_classes=num_classes
-            )
-    except KeyboardInterrupt:
-        _fail(EXIT_INTERRUPTED, "interrupted")
-    except (ConfigError, ValueError, ConnectionError) as error:
-        _fail(EXIT_INVALID, str(error))
-    except Exception as error:
-        _fail(EXIT_FAILED, f"planning failed: {type(error).__name__}: {error}")
+    # A ValueError here is the planner's: the model does not fit the stages it is given.
+    with _exit_codes("planning", ValueError), start_cluster(resolved.cluster) as cluster:
+        world_size = resolved.world_size or len(live_workers(cluster.client))
+        resolved.check_batch(world_size)
+        result = plan_stages(
+            cluster.client, resolved, world_size=world_size, num_classes=num_classes
+        )
     click.echo(
         f"{resolved.model.name} on {world_size} workers, global batch "
         f"{resolved.training.batch_size}"
@@ -198,18 +204,15 @@ def run(
         else:
             print_progress(record)
 
-    try:
-        with start_cluster(resolved.cluster) as cluster, run_directory:
-            click.echo(f"dashboard: {cluster.dashboard_link}")
-            result = train(resolved, cluster=cluster, on_event=on_event)
-            summary = run_directory.finish(result)
-    except KeyboardInterrupt:
-        _fail(EXIT_INTERRUPTED, f"interrupted; partial results in {run_directory.path}")
-    except (ConfigError, LaunchError, SourceError, ConnectionError) as error:
-        _fail(EXIT_INVALID, str(error))
-    except Exception as error:
-        logging.getLogger(__name__).debug("training failed", exc_info=True)
-        _fail(EXIT_FAILED, f"training failed: {type(error).__name__}: {error}")
+    interrupted = f"interrupted; partial results in {run_directory.path}"
+    with (
+        _exit_codes("training", LaunchError, interrupted=interrupted),
+        start_cluster(resolved.cluster) as cluster,
+        run_directory,
+    ):
+        click.echo(f"dashboard: {cluster.dashboard_link}")
+        result = train(resolved, cluster=cluster, on_event=on_event)
+        summary = run_directory.finish(result)
     final = summary["final"]
     click.echo(
         f"done: {summary['strategy']} on {summary['world_size']} ranks, val accuracy "
