@@ -99,13 +99,17 @@ def four_workers():
         {"schedule": "1f1b", "dp_mode": "ddp"},
         {"schedule": "1f1b", "dp_mode": "fsdp"},
         {"schedule": "gpipe", "dp_mode": "fsdp"},
+        # Clipping over FSDP's sharded gradients: the norm still spans the whole model.
+        {"schedule": "1f1b", "dp_mode": "fsdp", "clip": 0.05},
     ],
-    ids=["1f1b-ddp", "1f1b-fsdp", "gpipe-fsdp"],
+    ids=["1f1b-ddp", "1f1b-fsdp", "gpipe-fsdp", "1f1b-fsdp-clipped"],
 )
 def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
     four_workers, staged_config, pipeline
 ):
-    config = staged_config(pipeline={"dp": 2, "n_microbatches": 4, **pipeline})
+    pipeline = dict(pipeline)
+    clip = pipeline.pop("clip", None)
+    config = staged_config(pipeline={"dp": 2, "n_microbatches": 4, **pipeline}, grad_clip_norm=clip)
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4
     _assert_matches_reference(result, config)

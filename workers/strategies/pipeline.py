@@ -259,7 +259,8 @@ def clip_grad_norm(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
     # Every dp replica holds the same (averaged) gradients: summing over pp alone is the norm.
     dist.all_reduce(squared, group=pipeline.pp_group)
     total = squared.sqrt()
-    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    # A Python float scales plain tensors and FSDP's sharded DTensors alike.
+    coefficient = min(1.0, max_norm / (float(total) + 1e-6))
     for g in grads:
-        g.mul_(coefficient.to(g.dtype))
+        g.mul_(coefficient)
     return total
