@@ -210,20 +210,23 @@ class RankBatches:
         share = n // world if self.config.drop_last else -(-n // world)
         return share // self.batch_size if self.config.drop_last else -(-share // self.batch_size)
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epoch(
+        self, epoch: int, *, start_batch: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches from ``start_batch`` on (a resumed run skips what it trained)."""
         order = self.indices(epoch)
         starts = range(0, len(order), self.batch_size)
         if self.config.drop_last:
             starts = range(0, len(order) - self.batch_size + 1, self.batch_size)
         augment = _Augment(self.seed, epoch, self.rank) if self.config.augment else None
 
-        def read(start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def read(batch: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
             index = order[start : start + self.batch_size]
             x = torch.from_numpy(self._cache.take(index))
             y = torch.from_numpy(self.split.labels[index])
-            return (augment(x) if augment else x), y
+            return (augment(x, batch) if augment else x), y
 
-        batches = (read(start) for start in starts)
+        batches = (read(batch, start) for batch, start in enumerate(starts) if batch >= start_batch)
         if self.config.prefetch_batches:
             return _prefetched(batches, self.config.prefetch_batches)
         return batches
@@ -268,12 +271,16 @@ def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
 
 
 class _Augment:
-    """Random crop from a 4-pixel reflection pad, and horizontal flip, seeded per epoch and rank."""
+    """Random crop from a 4-pixel reflection pad, and horizontal flip, seeded per epoch, rank and
+    batch: a run resumed mid-epoch draws exactly what it would have drawn."""
 
     def __init__(self, seed: int, epoch: int, rank: int) -> None:
-        self.generator = torch.Generator().manual_seed(hash((seed, epoch, rank)) % 2**63)
+        self.seed, self.epoch, self.rank = seed, epoch, rank
+        self.generator = torch.Generator()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        # Tuples of ints hash the same in every process (no hash randomization for ints).
+        self.generator.manual_seed(hash((self.seed, self.epoch, self.rank, batch)) % 2**63)
         n, _, h, w = x.shape
         padded = torch.nn.functional.pad(x, (4, 4, 4, 4), mode="reflect")
         dy = torch.randint(0, 9, (n,), generator=self.generator)

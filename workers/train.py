@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from workers.checkpoint import CheckpointConfig, Progress, load_checkpoint, save_checkpoint
 from workers.data import (
     DataConfig,
     RankBatches,
@@ -83,6 +84,10 @@ class TrainJob:
     event_topic: str
     # Staged strategies: split_points resolved by the client, so every rank cuts alike.
     pipeline: PipelineConfig | None = None
+    # Where checkpoints go (None: nowhere), and the verified one to continue from.
+    checkpoint: CheckpointConfig | None = None
+    resume_from: str | None = None
+    heartbeat_topic: str | None = None
 
 
 @dataclass
@@ -106,13 +111,25 @@ def run_rank(job: TrainJob) -> RankResult:
     def report(record: dict[str, Any]) -> None:
         worker.log_event(job.event_topic, record)
 
+    last_beat = [-math.inf]
+
+    def heartbeat(step: int) -> None:
+        # At most one event a second per rank: enough for the client to see a stopped rank.
+        now = time.monotonic()
+        if job.heartbeat_topic and now - last_beat[0] >= 1.0:
+            last_beat[0] = now
+            worker.log_event(job.heartbeat_topic, {"rank": membership.rank, "step": step})
+
     return train(
         job.data,
         job.model,
         job.training,
         membership=membership,
         pipeline=job.pipeline,
+        checkpoint=job.checkpoint,
+        resume_from=job.resume_from,
         report=report,
+        heartbeat=heartbeat,
     )
 
 
@@ -123,7 +140,10 @@ def train(
     *,
     membership: Membership,
     pipeline: PipelineConfig | None = None,
+    checkpoint: CheckpointConfig | None = None,
+    resume_from: str | None = None,
     report: Callable[[dict[str, Any]], None] | None = None,
+    heartbeat: Callable[[int], None] | None = None,
 ) -> RankResult:
     rank, world_size, device = membership.rank, membership.world_size, membership.device
     torch.manual_seed(config.seed + rank)
@@ -175,9 +195,36 @@ def train(
     total_steps = config.epochs * len(batches)
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, total_steps))
+    # Continue where a checkpoint left off: parameters, optimizer, scaler, RNG, data position.
+    modules = pipe.stages if pipe is not None else [model]
+    progress = Progress()
+    if resume_from is not None:
+        progress = load_checkpoint(
+            resume_from, modules=modules, optimizer=optimizer, scaler=precision.scaler
+        )
+    # last_epoch puts the schedule at the resumed step; it scales each group's initial_lr.
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", config.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_factor(config, total_steps), last_epoch=progress.step - 1
+    )
+    if heartbeat:
+        heartbeat(progress.step)
     # Throughput is measured from the end of this step on: the first steps pay one-off costs.
-    warm_step = min(3, total_steps // 4)
+    warm_step = min(3, (total_steps - progress.step) // 4)
+
+    def save(at: Progress) -> None:
+        assert checkpoint is not None and checkpoint.directory is not None
+        save_checkpoint(
+            checkpoint.directory,
+            modules=modules,
+            optimizer=optimizer,
+            scaler=precision.scaler,
+            progress=at,
+            keep=checkpoint.keep,
+        )
+        if heartbeat:
+            heartbeat(step)
 
     if report and reporter:
         report(
@@ -191,19 +238,25 @@ def train(
         )
 
     # Train.
-    history: list[dict[str, float]] = []
-    step, samples_seen, warm_samples = 0, 0, 0
+    history: list[dict[str, float]] = list(progress.history)
+    step, samples_seen, warm_samples, run_steps = progress.step, 0, 0, 0
     first_step_at = math.nan
+    saving = checkpoint is not None and checkpoint.directory is not None
     # Seconds spent in training loops (validation excluded), in total and up to the warm step.
     loop_seconds, warm_seconds = 0.0, math.nan
-    for epoch in range(config.epochs):
+    for epoch in range(progress.epoch, config.epochs):
+        if step >= total_steps:
+            break
         (pipe or model).train()
+        resumed = epoch == progress.epoch
+        start_batch = progress.batch if resumed else 0
         # Running totals stay on the device: no host sync inside the step.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        count = 0
+        sums0 = progress.sums if resumed else [0.0, 0.0, 0.0]
+        loss_sum = torch.tensor(sums0[0], dtype=torch.float64, device=device)
+        correct = torch.tensor(int(sums0[1]), dtype=torch.int64, device=device)
+        count = counted_before = int(sums0[2])
         epoch_started = time.perf_counter()
-        for x, y in batches.epoch(epoch):
+        for batch, (x, y) in enumerate(batches.epoch(epoch, start_batch=start_batch), start_batch):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             if pipe is not None:
@@ -246,10 +299,13 @@ def train(
             precision.step(optimizer)
             schedule.step()
             step += 1
+            run_steps += 1
             samples_seen += len(y) * data_world
-            if step == 1:
+            if heartbeat:
+                heartbeat(step)
+            if run_steps == 1:
                 first_step_at = time.time()
-            if step == warm_step:
+            if run_steps == warm_step:
                 warm_seconds = loop_seconds + time.perf_counter() - epoch_started
                 warm_samples = samples_seen
             if (
@@ -259,8 +315,14 @@ def train(
                 and step % config.log_every_steps == 0
             ):
                 report({"kind": "step", "epoch": epoch + 1, "step": step, "loss": loss.item()})
+            last_of_epoch = batch == len(batches) - 1
             if step >= total_steps:
                 break
+            # Every N steps, except at an epoch's end: that checkpoint follows in a moment.
+            every = checkpoint.every_steps if saving else 0
+            if every and step % every == 0 and not last_of_epoch:
+                running = [loss_sum.item(), float(correct.item()), float(count)]
+                save(Progress(epoch, batch + 1, step, running, history))
         train_seconds = time.perf_counter() - epoch_started
         loop_seconds += train_seconds
 
@@ -280,6 +342,8 @@ def train(
                 device=device,
                 precision=precision,
             )
+        if heartbeat:
+            heartbeat(step)  # validation is progress too
         loss_sum, correct, count = sums.tolist()
         record = {
             "kind": "epoch",
@@ -290,14 +354,14 @@ def train(
             "accuracy": correct / count,
             "val_loss": val["loss"],
             "val_accuracy": val["accuracy"],
-            "samples_per_s": count / train_seconds,
+            "samples_per_s": (count - counted_before) / train_seconds,
             "lr": schedule.get_last_lr()[0],
         }
         history.append(record)
         if report and reporter:
             report(record)
-        if step >= total_steps:
-            break
+        if saving and (checkpoint.at_epoch_end or step >= total_steps):
+            save(Progress(epoch + 1, 0, step, [0.0, 0.0, 0.0], history))
 
     # Close: one throughput figure for the whole run, and the parameters for the client: rank
     # 0's whole model, or each stage's from its first replica.

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from workers.checkpoint import CheckpointConfig
 from workers.data import DataConfig
 from workers.models import ModelConfig, layer_names
 from workers.strategies.pipeline import PipelineConfig
@@ -33,6 +34,7 @@ class RunConfig(BaseModel):
     model: ModelConfig = ModelConfig()
     training: TrainingConfig = TrainingConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -4,6 +4,7 @@
 >>> result = train("workflows/configs/digits_ddp.toml")
 """
 
+import logging
 import queue
 import threading
 import time
@@ -15,15 +16,24 @@ from typing import Any
 
 import torch
 from distributed import Client
+from distributed.scheduler import KilledWorker
 
+from workers.checkpoint import latest_good_checkpoint
 from workers.train import STAGED, RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
-from workflows.launcher import ProcessGroup
+from workflows.launcher import (
+    GroupFormationError,
+    Heartbeats,
+    ProcessGroup,
+    RankFailed,
+    RankHung,
+)
 from workflows.monitoring import EVENT_PREFIX, TrainingMetrics
 from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store
 
+logger = logging.getLogger(__name__)
 EventHandler = Callable[[dict[str, Any]], None]
 
 
@@ -42,10 +52,64 @@ class TrainResult:
     store: StoreManifest
     state_dict: dict[str, torch.Tensor] = field(repr=False)
     split_points: tuple[str, ...] | None = None  # where staged strategies cut the model
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # one per restart
 
     @property
     def final(self) -> dict[str, float]:
         return self.history[-1]
+
+
+class TrainingFailed(RuntimeError):
+    """The run failed more often than ``launch.max_failures`` allows."""
+
+
+@dataclass
+class Recovery:
+    """One restart: what failed, and the checkpoint the next attempt continued from."""
+
+    failure: str
+    detected_at: float
+    resumed_from_step: int
+    redo_s: float  # training since that checkpoint, done again
+    restart_s: float | None = None  # from detection to the resumed run's first step
+
+    def finish(self, *, first_step_at: float) -> None:
+        self.restart_s = max(0.0, first_step_at - self.detected_at)
+
+    def describe(self) -> str:
+        return f"{self.failure}; resuming from step {self.resumed_from_step}"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "failure": self.failure,
+            "detected_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.detected_at)),
+            "resumed_from_step": self.resumed_from_step,
+            "seconds_lost": self.redo_s + (self.restart_s or 0.0),
+        }
+
+
+@dataclass
+class Failure:
+    message: str
+    detected_at: float
+    attempt_started_at: float
+
+    def recovered_at(self, resume: tuple[Path, dict[str, Any]] | None) -> Recovery:
+        saved_at = resume[1]["written_at"] if resume else self.attempt_started_at
+        return Recovery(
+            failure=self.message,
+            detected_at=self.detected_at,
+            resumed_from_step=resume[1]["step"] if resume else 0,
+            redo_s=max(0.0, self.detected_at - max(saved_at, self.attempt_started_at)),
+        )
+
+
+def _recoverable(error: Exception) -> bool:
+    """Worker loss, hangs, rendezvous and communication failures are worth a restart; a rank
+    that raised a plain bug (a ValueError, a damaged checkpoint) would only fail again."""
+    if isinstance(error, GroupFormationError | RankHung) or error.__cause__ is None:
+        return True
+    return isinstance(error.__cause__, RuntimeError | OSError | TimeoutError | KilledWorker)
 
 
 def print_progress(record: dict[str, Any]) -> None:
@@ -106,20 +170,64 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
     client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
     topic = f"{EVENT_PREFIX}{config.name}-{uuid.uuid4().hex[:8]}"
     events = _EventRelay(client, topic, on_event)
+    # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
+    checkpoints = config.checkpoint.directory
+    if checkpoints:
+        checkpoints = str(Path(checkpoints).absolute())
+    checkpointing = config.checkpoint.model_copy(update={"directory": checkpoints})
     submitted_at = time.time()
     started = time.perf_counter()
-    with events, ProcessGroup(client, launch) as group:
-        assert group.spec is not None
-        job = TrainJob(
-            data=data,
-            model=config.model,
-            training=config.training,
-            generation=group.spec.generation,
-            event_topic=events.topic,
-            pipeline=pipeline,
-        )
-        results: list[RankResult] = group.run(run_rank, job, name=f"train-{config.name}")
+    recoveries: list[Recovery] = []
+    failure: Failure | None = None
+    with events:
+        # One attempt per process-group generation: a failed attempt's ranks are restarted,
+        # and the next one continues from the newest good checkpoint.
+        while True:
+            resume = None
+            if checkpoints and config.checkpoint.resume == "auto":
+                resume = latest_good_checkpoint(checkpoints)
+            if failure is not None:
+                recoveries.append(failure.recovered_at(resume))
+                logger.warning("recovery %d: %s", len(recoveries), recoveries[-1].describe())
+            attempt_started = time.time()
+            heartbeats = Heartbeats()
+            heartbeat_topic = f"{topic}-heartbeat"
+            client.subscribe_topic(heartbeat_topic, heartbeats.record)
+            try:
+                with ProcessGroup(client, launch) as group:
+                    assert group.spec is not None
+                    job = TrainJob(
+                        data=data,
+                        model=config.model,
+                        training=config.training,
+                        generation=group.spec.generation,
+                        event_topic=events.topic,
+                        pipeline=pipeline,
+                        checkpoint=checkpointing if checkpoints else None,
+                        resume_from=str(resume[0]) if resume else None,
+                        heartbeat_topic=heartbeat_topic,
+                    )
+                    results: list[RankResult] = group.run(
+                        run_rank, job, name=f"train-{config.name}", heartbeats=heartbeats
+                    )
+                break
+            except (RankFailed, GroupFormationError) as error:
+                if not _recoverable(error):
+                    raise
+                failure = Failure(str(error), time.time(), attempt_started)
+                if len(recoveries) >= launch.max_failures:
+                    raise TrainingFailed(
+                        f"{error} (at {time.strftime('%H:%M:%S')}); giving up after "
+                        f"{len(recoveries)} recoveries (launch.max_failures = "
+                        f"{launch.max_failures})"
+                    ) from error
+                logger.warning("attempt failed, restarting from the last checkpoint: %s", error)
+            finally:
+                client.unsubscribe_topic(heartbeat_topic)
     wall_s = time.perf_counter() - started
+    if recoveries:
+        # The work lost includes the restart: until the resumed run's first step.
+        recoveries[-1].finish(first_step_at=min(r.first_step_at for r in results))
     rank0 = results[0]
     events.deliver_missed(rank0.history)
     # Staged strategies hand back one stage per rank; together they are the whole model.
@@ -137,6 +245,7 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
         first_step_s=rank0.first_step_at - submitted_at,
         store=manifest,
         state_dict=state_dict,
+        recoveries=[r.summary() for r in recoveries],
         split_points=None if pipeline is None else pipeline.split_points,
     )
 

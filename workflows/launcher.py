@@ -45,6 +45,15 @@ class LaunchConfig(BaseModel):
         default=600.0, gt=0, description="a collective that waits longer fails the job"
     )
     poll_interval_s: float = Field(default=0.5, gt=0, description="how often to check liveness")
+    hang_timeout_s: float = Field(
+        default=300.0, gt=0, description="a rank silent this long after its first step hangs"
+    )
+    first_step_timeout_s: float = Field(
+        default=900.0, gt=0, description="the bound before a rank's first step (loading, warm-up)"
+    )
+    max_failures: int = Field(
+        default=3, ge=0, description="restarts from the last checkpoint before the run fails"
+    )
 
 
 class LaunchError(RuntimeError):
@@ -63,6 +72,39 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, *, rank: int, worker: str) -> None:
         super().__init__(message)
         self.rank, self.worker = rank, worker
+
+
+class RankHung(RankFailed):
+    """A rank stopped making progress (a stopped process, a deadlocked collective)."""
+
+
+class Heartbeats:
+    """The ranks' latest sign of progress, fed by their Dask events.
+
+    ``record`` is a topic handler: it runs on the client's event loop, so it only stores.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[float, int, int]] = {}  # rank -> (when, step, first step)
+
+    def record(self, event: tuple[float, dict[str, Any]]) -> None:
+        rank, step = int(event[1]["rank"]), int(event[1]["step"])
+        first = self._seen.get(rank, (0.0, step, step))[2]
+        self._seen[rank] = (time.monotonic(), step, first)
+
+    def silent_rank(
+        self, ranks: int, *, since: float, hang_timeout_s: float, first_step_timeout_s: float
+    ) -> tuple[int, float] | None:
+        """A rank past its bound, with the seconds it has been silent, or None."""
+        now = time.monotonic()
+        for rank in range(ranks):
+            when, step, first = self._seen.get(rank, (since, -1, -1))
+            # Before its first step a rank may load data and warm up for a long time.
+            if step == first and now - since > first_step_timeout_s:
+                return rank, now - since
+            if step != first and now - when > hang_timeout_s:
+                return rank, now - when
+        return None
 
 
 class ProcessGroup:
@@ -152,6 +194,7 @@ class ProcessGroup:
         *args: Any,
         name: str = "rank",
         timeout_s: float | None = None,
+        heartbeats: Heartbeats | None = None,
     ) -> list[Any]:
         """Run ``function(*args)`` once on every rank and return the results in rank order.
 
@@ -171,13 +214,16 @@ class ProcessGroup:
             for rank, address in enumerate(self.workers)
         ]
         try:
-            self._watch(futures, timeout_s)
+            self._watch(futures, timeout_s, heartbeats)
             return [future.result() for future in futures]
         finally:
             self.client.cancel([f for f in futures if not f.done()])
 
-    def _watch(self, futures: list[Future], timeout_s: float | None) -> None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def _watch(
+        self, futures: list[Future], timeout_s: float | None, heartbeats: Heartbeats | None
+    ) -> None:
+        submitted = time.monotonic()
+        deadline = None if timeout_s is None else submitted + timeout_s
         pending = list(futures)
         while pending:
             with contextlib.suppress(TimeoutError):
@@ -206,6 +252,20 @@ class ProcessGroup:
                         rank=rank,
                         worker=address,
                     )
+            silent = heartbeats and heartbeats.silent_rank(
+                len(futures),
+                since=submitted,
+                hang_timeout_s=self.config.hang_timeout_s,
+                first_step_timeout_s=self.config.first_step_timeout_s,
+            )
+            if silent:
+                rank, seconds = silent
+                raise RankHung(
+                    f"rank {rank} on worker {self.workers[rank]} made no progress for "
+                    f"{seconds:.0f} s (launch.hang_timeout_s = {self.config.hang_timeout_s:g})",
+                    rank=rank,
+                    worker=self.workers[rank],
+                )
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not finish within {timeout_s:g} s")
 
