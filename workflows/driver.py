@@ -83,6 +83,7 @@ class Recovery:
         return {
             "failure": self.failure,
             "detected_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.detected_at)),
+            "detected_at_s": self.detected_at,
             "resumed_from_step": self.resumed_from_step,
             "seconds_lost": self.redo_s + (self.restart_s or 0.0),
         }

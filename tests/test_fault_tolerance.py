@@ -1,0 +1,257 @@
+"""Checkpoints and recovery with real failures: SIGKILL and SIGSTOP of worker processes,
+interrupted and damaged checkpoint writes, a planted pickle payload."""
+
+import json
+import logging
+import os
+import pickle
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from workers.checkpoint import (
+    MANIFEST,
+    CheckpointDamaged,
+    Progress,
+    _sha256,
+    latest_good_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from workers.models import build_model
+from workflows.driver import train
+from workflows.launcher import ProcessGroup
+
+BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "log_every_steps": 1}
+
+
+@pytest.fixture
+def checkpointed(make_config, tmp_path):
+    def checkpointed(name="ft", checkpoints=None, launch=None, checkpoint=None, **training):
+        raw = {
+            "name": name,
+            "checkpoint": {"directory": str(checkpoints or tmp_path / name), **(checkpoint or {})},
+            "launch": launch or {},
+        }
+        return make_config(raw, **(BASE | training))
+
+    return checkpointed
+
+
+def _worker_pids(cluster) -> dict[str, int]:
+    return cluster.client.run(os.getpid)
+
+
+def _assert_same_parameters(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _signal_at_step(cluster, pid: int, signum: int, step: int, sent: list):
+    """An on_event handler that sends ``signum`` to ``pid`` once step ``step`` is reported."""
+
+    def on_event(record):
+        if not sent and record["kind"] == "step" and record["step"] >= step:
+            os.kill(pid, signum)
+            sent.append(time.time())
+
+    return on_event
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_mid_epoch_is_survived_with_the_same_parameters(
+    own_cluster, checkpointed
+):
+    config = checkpointed("killed", epochs=3, checkpoint={"every_steps": 5})
+    victim = max(_worker_pids(own_cluster).values())  # one of the two rank workers
+    sent: list = []
+    result = train(
+        config,
+        cluster=own_cluster,
+        on_event=_signal_at_step(own_cluster, victim, signal.SIGKILL, 12, sent),
+    )
+    assert sent, "the kill never happened"
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie"
+    (recovery,) = result.recoveries
+    assert recovery["resumed_from_step"] >= 10 and recovery["resumed_from_step"] % 5 == 0
+    assert recovery["seconds_lost"] > 0
+    assert [r["epoch"] for r in result.history] == [1, 2, 3]
+
+    uninterrupted = train(checkpointed("straight", epochs=3), cluster=own_cluster, on_event=None)
+    assert not uninterrupted.recoveries
+    _assert_same_parameters(result.state_dict, uninterrupted.state_dict)
+    assert result.history[-1]["loss"] == pytest.approx(uninterrupted.history[-1]["loss"])
+
+
+@pytest.mark.slow
+def test_sigstop_of_a_worker_is_detected_within_the_hang_timeout(own_cluster, checkpointed):
+    config = checkpointed(
+        "stopped",
+        epochs=3,
+        checkpoint={"every_steps": 5},
+        launch={"hang_timeout_s": 4, "first_step_timeout_s": 120},
+    )
+    victim = max(_worker_pids(own_cluster).values())
+    sent: list = []
+    try:
+        result = train(
+            config,
+            cluster=own_cluster,
+            on_event=_signal_at_step(own_cluster, victim, signal.SIGSTOP, 12, sent),
+        )
+    finally:
+        if psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGCONT)
+    (recovery,) = result.recoveries
+    assert "made no progress" in recovery["failure"]
+    assert "launch.hang_timeout_s = 4" in recovery["failure"]
+    # Heartbeats come once a second and the launcher polls twice a second: a small margin.
+    assert 4 <= recovery["detected_at_s"] - sent[0] < 4 + 6
+    assert [r["epoch"] for r in result.history] == [1, 2, 3]
+
+
+def test_max_failures_bounds_the_restarts_with_a_clear_message(own_cluster, checkpointed):
+    from workflows.driver import TrainingFailed
+
+    config = checkpointed("fragile", epochs=3, launch={"max_failures": 0})
+    victim = max(_worker_pids(own_cluster).values())
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed, match=r"giving up after 0 recoveries \(launch.max_fail"):
+        train(
+            config,
+            cluster=own_cluster,
+            on_event=_signal_at_step(own_cluster, victim, signal.SIGKILL, 5, []),
+        )
+    assert time.monotonic() - started < 120
+
+
+def test_a_resumed_run_continues_exactly_where_its_checkpoint_left_off(cluster, checkpointed):
+    config = checkpointed("resume", epochs=2, checkpoint={"every_steps": 7, "keep": 10})
+    full = train(config, cluster=cluster, on_event=None)
+    saved = list_checkpoints(config.checkpoint.directory)
+    # 23 steps an epoch: every 7 steps, plus each epoch's end, newest first.
+    assert [json.loads((p / MANIFEST).read_text())["step"] for p in saved] == [
+        46,
+        42,
+        35,
+        28,
+        23,
+        21,
+        14,
+        7,
+    ]
+    # Interrupt "after" the first mid-epoch checkpoint: drop everything newer, then resume.
+    middle = [p for p in saved if json.loads((p / MANIFEST).read_text())["batch"]][-1]
+    for newer in saved[: saved.index(middle)]:
+        for file in newer.iterdir():
+            file.unlink()
+        newer.rmdir()
+    resumed = train(config, cluster=cluster, on_event=None)
+    _assert_same_parameters(resumed.state_dict, full.state_dict)
+    assert resumed.history == [
+        {**r, "samples_per_s": resumed.history[i]["samples_per_s"]}
+        for i, r in enumerate(full.history)
+    ]
+
+
+def test_a_ddp_checkpoint_loads_into_another_world_size(cluster, checkpointed, tmp_path):
+    two = train(checkpointed("resize", epochs=1), cluster=cluster, on_event=None)
+    # The same run on one rank finds the final checkpoint and has nothing left to train.
+    one = train(
+        checkpointed("resize", epochs=1, launch={"world_size": 1}), cluster=cluster, on_event=None
+    )
+    assert one.world_size == 1
+    _assert_same_parameters(one.state_dict, two.state_dict)
+    # And it trains on from there: epoch 1 is the checkpoint's, epoch 2 is new.
+    more = train(
+        checkpointed("resize", epochs=2, launch={"world_size": 1}), cluster=cluster, on_event=None
+    )
+    assert more.history[0] == two.history[0]
+    assert [r["epoch"] for r in more.history] == [1, 2]
+
+
+def _save_without_commit(directory: str, step: int) -> None:
+    """Runs on every rank: write a checkpoint's files, then stop before the commit."""
+    model = build_model("cifar_cnn", num_classes=10, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    save_checkpoint(
+        directory,
+        modules=[model],
+        optimizer=optimizer,
+        scaler=scaler,
+        progress=Progress(step=step),
+        keep=3,
+        commit=False,
+    )
+
+
+def test_a_write_interrupted_before_its_commit_is_never_loaded(cluster, checkpointed, caplog):
+    config = checkpointed("crashwrite", epochs=1)
+    train(config, cluster=cluster, on_event=None)
+    directory = config.checkpoint.directory
+    (good,) = list_checkpoints(directory)
+    with ProcessGroup(cluster.client, config.launch) as group:
+        group.run(_save_without_commit, directory, 999, name="uncommitted", timeout_s=120)
+    partial = [p.name for p in os.scandir(directory) if p.name.startswith(".")]
+    assert partial == [".step-000000999.partial"]  # the files are there, uncommitted
+    assert list_checkpoints(directory) == [good]
+    assert latest_good_checkpoint(directory)[0] == good
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "truncation", "missing manifest"])
+def test_a_damaged_newest_checkpoint_is_detected_and_skipped(cluster, checkpointed, caplog, damage):
+    config = checkpointed(
+        f"damaged-{damage.replace(' ', '-')}", epochs=1, checkpoint={"every_steps": 8}
+    )
+    train(config, cluster=cluster, on_event=None)
+    newest, previous = list_checkpoints(config.checkpoint.directory)[:2]
+    data = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    if damage == "bit flip":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+    elif damage == "truncation":
+        data.write_bytes(data.read_bytes()[:-100])
+    else:
+        (newest / MANIFEST).unlink()
+    with pytest.raises(CheckpointDamaged):
+        verify_checkpoint(newest)
+    with caplog.at_level(logging.WARNING, logger="workers.checkpoint"):
+        found, manifest = latest_good_checkpoint(config.checkpoint.directory)
+    assert found == previous and manifest["step"] == 16  # newest: the epoch end, 23
+    assert "skipping damaged checkpoint" in caplog.text and newest.name in caplog.text
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_carrying_a_pickle_payload_is_refused_and_never_runs(
+    cluster, checkpointed, tmp_path
+):
+    config = checkpointed("planted", epochs=1)
+    train(config, cluster=cluster, on_event=None)
+    (checkpoint,) = list_checkpoints(config.checkpoint.directory)
+    marker = tmp_path / "payload-ran"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    # The attacker also fixed the manifest's checksums: only the content check can catch it.
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][".metadata"] = _sha256(checkpoint / ".metadata")
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointDamaged, match=r"(posix|os)\.system"):
+        verify_checkpoint(checkpoint)
+    assert latest_good_checkpoint(config.checkpoint.directory) is None
+    # A run pointed at that folder starts afresh instead of loading it.
+    result = train(config, cluster=cluster, on_event=None)
+    assert result.history[-1]["epoch"] == 1
+    assert not marker.exists()
