@@ -111,13 +111,15 @@ def run_rank(job: TrainJob) -> RankResult:
     def report(record: dict[str, Any]) -> None:
         worker.log_event(job.event_topic, record)
 
-    last_beat = [-math.inf]
+    last_beat, first_steps = [-math.inf], set()
 
     def heartbeat(step: int) -> None:
-        # At most one event a second per rank: enough for the client to see a stopped rank.
+        # At most one event a second per rank, enough to see a stopped rank; but always the
+        # first two steps, which end the long first-step bound on the client.
         now = time.monotonic()
-        if job.heartbeat_topic and now - last_beat[0] >= 1.0:
+        if job.heartbeat_topic and (now - last_beat[0] >= 1.0 or len(first_steps) < 2):
             last_beat[0] = now
+            first_steps.add(step)
             worker.log_event(job.heartbeat_topic, {"rank": membership.rank, "step": step})
 
     return train(

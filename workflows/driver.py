@@ -215,7 +215,8 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
             except (RankFailed, GroupFormationError) as error:
                 if not _recoverable(error):
                     raise
-                failure = Failure(str(error), time.time(), attempt_started)
+                detected_at = getattr(error, "detected_at", time.time())
+                failure = Failure(str(error), detected_at, attempt_started)
                 if len(recoveries) >= launch.max_failures:
                     raise TrainingFailed(
                         f"{error} (at {time.strftime('%H:%M:%S')}); giving up after "

@@ -72,6 +72,7 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, *, rank: int, worker: str) -> None:
         super().__init__(message)
         self.rank, self.worker = rank, worker
+        self.detected_at = time.time()  # before the clean-up, which can take seconds
 
 
 class RankHung(RankFailed):
