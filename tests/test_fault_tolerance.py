@@ -256,3 +256,25 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_and_never_runs(
     result = train(config, cluster=cluster, on_event=None)
     assert result.history[-1]["epoch"] == 1
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "model_parallel"])
+def test_staged_strategies_resume_each_stage_from_its_checkpoint(
+    cluster, checkpointed, strategy
+):
+    config = checkpointed(
+        f"staged-{strategy}",
+        strategy=strategy,
+        epochs=2,
+        batch_size=64,
+        checkpoint={"every_steps": 9, "keep": 10},
+    )
+    full = train(config, cluster=cluster, on_event=None)
+    saved = list_checkpoints(config.checkpoint.directory)
+    middle = [p for p in saved if json.loads((p / MANIFEST).read_text())["batch"]][-1]
+    for newer in saved[: saved.index(middle)]:
+        for file in newer.iterdir():
+            file.unlink()
+        newer.rmdir()
+    resumed = train(config, cluster=cluster, on_event=None)
+    _assert_same_parameters(resumed.state_dict, full.state_dict)

@@ -75,7 +75,10 @@ def _state(
     modules: list[nn.Module], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
 ) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(_whole(modules), optimizer)
-    state = {"model": model_state, "optim": optimizer_state}
+    # Only the optimizer's tensors (momentum buffers): its hyperparameters come from the config
+    # and the LR schedule, and DCP writes non-tensor entries from rank 0 alone, which would
+    # lose the other pipeline stages' parameter groups.
+    state = {"model": model_state, "optim": {"state": optimizer_state["state"]}}
     if scaler.is_enabled():
         state["scaler"] = {k: torch.tensor(v) for k, v in scaler.state_dict().items()}
     return state
@@ -196,8 +199,15 @@ def load_checkpoint(
     if rng_key in metadata.state_dict_metadata:
         state[rng_key] = torch.get_rng_state()
     dcp.load(state, storage_reader=_SafeReader(path))
+    _, current = get_state_dict(_whole(modules), optimizer)
     set_state_dict(
-        _whole(modules), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        _whole(modules),
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict={
+            "state": state["optim"]["state"],
+            "param_groups": current["param_groups"],
+        },
     )
     if "scaler" in state:
         scaler.load_state_dict({k: v.item() for k, v in state["scaler"].items()})

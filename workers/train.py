@@ -370,9 +370,7 @@ def train(
     # A run resumed from its final checkpoint has nothing left to train: it hands back the
     # checkpoint's parameters and history.
     overall = samples_seen / loop_seconds if loop_seconds else 0.0
-    steady = (
-        (samples_seen - warm_samples) / (loop_seconds - warm_seconds) if warm_step else overall
-    )
+    steady = (samples_seen - warm_samples) / (loop_seconds - warm_seconds) if warm_step else overall
     state_dict = None
     if pipe is not None:
         stage_state = full_state_dict(pipe)  # gathers FSDP shards: every replica takes part
