@@ -259,9 +259,7 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_and_never_runs(
 
 
 @pytest.mark.parametrize("strategy", ["pipeline", "model_parallel"])
-def test_staged_strategies_resume_each_stage_from_its_checkpoint(
-    cluster, checkpointed, strategy
-):
+def test_staged_strategies_resume_each_stage_from_its_checkpoint(cluster, checkpointed, strategy):
     config = checkpointed(
         f"staged-{strategy}",
         strategy=strategy,
@@ -278,3 +276,61 @@ def test_staged_strategies_resume_each_stage_from_its_checkpoint(
         newer.rmdir()
     resumed = train(config, cluster=cluster, on_event=None)
     _assert_same_parameters(resumed.state_dict, full.state_dict)
+
+
+@pytest.mark.slow
+def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).parents[1] / "workflows" / "configs" / "digits_ddp.toml"
+    output = tmp_path / "run"
+
+    def command(*extra: str) -> list[str]:
+        return [
+            sys.executable,
+            *("-c", "from workflows.cli import main; main()"),
+            *("run", str(config), "--output", str(output)),
+            *("--set", f"data.store='{store_dir / 'digits'}'"),
+            *("--set", "cluster.dashboard_port=0"),
+            *("--set", "training.epochs=40"),
+            *extra,  # last, so its --set wins
+        ]
+
+    process = subprocess.Popen(command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list_checkpoints(output / "checkpoints")) < 2:  # two epoch ends
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "no checkpoint in 120 s"
+            time.sleep(0.2)
+        workers = psutil.Process(process.pid).children(recursive=True)
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        _, stderr = process.communicate(timeout=60)
+        # The checkpoints are final once the workers are gone too.
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert alive == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode == 130, stderr
+    assert f"continue with --output {output} --resume" in stderr.splitlines()[-1]
+    saved = json.loads((list_checkpoints(output / "checkpoints")[0] / MANIFEST).read_text())
+
+    refused = subprocess.run(command(), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "add --resume to continue it" in refused.stderr
+
+    resumed = subprocess.run(
+        command("--resume", "--set", "training.epochs=" + str(saved["epoch"] + 1)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["epochs"] == saved["epoch"] + 1  # the saved epochs plus one more
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r["epoch"] for r in records if r["kind"] == "epoch"]
+    assert epochs[-1] == saved["epoch"] + 1

@@ -173,8 +173,17 @@ def plan(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> Non
     type=click.Path(path_type=Path),
     help="the run directory (default runs/<name>-<UTC time>); must not hold a run already",
 )
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="continue the run in --output DIR from its newest good checkpoint",
+)
 def run(
-    config: Path, overrides: tuple[str, ...], scheduler: str | None, output: Path | None
+    config: Path,
+    overrides: tuple[str, ...],
+    scheduler: str | None,
+    output: Path | None,
+    resume: bool,
 ) -> None:
     """Train as CONFIG says: one line per epoch, results in the run directory."""
     from workflows.cluster import start_cluster
@@ -183,9 +192,15 @@ def run(
 
     resolved = _load(config, overrides, scheduler)
     try:
-        run_directory = RunDirectory.create(resolved, output)
+        run_directory = RunDirectory.create(resolved, output, resume=resume)
     except (ConfigError, OSError) as error:
         _fail(EXIT_INVALID, str(error))
+    if resolved.checkpoint.directory is None:
+        # Checkpoints live with the run, so --resume (or a restart after a failure) finds them.
+        raw = resolved.model_dump()
+        raw["checkpoint"]["directory"] = str(run_directory.checkpoints)
+        resolved = load_config(raw)
+        run_directory.config = resolved
     click.echo(f"run directory: {run_directory.path}")
     # A scheduler's kill (SIGTERM) is handled like Ctrl-C: stop the ranks, close the cluster.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -204,7 +219,10 @@ def run(
         else:
             print_progress(record)
 
-    interrupted = f"interrupted; partial results in {run_directory.path}"
+    interrupted = (
+        f"interrupted; partial results in {run_directory.path}; continue with --output "
+        f"{run_directory.path} --resume"
+    )
     with (
         _exit_codes("training", LaunchError, interrupted=interrupted),
         start_cluster(resolved.cluster) as cluster,

@@ -187,6 +187,9 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
             resume = None
             if checkpoints and config.checkpoint.resume == "auto":
                 resume = latest_good_checkpoint(checkpoints)
+            if resume:
+                # Epochs the checkpoint already holds were delivered by the run that wrote it.
+                events.skip(resume[1]["history"])
             if failure is not None:
                 recoveries.append(failure.recovered_at(resume))
                 logger.warning("recovery %d: %s", len(recoveries), recoveries[-1].describe())
@@ -279,12 +282,20 @@ class _EventRelay:
             self._deliver(record)
 
     def _deliver(self, record: dict[str, Any]) -> None:
-        key = (record.get("kind"), record.get("epoch"), record.get("step"))
+        key = self._key(record)
         if key in self._seen:
             return
         self._seen.add(key)
         if self.on_event is not None:
             self.on_event(record)
+
+    def skip(self, records: list[dict[str, Any]]) -> None:
+        """Never deliver these records (a resumed run's earlier epochs)."""
+        self._seen.update(self._key(record) for record in records)
+
+    @staticmethod
+    def _key(record: dict[str, Any]) -> tuple[Any, ...]:
+        return (record.get("kind"), record.get("epoch"), record.get("step"))
 
     def deliver_missed(self, records: list[dict[str, Any]]) -> None:
         """Call after leaving the context. If the handler is still busy after the bounded wait,

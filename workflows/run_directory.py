@@ -5,6 +5,7 @@ runs/<name>-<UTC time>/
   metrics.jsonl   one record per logged step and per epoch, as they arrive
   summary.json    strategy, world size, epochs, final metrics, samples/s, wall seconds
   model.pt        the final parameters (a plain state_dict: load with weights_only=True)
+  checkpoints/    step-<n>/ folders written with torch.distributed.checkpoint, newest kept
   run.log         the run's log lines
 """
 
@@ -29,21 +30,38 @@ class RunDirectory:
         self._log_handler: logging.Handler | None = None
 
     @classmethod
-    def create(cls, config: RunConfig, output: str | Path | None = None) -> Self:
+    def create(
+        cls, config: RunConfig, output: str | Path | None = None, *, resume: bool = False
+    ) -> Self:
         """The run directory at ``output`` (default ``runs/<name>-<UTC time>``), checked now and
-        written once entered. A directory that already holds a run is refused: its results are
-        never overwritten.
+        written once entered. A directory that already holds a run is refused, its results
+        never overwritten, unless ``resume`` continues that same run from its checkpoints.
         """
+        if resume and output is None:
+            raise ConfigError("--resume: name the run directory to continue with --output DIR")
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = Path(output) if output is not None else Path("runs") / f"{config.name}-{stamp}"
         if (path / "config.json").exists():
             held = json.loads((path / "config.json").read_text()).get("name", "?")
-            raise ConfigError(
-                f"--output: {path} already holds run {held!r}; choose a new directory"
-            )
+            if not resume:
+                raise ConfigError(
+                    f"--output: {path} already holds run {held!r}; choose a new directory, "
+                    "or add --resume to continue it"
+                )
+            if held != config.name:
+                raise ConfigError(
+                    f"--resume: {path} holds run {held!r}, not {config.name!r}; resume it with "
+                    "its own config"
+                )
+        elif resume:
+            raise ConfigError(f"--resume: {path} holds no run to continue")
         if path.exists() and not path.is_dir():
             raise ConfigError(f"--output: {path} exists and is not a directory")
         return cls(path, config)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
 
     def __enter__(self) -> Self:
         """Start writing: from here on the directory holds this run."""
@@ -80,6 +98,7 @@ class RunDirectory:
         torch.save(result.state_dict, model_path)
         summary = {
             "name": result.name,
+            "recoveries": result.recoveries,
             "strategy": result.strategy,
             "world_size": result.world_size,
             "split_points": list(result.split_points) if result.split_points else None,
