@@ -80,8 +80,32 @@ def test_bf16_autocast_and_clipping_and_cosine_schedule_train(cluster, config_of
 def test_fifty_jobs_in_a_row_on_one_warm_cluster(cluster, config_of):
     config = config_of(max_steps=1)
     first_steps = []
+    train(config, cluster=cluster, on_event=None)  # warm: imports, first allocations
+    before = cluster.client.run(_process_resources)
     for _ in range(50):
         result = train(config, cluster=cluster, on_event=None)
         assert result.history[-1]["step"] == 1
         first_steps.append(result.first_step_s)
+    after = cluster.client.run(_process_resources)
     print(f"submit → first step over 50 warm jobs: median {sorted(first_steps)[25]:.3f} s")
+    for worker in sorted(after):
+        was, now = before[worker], after[worker]
+        print(
+            f"{worker}: open fds {was['fds']} → {now['fds']}, threads {was['threads']} → "
+            f"{now['threads']}, resident {was['rss'] / 2**20:.0f} → {now['rss'] / 2**20:.0f} MiB"
+        )
+        # Bounded: each job's process group, threads and sockets are released.
+        assert now["fds"] - was["fds"] <= 16
+        assert now["threads"] - was["threads"] <= 8
+        assert now["rss"] - was["rss"] <= 256 * 2**20
+
+
+def _process_resources() -> dict[str, int]:
+    import psutil
+
+    process = psutil.Process()
+    return {
+        "fds": process.num_fds(),
+        "threads": process.num_threads(),
+        "rss": process.memory_info().rss,
+    }
