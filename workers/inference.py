@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pickle
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -118,6 +119,18 @@ def local_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+# Per job token, in this worker process: model loads and partitions scored. Kept after the
+# plugin is torn down, so the client can still read them (worker_report); bounded.
+_HISTORY: OrderedDict[str, dict[str, int]] = OrderedDict()
+
+
+def _count(token: str, what: str) -> None:
+    record = _HISTORY.setdefault(token, {"loads": 0, "scored": 0})
+    record[what] += 1
+    while len(_HISTORY) > 64:
+        _HISTORY.popitem(last=False)
+
+
 class ModelPlugin(WorkerPlugin):
     """Holds one trained model per worker: loaded in ``setup``, freed in ``teardown``."""
 
@@ -132,8 +145,6 @@ class ModelPlugin(WorkerPlugin):
         self.spec = spec
         self.model: nn.Module | None = None
         self.device: torch.device | None = None
-        self.loads = 0  # how often this worker built the model: once per registration
-        self.scored = 0  # partitions scored on this worker
 
     async def setup(self, worker: Worker) -> None:
         # Unpickling a large checkpoint takes a while; in a thread, the worker's event loop
@@ -144,7 +155,7 @@ class ModelPlugin(WorkerPlugin):
         device = local_device()
         self.model = self.spec.build(device)
         self.device = device
-        self.loads += 1
+        _count(self.spec.token, "loads")
 
     async def teardown(self, worker: Worker) -> None:
         device, self.model = self.device, None
@@ -206,7 +217,7 @@ def score_partition(partition: Partition, job: ScoreJob) -> pd.DataFrame:
         frame = score(
             plugin.model, partition, job, device=plugin.device, precision=plugin.spec.precision
         )
-    plugin.scored += 1
+    _count(job.token, "scored")
     return frame
 
 
@@ -407,15 +418,20 @@ def _threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def worker_report(dask_worker: Worker) -> dict[str, Any]:
-    """This worker's pid, model loads, partitions scored and the predict tasks it is running
-    (run with ``Client.run``, which passes the worker in)."""
+def worker_report(dask_worker: Worker, token: str | None = None) -> dict[str, Any]:
+    """This worker's pid, its model loads and partitions scored for job ``token`` (default:
+    the job whose plugin it holds), and the predict tasks it is running now (run with
+    ``Client.run``, which passes the worker in)."""
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if token is None:
+        token = getattr(getattr(plugin, "spec", None), "token", None)
+    counts = _HISTORY.get(token or "", {"loads": 0, "scored": 0})
     return {
         "pid": os.getpid(),
-        "loads": getattr(plugin, "loads", 0),
-        "scored": getattr(plugin, "scored", 0),
-        "token": getattr(getattr(plugin, "spec", None), "token", None),
+        "token": token,
+        "loads": counts["loads"],
+        "scored": counts["scored"],
+        "holds_model": getattr(plugin, "model", None) is not None,
         "executing": sorted(
             str(ts.key) for ts in dask_worker.state.executing if "predict-" in str(ts.key)
         ),

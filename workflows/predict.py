@@ -17,6 +17,7 @@ PATH/
   summary.json           model, input, counts, images/s, the settings used
 """
 
+import contextlib
 import json
 import logging
 import time
@@ -133,6 +134,7 @@ class PredictResult:
     seconds: float  # from the first task submitted to the last file written
     images_per_s: float
     metrics: dict[str, Any] | None
+    token: str = ""  # the job's id on the workers (workers.inference.worker_report)
     notes: list[str] = field(default_factory=list)
 
     def read(self) -> pd.DataFrame:
@@ -585,6 +587,10 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
             f"predict.timeout_s: scoring {plan.count} samples took longer than "
             f"{settings.timeout_s:g} s"
         ) from None
+    finally:
+        # The workers free the model now rather than hold it until the next job.
+        with contextlib.suppress(Exception):
+            client.unregister_worker_plugin(ModelPlugin.name)
     seconds = time.perf_counter() - started
     count = int(results[1])
     if count != plan.count:
@@ -609,6 +615,7 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
         seconds=seconds,
         images_per_s=count / seconds,
         metrics=metrics,
+        token=job.token,
         notes=list(prepared.notes),
     )
     _write_json(
