@@ -131,7 +131,7 @@ def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
                 input=_store_of(trained_run),
                 output=tmp_path / "train",
                 # Small batches and partitions: many tasks, each long enough to be caught.
-                settings={"split": "train", "partition_size": 24, "batch_size": 1},
+                settings={"split": "train", "partition_size": 32, "batch_size": 4},
                 cluster=own_cluster,
             )
         except BaseException as error:  # handed to the test's thread
