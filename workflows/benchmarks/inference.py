@@ -4,12 +4,14 @@
 
 A synthetic dataset store of ``--images`` 32 px images is built once in a temporary folder, and
 the seed article's CNN (10 classes) is saved as a checkpoint. Each repeat then scores the
-store's training split three times, alternating:
+store's training split four times, alternating:
 
 - one process: the same task function (``workers.inference.score``) called in a plain loop over
   the same partitions, each written to its own Parquet file, torch at its default threads, in a
   fresh Python process with glibc's malloc defaults (what a user's script gets);
 - the same, given the malloc settings our workers get (``workflows.cluster.TUNED_MALLOC``);
+- two such processes side by side (no Dask), each scoring every other partition: what this
+  machine's cores give two processes at all, the ceiling for any 2-worker scheme;
 - dask-train: ``predict()`` on N workers, from registering the model plugin to the last Parquet
   file written.
 
@@ -37,53 +39,73 @@ from workflows.predict import PredictConfig, PreparedPrediction, predict, prepar
 from workflows.preprocess import prepare_store
 
 
-def score_in_one_process(prepared: PreparedPrediction, output: Path) -> float:
-    """images/s of the same partitions scored and written in a plain loop in this process."""
-    started = time.perf_counter()
+def score_in_one_process(
+    prepared: PreparedPrediction, output: Path, share: tuple[int, int] = (0, 1)
+) -> dict[str, float]:
+    """Score and write partitions ``share[0]::share[1]`` in a plain loop in this process;
+    returns the count and the wall-clock start and stop (comparable across processes)."""
+    started = time.time()
     device = torch.device("cpu")
     model = prepared.spec.build(device)
-    output.mkdir(parents=True)
+    output.mkdir(parents=True, exist_ok=True)
     count = 0
-    for partition in prepared.plan.partitions:
+    for partition in prepared.plan.partitions[share[0] :: share[1]]:
         frame = score(
             model, partition, prepared.job, device=device, precision=prepared.settings.precision
         )
         frame.to_parquet(output / f"part.{partition.index:06d}.parquet", index=False)
         count += len(frame)
-    return count / (time.perf_counter() - started)
+    return {"count": count, "start": started, "stop": time.time()}
 
 
-def one_process_run(request: dict, *, tuned_malloc: bool) -> float:
-    """``score_in_one_process`` in a fresh interpreter (malloc settings are read at start)."""
+TUNED = {k: str(v) for k, v in TUNED_MALLOC.items()}
+# The baselines: name → (environment, processes side by side).
+BASELINES = {
+    "one process (glibc malloc defaults)": ({}, 1),
+    "one process (our malloc settings)": (TUNED, 1),
+    "2 plain processes, half each, no Dask": (TUNED, 2),
+}
+
+
+def baseline_run(request: dict, environ: dict[str, str], processes: int) -> float:
+    """images/s of ``processes`` fresh interpreters (malloc settings are read at start), each
+    scoring its share of the partitions, all at the same time."""
     env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC}
-    if tuned_malloc:
-        env |= {k: str(v) for k, v in TUNED_MALLOC.items()}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workflows.benchmarks.inference",
-            "--one-process",
-            json.dumps(request),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=True,
-    )
-    return float(done.stdout.split()[-1])
+    running = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workflows.benchmarks.inference",
+                "--one-process",
+                json.dumps(request | {"share": [k, processes]}),
+            ],
+            env=env | environ,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(processes)
+    ]
+    outcomes = []
+    for process in running:
+        stdout, _ = process.communicate(timeout=1800)
+        if process.returncode:
+            raise RuntimeError(f"the one-process baseline failed (exit {process.returncode})")
+        outcomes.append(json.loads(stdout.splitlines()[-1]))
+    wall = max(o["stop"] for o in outcomes) - min(o["start"] for o in outcomes)
+    return sum(o["count"] for o in outcomes) / wall
 
 
 def _one_process_main(request: dict) -> None:
     prepared = prepare(
         model=request["model"],
         input=request["input"],
-        output=request["output"],
+        output=request["output"] + "-unused",
         config=request["config"],
         settings=request["settings"],
     )
-    print(score_in_one_process(prepared, Path(request["output"])))
+    share = tuple(request["share"])
+    print(json.dumps(score_in_one_process(prepared, Path(request["output"]), share)))
 
 
 def main() -> None:
@@ -137,7 +159,7 @@ def main() -> None:
             return result.images_per_s
 
         on_cluster(Path(tmp) / "warm-up")  # workers import torch and zarr once
-        plain, tuned, dask = [], [], []
+        runs: dict[str, list[float]] = {name: [] for name in [*BASELINES, "dask"]}
         for repeat in range(args.repeats):
             request = {
                 "model": str(checkpoint),
@@ -145,29 +167,24 @@ def main() -> None:
                 "config": config,
                 "settings": settings.model_dump(),
             }
-            plain.append(
-                one_process_run(request | {"output": f"{tmp}/plain-{repeat}"}, tuned_malloc=False)
-            )
-            tuned.append(
-                one_process_run(request | {"output": f"{tmp}/tuned-{repeat}"}, tuned_malloc=True)
-            )
-            dask.append(on_cluster(Path(tmp) / f"dask-{repeat}"))
-            print(
-                f"repeat {repeat + 1}: one process {plain[-1]:.0f} images/s "
-                f"({tuned[-1]:.0f} with our malloc settings), dask {dask[-1]:.0f} images/s",
-                flush=True,
-            )
-        medians = [statistics.median(v) for v in (plain, tuned, dask)]
+            for i, (name, (environ, processes)) in enumerate(BASELINES.items()):
+                output = {"output": f"{tmp}/loop-{repeat}-{i}"}
+                runs[name].append(baseline_run(request | output, environ, processes))
+            runs["dask"].append(on_cluster(Path(tmp) / f"dask-{repeat}"))
+            figures = ", ".join(f"{v[-1]:.0f}" for v in runs.values())
+            print(f"repeat {repeat + 1}: images/s {figures}", flush=True)
+        medians = {name: statistics.median(values) for name, values in runs.items()}
+        dask = medians.pop("dask")
         count = manifest.counts["train"]
         print(
             f"\nseed CNN, {count} images of 32 px from a dataset store, batch {args.batch_size}, "
             f"partitions of {args.partition_size}, median of {args.repeats}:"
         )
-        print(f"  one process (glibc malloc defaults)      {medians[0]:8.0f} images/s")
-        print(f"  one process (our malloc settings)        {medians[1]:8.0f} images/s")
-        print(f"  dask-train, {args.workers} workers                  {medians[2]:8.0f} images/s")
-        print(f"  ratio dask-train / one process           {medians[2] / medians[0]:8.3f}")
-        print(f"  ratio dask-train / one process, same malloc {medians[2] / medians[1]:5.3f}")
+        for name, value in medians.items():
+            print(f"  {name:<40} {value:6.0f} images/s")
+        print(f"  {f'dask-train, {args.workers} workers':<40} {dask:6.0f} images/s")
+        for name, value in medians.items():
+            print(f"  ratio dask-train / {name:<40} {dask / value:6.3f}")
 
 
 if __name__ == "__main__":
