@@ -572,9 +572,9 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
             prepared.storage_options,
             meta=pd.Series(dtype=np.int64),
         ).sum()
-    # Rows scored (a completeness check) and, with labels, the confusion counts: Dask
-    # reductions over the same partitions, computed in the same pass as the writes.
-    collections: list[Any] = [write, frame["index"].count()]
+    # With labels, the confusion counts: a Dask reduction over the same partitions, computed in
+    # the same pass as the writes.
+    collections: list[Any] = [write]
     if job.label_map is not None:
         collections.append(frame.groupby(["label", "prediction"]).size())
     futures = client.compute(collections)
@@ -592,13 +592,14 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
         with contextlib.suppress(Exception):
             client.unregister_worker_plugin(ModelPlugin.name)
     seconds = time.perf_counter() - started
-    count = int(results[1])
+    # What is on disk must be every input sample, once.
+    count = _parquet_rows(fs, predictions) if settings.format == "parquet" else int(results[0])
     if count != plan.count:
-        raise RuntimeError(f"scored {count} samples, but the input has {plan.count}")
+        raise RuntimeError(f"wrote {count} predictions, but the input has {plan.count} samples")
     metrics = None
     if job.label_map is not None:
         matrix = np.zeros((len(job.classes),) * 2, dtype=np.int64)
-        for (truth, guess), n in results[2].items():
+        for (truth, guess), n in results[1].items():
             matrix[int(truth), int(guess)] += int(n)
         metrics = confusion_metrics(matrix, list(job.classes))
         _write_json(fs, f"{root}/metrics.json", metrics)
@@ -643,6 +644,17 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     )
     logger.info("scored %d samples in %.1f s on %d workers", count, seconds, workers)
     return result
+
+
+def _parquet_rows(fs: Any, path: str) -> int:
+    """Rows in the Parquet file set, from the files' footers (no data read)."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for file in fs.glob(f"{fs._strip_protocol(path)}/part.*.parquet"):
+        with fs.open(file, "rb") as f:
+            total += pq.ParquetFile(f).metadata.num_rows
+    return total
 
 
 def _part_name(index: int) -> str:
