@@ -305,14 +305,22 @@ def test_an_existing_output_path_is_refused(trained_run, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_unlabeled_images_are_scored_without_metrics(cluster, trained_run, tmp_path):
+def test_unlabeled_images_are_scored_in_bf16_without_metrics(cluster, trained_run, tmp_path):
     write_image_folder(tmp_path / "flat-tree", per_class=2)
     flat = tmp_path / "flat"
     flat.mkdir()
     for i, path in enumerate(sorted((tmp_path / "flat-tree").rglob("*.*"))):
         path.rename(flat / f"{i:02d}{path.suffix}")
-    result = predict(model=trained_run, input=flat, output=tmp_path / "out", cluster=cluster)
+    result = predict(
+        model=trained_run,
+        input=flat,
+        output=tmp_path / "out",
+        settings={"precision": "bf16", "outputs": "class"},
+        cluster=cluster,
+    )
     frame = result.read()
+    assert list(frame.columns) == ["index", "sample_id", "label", "prediction", "confidence"]
+    assert frame["confidence"].between(0.1, 1.0).all()  # bf16 autocast, fp32 softmax
     assert result.metrics is None and "no labels" in result.notes[0]
     assert frame["label"].eq(-1).all() and len(frame) == 6
     assert frame["sample_id"].tolist() == sorted(p.name for p in flat.iterdir())

@@ -23,6 +23,7 @@ import logging
 import time
 import tomllib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +57,7 @@ from workflows.preprocess import read_manifest
 logger = logging.getLogger(__name__)
 
 PREDICTIONS = {"parquet": "predictions.parquet", "zarr": "predictions.zarr"}
+Ranges = Callable[[int], list[tuple[int, int]]]  # sample count → partitions' (start, stop)
 
 
 class PredictConfig(BaseModel):
@@ -281,7 +283,14 @@ def plan_input(
     return _plan_images(fs, path, url, settings, ranges)
 
 
-def _plan_store(url, model, settings, channels, options, ranges) -> InputPlan:  # type: ignore[no-untyped-def]
+def _plan_store(
+    url: str,
+    model: TrainedModel,
+    settings: PredictConfig,
+    channels: int,
+    options: dict[str, Any],
+    ranges: Ranges,
+) -> InputPlan:
     manifest = read_manifest(url, storage_options=options)
     if manifest is None:
         raise ConfigError(
@@ -343,7 +352,9 @@ def _cifar_count(fs: Any, batch: str) -> int:
     return count
 
 
-def _plan_images(fs: Any, path: str, url: str, settings: PredictConfig, ranges) -> InputPlan:  # type: ignore[no-untyped-def]
+def _plan_images(
+    fs: Any, path: str, url: str, settings: PredictConfig, ranges: Ranges
+) -> InputPlan:
     base, shown = path, url
     if fs.isdir(f"{path}/train") and fs.isdir(f"{path}/val"):
         base, shown = f"{path}/{settings.split}", f"{url}/{settings.split}"
