@@ -47,13 +47,15 @@ def _settings(store_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_predict_scores_the_store_and_writes_predictions_and_metrics(
-    tmp_path, store_dir, checkpoint, digits_store
+    tmp_path, store_dir, checkpoint, digits_store, cluster
 ):
     output = tmp_path / "scored"
     done = _cli(
         "predict",
         str(CONFIGS / "digits_ddp.toml"),
         *_settings(store_dir),
+        # The session's cluster: the command connects to it instead of starting its own.
+        *("--scheduler", cluster.cluster.scheduler_address),
         *("--set", "predict.outputs='top_k'", "--set", "predict.partition_size=100"),
         *("--model", str(checkpoint), "--input", str(store_dir / "digits")),
         *("--output", str(output)),
