@@ -18,7 +18,7 @@ from tests.datasets import write_image_folder, write_tiny_cifar10
 from workers.data import DataConfig, open_store
 from workers.inference import CheckpointError, worker_report
 from workers.models import build_model
-from workers.sources import list_records
+from workers.sources import SourceError, list_records
 from workflows.cluster import live_workers
 from workflows.config import ConfigError
 from workflows.driver import train
@@ -326,3 +326,21 @@ def test_unlabeled_images_are_scored_in_bf16_without_metrics(cluster, trained_ru
     assert frame["sample_id"].tolist() == sorted(p.name for p in flat.iterdir())
     assert not (tmp_path / "out" / "metrics.json").exists()
     assert isinstance(pd.read_parquet(result.predictions), pd.DataFrame)
+
+
+def test_a_corrupt_image_fails_the_job_naming_the_file_and_frees_the_model(
+    cluster, trained_run, tmp_path
+):
+    write_image_folder(tmp_path / "images", per_class=2)
+    broken = tmp_path / "images" / "dog" / "001.png"
+    broken.write_bytes(b"not a png")
+    with pytest.raises(SourceError, match=r"dog/001\.png: not a readable image"):
+        predict(
+            model=trained_run,
+            input=tmp_path / "images",
+            output=tmp_path / "out",
+            settings={"partition_size": 2},
+            cluster=cluster,
+        )
+    reports = cluster.client.run(worker_report)
+    assert not any(r["holds_model"] or r["token"] for r in reports.values())

@@ -556,48 +556,56 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     started = time.perf_counter()
     # Every worker (and any that joins later) loads the model once, here.
     client.register_plugin(ModelPlugin(prepared.spec), name=ModelPlugin.name)
-    workers = len(live_workers(client))
-    parts = [
-        delayed(score_partition, pure=False)(
-            partition, job, dask_key_name=f"predict-{prepared.name}-{partition.index:06d}-{tag}"
-        )
-        for partition in plan.partitions
-    ]
-    frame = dd.from_delayed(parts, meta=empty_frame(job), verify_meta=False)
-    fs.makedirs(root, exist_ok=True)
-    if settings.format == "parquet":
-        # Each partition goes to its own numbered file: a partition rescored after its worker
-        # died rewrites the same file, so every sample is written exactly once.
-        write = frame.to_parquet(
-            predictions,
-            write_index=False,
-            compute=False,
-            name_function=_part_name,
-            storage_options=prepared.storage_options or None,
-        )
-    else:
-        _create_zarr(predictions, job, plan, prepared.storage_options)
-        write = frame.map_partitions(
-            write_zarr_partition,
-            predictions,
-            prepared.storage_options,
-            meta=pd.Series(dtype=np.int64),
-        ).sum()
-    # With labels, the confusion counts: a Dask reduction over the same partitions, computed in
-    # the same pass as the writes.
-    collections: list[Any] = [write]
-    if job.label_map is not None:
-        collections.append(frame.groupby(["label", "prediction"]).size())
-    futures = client.compute(collections)
+    futures: list[Any] = []
     try:
-        wait(futures, timeout=settings.timeout_s)
+        workers = len(live_workers(client))
+        parts = [
+            delayed(score_partition, pure=False)(
+                partition,
+                job,
+                dask_key_name=f"predict-{prepared.name}-{partition.index:06d}-{tag}",
+            )
+            for partition in plan.partitions
+        ]
+        frame = dd.from_delayed(parts, meta=empty_frame(job), verify_meta=False)
+        fs.makedirs(root, exist_ok=True)
+        if settings.format == "parquet":
+            # Each partition goes to its own numbered file: a partition rescored after its
+            # worker died rewrites the same file, so every sample is written exactly once.
+            write = frame.to_parquet(
+                predictions,
+                write_index=False,
+                compute=False,
+                name_function=_part_name,
+                storage_options=prepared.storage_options or None,
+            )
+        else:
+            _create_zarr(predictions, job, plan, prepared.storage_options)
+            write = frame.map_partitions(
+                write_zarr_partition,
+                predictions,
+                prepared.storage_options,
+                meta=pd.Series(dtype=np.int64),
+            ).sum()
+        # With labels, the confusion counts: a Dask reduction over the same partitions,
+        # computed in the same pass as the writes.
+        collections: list[Any] = [write]
+        if job.label_map is not None:
+            collections.append(frame.groupby(["label", "prediction"]).size())
+        futures = client.compute(collections)
+        try:
+            wait(futures, timeout=settings.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"predict.timeout_s: scoring {plan.count} samples took longer than "
+                f"{settings.timeout_s:g} s"
+            ) from None
         results = client.gather(futures)
-    except TimeoutError:
-        client.cancel(futures)
-        raise TimeoutError(
-            f"predict.timeout_s: scoring {plan.count} samples took longer than "
-            f"{settings.timeout_s:g} s"
-        ) from None
+    except BaseException:
+        # A failed, timed-out or interrupted job leaves no tasks queued behind it.
+        if futures:
+            client.cancel(futures)
+        raise
     finally:
         # The workers free the model now rather than hold it until the next job.
         with contextlib.suppress(Exception):
