@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import dask
 import dask.dataframe as dd
 import fsspec
 import numpy as np
 import pandas as pd
 import zarr
-from dask import delayed
 from distributed import Client, wait
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -559,15 +559,17 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     futures: list[Any] = []
     try:
         workers = len(live_workers(client))
-        parts = [
-            delayed(score_partition, pure=False)(
-                partition,
-                job,
-                dask_key_name=f"predict-{prepared.name}-{partition.index:06d}-{tag}",
+        # One task per partition, ("predict-<name>-<job>-…", i) on the dashboard. Sample ids
+        # are str already: dask's string conversion would only add a task per partition.
+        with dask.config.set({"dataframe.convert-string": False}):
+            frame = dd.from_map(
+                score_partition,
+                plan.partitions,
+                job=job,
+                meta=empty_frame(job),
+                label=f"predict-{prepared.name}-{tag}",
+                enforce_metadata=False,
             )
-            for partition in plan.partitions
-        ]
-        frame = dd.from_delayed(parts, meta=empty_frame(job), verify_meta=False)
         fs.makedirs(root, exist_ok=True)
         if settings.format == "parquet":
             # Each partition goes to its own numbered file: a partition rescored after its
