@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format bench bench-data clean
+.PHONY: install demo test lint format bench bench-data bench-predict clean
 
 install: $(STAMP)
 
@@ -38,6 +38,9 @@ bench: $(STAMP)
 
 bench-data: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.preprocessing
+
+bench-predict: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.inference
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

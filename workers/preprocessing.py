@@ -93,10 +93,19 @@ def normalize_chunk(
             raw = zarr.open_array(url, path=f"{component}/images", storage_options=options)
             pieces.append(np.asarray(raw[lo - offset : hi - offset]))
         offset += count
-    normalized = np.concatenate(pieces).astype(np.float32)  # in place from here on
-    normalized /= np.float32(255.0)
-    normalized -= mean.astype(np.float32)[:, None, None]
-    normalized /= std.astype(np.float32)[:, None, None]
+    normalized = normalize_images(np.concatenate(pieces), mean, std)
     target = zarr.open_array(url, path=path, mode="r+", storage_options=options)
     target[start:stop] = normalized
     return stop - start
+
+
+def normalize_images(raw: np.ndarray, mean: Any, std: Any) -> np.ndarray:
+    """uint8 ``(n, 3, h, w)`` pixels → float32 normalized with per-channel ``mean`` and ``std``
+    of the pixels scaled to [0, 1]. The one definition of normalization: the store is written
+    with it and batch inference applies it to raw images, so both give the same floats."""
+    mean, std = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
+    normalized = raw.astype(np.float32)  # in place from here on
+    normalized /= np.float32(255.0)
+    normalized -= mean[:, None, None]
+    normalized /= std[:, None, None]
+    return normalized

@@ -1,7 +1,7 @@
 """``dask-train``: the batch entry point.
 
 Exit codes a scheduler can act on: 0 success, 2 invalid config or arguments (one line, no
-traceback), 1 training failure, 130 interrupted.
+traceback), 1 training (or prediction) failure, 130 interrupted.
 """
 
 import contextlib
@@ -236,4 +236,82 @@ def run(
         f"done: {summary['strategy']} on {summary['world_size']} ranks, val accuracy "
         f"{final['val_accuracy']:.4f}, {summary['samples_per_s']:.0f} samples/s, "
         f"{summary['wall_s']:.1f} s; results in {run_directory.path}"
+    )
+
+
+@main.command()
+@config_argument
+@set_option
+@click.option(
+    "--model",
+    required=True,
+    metavar="RUN_DIR_OR_CHECKPOINT",
+    help="a run directory (dask-train run), or a checkpoint that CONFIG describes",
+)
+@click.option(
+    "--input",
+    "input_path",
+    required=True,
+    metavar="DATA",
+    help="a dataset store, an image folder, or CIFAR-10's test batch",
+)
+@click.option(
+    "--output",
+    required=True,
+    metavar="PATH",
+    help="where predictions, metrics and summary go; must not exist",
+)
+@click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
+def predict(
+    config: Path,
+    overrides: tuple[str, ...],
+    model: str,
+    input_path: str,
+    output: str,
+    scheduler: str | None,
+) -> None:
+    """Score DATA with a trained model as Dask tasks; predictions and metrics go to PATH.
+
+    CONFIG's [predict] section (or --set predict.KEY=VALUE) sets batch_size, precision,
+    outputs, format and the rest.
+    """
+    from workflows.cluster import start_cluster
+    from workflows.predict import CheckpointError, load_predict_config, prepare, run_prepared
+
+    # Everything about the request is checked before a cluster starts.
+    try:
+        run_config, settings = load_predict_config(config, overrides)
+        if scheduler:
+            raw = run_config.model_dump()
+            raw["cluster"] |= {"scheduler": scheduler, "n_workers": None}
+            run_config = load_config(raw)
+        prepared = prepare(
+            model=model, input=input_path, output=output, config=run_config, settings=settings
+        )
+    except (ConfigError, CheckpointError, SourceError) as error:
+        _fail(EXIT_INVALID, str(error))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    plan = prepared.plan
+    try:
+        with start_cluster(prepared.cluster) as cluster:
+            click.echo(f"dashboard: {cluster.dashboard_link}")
+            click.echo(
+                f"scoring {plan.count} images ({plan.kind} {plan.url}) in "
+                f"{len(plan.partitions)} partitions"
+            )
+            result = run_prepared(cluster.client, prepared)
+    except KeyboardInterrupt:
+        _fail(EXIT_INTERRUPTED, f"interrupted; partial output in {prepared.output}")
+    except (ConfigError, CheckpointError, SourceError, ConnectionError) as error:
+        _fail(EXIT_INVALID, str(error))
+    except Exception as error:
+        logging.getLogger(__name__).debug("prediction failed", exc_info=True)
+        _fail(EXIT_FAILED, f"prediction failed: {type(error).__name__}: {error}")
+    for note in result.notes:
+        click.echo(f"note: {note}")
+    accuracy = f", accuracy {result.metrics['accuracy']:.4f}" if result.metrics else ""
+    click.echo(
+        f"done: {result.count} predictions on {result.workers} workers, "
+        f"{result.images_per_s:.0f} images/s, {result.seconds:.1f} s{accuracy}; "
+        f"results in {result.output}"
     )

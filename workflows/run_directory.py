@@ -3,7 +3,8 @@
 runs/<name>-<UTC time>/
   config.json     the resolved configuration
   metrics.jsonl   one record per logged step and per epoch, as they arrive
-  summary.json    strategy, world size, epochs, final metrics, samples/s, wall seconds
+  summary.json    strategy, world size, epochs, final metrics, samples/s, wall seconds, and the
+                  store's normalization statistics and classes (what batch inference applies)
   model.pt        the final parameters (a plain state_dict: load with weights_only=True)
   checkpoints/    step-<n>/ folders written with torch.distributed.checkpoint, newest kept
   run.log         the run's log lines
@@ -112,6 +113,12 @@ class RunDirectory:
                 "url": result.store.url,
                 "counts": result.store.counts,
                 "reused": result.store.reused,
+                # The preprocessing the model was trained with, kept with the model: batch
+                # inference normalizes with these even after the store is gone or rebuilt.
+                "mean": result.store.mean,
+                "std": result.store.std,
+                "classes": result.store.classes,
+                "image_size": self.config.data.image_size,
             },
             "model": model_path.name,
         }

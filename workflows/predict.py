@@ -1,0 +1,774 @@
+"""Batch inference from a client: a trained model scores a dataset as Dask tasks.
+
+>>> from workflows import predict
+>>> result = predict(model="runs/digits-ddp-…", input="data/stores/digits", output="preds/val")
+>>> result.metrics["accuracy"], result.images_per_s
+
+Everything that can be wrong with the request (the checkpoint, the input, the output path) is
+checked here on the client before a cluster starts or a task runs. Then the model goes to every
+worker once, in a worker plugin; the input's partitions are scored as ``predict-…`` tasks; the
+predictions are written as Parquet through dask.dataframe (or into a zarr group), and with
+labels, the confusion matrix is a Dask reduction over the same partitions.
+
+PATH/
+  predictions.parquet/   part.000000.parquet, … (or predictions.zarr)
+  metrics.json           accuracy, per-class precision and recall, the confusion matrix
+  confusion_matrix.png
+  summary.json           model, input, counts, images/s, the settings used
+"""
+
+import contextlib
+import json
+import logging
+import time
+import tomllib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import dask
+import dask.dataframe as dd
+import fsspec
+import numpy as np
+import pandas as pd
+import zarr
+from distributed import Client, wait
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from workers.inference import (
+    CheckpointError,
+    ModelPlugin,
+    ModelSpec,
+    Partition,
+    ScoreJob,
+    empty_frame,
+    input_shape,
+    score_partition,
+    write_zarr_partition,
+    zarr_columns,
+)
+from workers.sources import CIFAR_FOLDER, IMAGE_SUFFIXES, SourceError, _scan_classes
+from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, start_cluster
+from workflows.config import ConfigError, RunConfig, _apply_overrides, _one_line, load_config
+from workflows.preprocess import read_manifest
+
+logger = logging.getLogger(__name__)
+
+PREDICTIONS = {"parquet": "predictions.parquet", "zarr": "predictions.zarr"}
+Ranges = Callable[[int], list[tuple[int, int]]]  # sample count → partitions' (start, stop)
+
+
+class PredictConfig(BaseModel):
+    """How to score: the ``[predict]`` section of a config file, or ``--set predict.KEY=V``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: int = Field(default=256, ge=1, description="images per forward pass per device")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="autocast dtype for the forward pass"
+    )
+    outputs: Literal["class", "probabilities", "top_k"] = Field(
+        default="probabilities",
+        description="class and confidence only; or every class's probability; or the top k",
+    )
+    top_k: int = Field(default=3, ge=1, description="outputs = 'top_k': how many classes")
+    format: Literal["parquet", "zarr"] = "parquet"
+    partition_size: int = Field(default=1024, ge=1, description="samples per predict task")
+    split: Literal["val", "train"] = Field(
+        default="val", description="which split of a dataset store (or of train/ and val/)"
+    )
+    evaluate: bool | None = Field(
+        default=None,
+        description="metrics from the labels: None when the input's labels name the model's "
+        "classes, True to insist, False never",
+    )
+    threads_per_worker: int | None = Field(
+        default=None, ge=1, description="torch threads per worker while scoring"
+    )
+    timeout_s: float = Field(default=3600.0, gt=0, description="bound on the whole scoring")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "PredictConfig":
+        """Validate, with errors as one line naming ``predict.<field>``."""
+
+        class _Section(BaseModel):
+            model_config = ConfigDict(extra="forbid")
+            predict: PredictConfig = PredictConfig()
+
+        try:
+            return _Section.model_validate({"predict": raw or {}}).predict
+        except ValidationError as error:
+            raise ConfigError(_one_line(error)) from None
+
+
+def load_predict_config(
+    source: str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[RunConfig, PredictConfig]:
+    """A config file with an optional ``[predict]`` section → (run config, predict settings)."""
+    if isinstance(source, dict):
+        raw = dict(source)
+    else:
+        path = Path(source)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    raw = _apply_overrides(raw, overrides)
+    section = raw.pop("predict", {})
+    return load_config(raw), PredictConfig.from_dict(section)
+
+
+@dataclass
+class PredictResult:
+    """What a finished scoring hands back to the client."""
+
+    output: str
+    predictions: str  # the Parquet folder or the zarr group
+    format: str
+    count: int
+    partitions: int
+    workers: int
+    classes: list[str]
+    seconds: float  # from the first task submitted to the last file written
+    images_per_s: float
+    metrics: dict[str, Any] | None
+    token: str = ""  # the job's id on the workers (workers.inference.worker_report)
+    notes: list[str] = field(default_factory=list)
+
+    def read(self) -> pd.DataFrame:
+        """The predictions, one row per input sample, in input order."""
+        if self.format == "parquet":
+            frame = pd.read_parquet(self.predictions)
+            return frame.sort_values("index", ignore_index=True)
+        group = zarr.open_group(self.predictions, mode="r")
+        columns: dict[str, Any] = {
+            name: np.asarray(group[name][:])
+            for name in ("index", "sample_id", "label", "prediction", "confidence")
+        }
+        for name in ("probabilities", "top_classes", "top_probabilities"):
+            if name in group:
+                values = np.asarray(group[name][:])
+                for j in range(values.shape[1]):
+                    columns[f"{name}_{j}"] = values[:, j]
+        return pd.DataFrame(columns)
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A checkpoint and what it was trained with: model, image size, statistics, classes."""
+
+    checkpoint: str
+    config: RunConfig
+    classes: list[str]
+    mean: list[float]
+    std: list[float]
+    image_size: int
+
+
+def resolve_model(model: str | Path, config: RunConfig | None = None) -> TrainedModel:
+    """A run directory (or its ``model.pt``) brings its own config and statistics; a bare
+    checkpoint takes model and data from ``config``, statistics from that config's store."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"--model: {path} does not exist; give a run directory (dask-train run) or a checkpoint"
+        )
+    run_dir = path if path.is_dir() else path.parent
+    checkpoint = run_dir / "model.pt" if path.is_dir() else path
+    summary: dict[str, Any] = {}
+    if (run_dir / "config.json").is_file():
+        try:
+            config = load_config(json.loads((run_dir / "config.json").read_text()))
+        except (json.JSONDecodeError, ConfigError) as error:
+            raise ConfigError(
+                f"--model: {run_dir / 'config.json'} is not a run config: {error}"
+            ) from None
+        if (run_dir / "summary.json").is_file():
+            summary = json.loads((run_dir / "summary.json").read_text()).get("store", {})
+    elif path.is_dir():
+        raise ConfigError(f"--model: {path} holds no config.json; is it a run directory?")
+    elif config is None:
+        raise ConfigError(
+            f"--model: {path} is a bare checkpoint; give the config it was trained with "
+            "(model.name, data.store, data.image_size)"
+        )
+    if not checkpoint.is_file():
+        raise ConfigError(f"--model: {checkpoint} does not exist (the run did not finish?)")
+    if all(key in summary for key in ("mean", "std", "classes")):
+        mean, std, classes = summary["mean"], summary["std"], summary["classes"]
+        image_size = int(summary.get("image_size", config.data.image_size))
+    else:
+        # Run directories from before statistics were recorded, and bare checkpoints: the
+        # store the model was trained on still knows them.
+        url = config.data.store_url
+        manifest = read_manifest(url, storage_options=config.data.storage_options)
+        if manifest is None:
+            raise ConfigError(
+                f"data.store: {url} holds no complete dataset store, so the normalization the "
+                f"model {checkpoint} was trained with is unknown; point data.store at its store"
+            )
+        mean, std, classes = manifest["mean"], manifest["std"], manifest["classes"]
+        image_size = int(manifest.get("image_size", config.data.image_size))
+    return TrainedModel(
+        checkpoint=str(checkpoint),
+        config=config,
+        classes=list(classes),
+        mean=[float(v) for v in mean],
+        std=[float(v) for v in std],
+        image_size=image_size,
+    )
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """The input listed on the client: its partitions, and its classes when it has labels."""
+
+    kind: Literal["store", "cifar10", "imagefolder"]
+    url: str
+    partitions: list[Partition]
+    classes: list[str] | None
+    mean: list[float] | None = None  # a store's own statistics
+    std: list[float] | None = None
+
+    @property
+    def count(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+
+def plan_input(
+    source: str | Path,
+    *,
+    model: TrainedModel,
+    settings: PredictConfig,
+    channels: int = 3,
+    storage_options: dict[str, Any] | None = None,
+) -> InputPlan:
+    """List a dataset store, a CIFAR-10 test batch or an image folder into partitions."""
+    url = str(source)
+    if "://" not in url:
+        url = str(Path(url).expanduser().resolve())
+    options = storage_options or {}
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+        exists = fs.exists(path)
+    except Exception as error:  # any backend's own error for a bad URL or credentials
+        raise ConfigError(f"--input: cannot read {url}: {type(error).__name__}: {error}") from None
+    if not exists:
+        raise ConfigError(f"--input: {url} does not exist")
+    size = settings.partition_size
+
+    def ranges(n: int) -> list[tuple[int, int]]:
+        return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+    if fs.isfile(f"{path}/zarr.json"):
+        return _plan_store(url, model, settings, channels, options, ranges)
+    batch = _cifar_test_batch(fs, path)
+    if batch is not None:
+        n = _cifar_count(fs, batch)
+        batch_url = fs.unstrip_protocol(batch)
+        parts = [
+            Partition(i, lo, hi, "cifar10", batch_url, rows=(lo, hi))
+            for i, (lo, hi) in enumerate(ranges(n))
+        ]
+        return InputPlan("cifar10", batch_url, parts, [f"class{i}" for i in range(10)])
+    if not fs.isdir(path):
+        raise ConfigError(
+            f"--input: {url} is neither a dataset store, a CIFAR-10 test batch nor a folder "
+            "of images"
+        )
+    return _plan_images(fs, path, url, settings, ranges)
+
+
+def _plan_store(
+    url: str,
+    model: TrainedModel,
+    settings: PredictConfig,
+    channels: int,
+    options: dict[str, Any],
+    ranges: Ranges,
+) -> InputPlan:
+    manifest = read_manifest(url, storage_options=options)
+    if manifest is None:
+        raise ConfigError(
+            f"--input: {url} holds no complete dataset store (interrupted preprocessing?); "
+            "run dask-train preprocess again"
+        )
+    group = zarr.open_group(url, mode="r", storage_options=options or None)
+    split = settings.split
+    if f"{split}/images" not in group:
+        raise ConfigError(f"predict.split: the store {url} has no {split!r} split")
+    images = group[f"{split}/images"]
+    shape = tuple(images.shape[1:])
+    want = (channels, model.image_size, model.image_size)
+    if len(shape) != 3 or shape[0] != channels:
+        raise ConfigError(
+            f"--input: {url} holds images of shape {shape}: {shape[0] if shape else 0} channels, "
+            f"but the model takes {channels} (its first convolution)"
+        )
+    if shape != want:
+        raise ConfigError(
+            f"--input: {url} holds {shape[1]}x{shape[2]} images, but the model was trained on "
+            f"{want[1]}x{want[2]} (data.image_size = {model.image_size}); preprocess the input "
+            "at that size"
+        )
+    parts = [
+        Partition(i, lo, hi, "store", url, split=split, rows=(lo, hi))
+        for i, (lo, hi) in enumerate(ranges(int(images.shape[0])))
+    ]
+    return InputPlan(
+        "store", url, parts, list(manifest["classes"]), manifest["mean"], manifest["std"]
+    )
+
+
+def _cifar_test_batch(fs: Any, path: str) -> str | None:
+    """The test batch file named by ``path``: the file itself, or inside the CIFAR-10 folder
+    or the folder above it."""
+    if fs.isfile(path):
+        return path if path.rstrip("/").endswith("test_batch") else None
+    for candidate in (f"{path}/test_batch", f"{path}/{CIFAR_FOLDER}/test_batch"):
+        if fs.isfile(candidate):
+            return candidate
+    return None
+
+
+def _cifar_count(fs: Any, batch: str) -> int:
+    import pickle
+
+    try:
+        with fs.open(batch, "rb") as f:
+            content = pickle.load(f, encoding="latin1")
+        count = len(content["labels"])
+        if len(content["data"]) != count or np.asarray(content["data"]).shape[1:] != (3072,):
+            raise ValueError("images and labels do not match, or images are not 3x32x32")
+    except (EOFError, OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as error:
+        raise ConfigError(
+            f"--input: {fs.unstrip_protocol(batch)}: not a readable CIFAR-10 batch "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    return count
+
+
+def _plan_images(
+    fs: Any, path: str, url: str, settings: PredictConfig, ranges: Ranges
+) -> InputPlan:
+    base, shown = path, url
+    if fs.isdir(f"{path}/train") and fs.isdir(f"{path}/val"):
+        base, shown = f"{path}/{settings.split}", f"{url}/{settings.split}"
+    classes: list[str] | None
+    try:
+        items, classes = _scan_classes(fs, base, shown)
+        index = {name: i for i, name in enumerate(classes)}
+        records = [(file, index[name]) for file, name, _ in items]
+    except SourceError as error:
+        if "has no class folders" not in str(error):
+            raise ConfigError(str(error).replace("data.root:", "--input:")) from None
+        # A plain folder of images: scored without labels.
+        found = sorted(p for p in fs.find(base) if p.lower().endswith(IMAGE_SUFFIXES))
+        if not found:
+            raise ConfigError(
+                f"--input: {url} holds no images ({', '.join(IMAGE_SUFFIXES)}), no dataset "
+                "store and no CIFAR-10 test batch"
+            ) from None
+        records, classes = [(fs.unstrip_protocol(p), -1) for p in found], None
+    prefix = fs.unstrip_protocol(base).rstrip("/") + "/"
+    ids = [file.removeprefix(prefix) for file, _ in records]
+    parts = [
+        Partition(
+            i, lo, hi, "imagefolder", shown, records=tuple(records[lo:hi]), ids=tuple(ids[lo:hi])
+        )
+        for i, (lo, hi) in enumerate(ranges(len(records)))
+    ]
+    return InputPlan("imagefolder", shown, parts, classes)
+
+
+@dataclass(frozen=True)
+class PreparedPrediction:
+    """A request checked on the client: nothing left to fail before scoring but the cluster."""
+
+    name: str
+    trained: TrainedModel
+    settings: PredictConfig
+    plan: InputPlan
+    spec: ModelSpec
+    job: ScoreJob
+    output: str
+    storage_options: dict[str, Any]
+    cluster: ClusterConfig
+    notes: tuple[str, ...] = ()
+
+
+def prepare(
+    *,
+    model: str | Path,
+    input: str | Path,
+    output: str | Path,
+    config: RunConfig | str | Path | dict[str, Any] | None = None,
+    settings: PredictConfig | dict[str, Any] | None = None,
+) -> PreparedPrediction:
+    """Check everything about a request without starting anything; errors name the field or
+    file (ConfigError, CheckpointError)."""
+    if config is not None and not isinstance(config, RunConfig):
+        config = load_config(config)
+    if not isinstance(settings, PredictConfig):
+        settings = PredictConfig.from_dict(settings)
+    trained = resolve_model(model, config)
+    token = uuid.uuid4().hex
+    spec = ModelSpec(
+        name=trained.config.model.name,
+        num_classes=len(trained.classes),
+        image_size=trained.image_size,
+        checkpoint=Path(trained.checkpoint).read_bytes(),
+        source=trained.checkpoint,
+        precision=settings.precision,
+        threads=settings.threads_per_worker,
+        token=token,
+    )
+    import torch
+
+    shape = input_shape(spec.build(torch.device("cpu")), spec.image_size)  # checks the file
+    if settings.outputs == "top_k" and settings.top_k > len(trained.classes):
+        raise ConfigError(
+            f"predict.top_k: {settings.top_k} is more than the model's {len(trained.classes)} "
+            "classes"
+        )
+    options = dict(trained.config.data.storage_options)
+    plan = plan_input(
+        input, model=trained, settings=settings, channels=shape[0], storage_options=options
+    )
+    if not plan.count:
+        raise ConfigError(f"--input: {plan.url} holds no samples")
+    label_map, notes = _label_map(plan, trained, settings)
+    same_statistics = plan.mean is None or (
+        np.allclose(plan.mean, trained.mean, rtol=0, atol=0)
+        and np.allclose(plan.std, trained.std, rtol=0, atol=0)
+    )
+    if not same_statistics:
+        notes.append(
+            f"the input store was normalized with other statistics; re-normalized with the "
+            f"model's (mean {_short(trained.mean)}, std {_short(trained.std)})"
+        )
+    output_url = _check_output(output, options)
+    job = ScoreJob(
+        token=token,
+        batch_size=settings.batch_size,
+        outputs=settings.outputs,
+        top_k=settings.top_k,
+        classes=tuple(trained.classes),
+        image_size=trained.image_size,
+        mean=tuple(trained.mean),
+        std=tuple(trained.std),
+        input_mean=None if same_statistics else tuple(plan.mean or ()),
+        input_std=None if same_statistics else tuple(plan.std or ()),
+        label_map=label_map,
+        storage_options=options,
+    )
+    cluster_config = config.cluster if isinstance(config, RunConfig) else trained.config.cluster
+    return PreparedPrediction(
+        name=trained.config.name,
+        trained=trained,
+        settings=settings,
+        plan=plan,
+        spec=spec,
+        job=job,
+        output=output_url,
+        storage_options=options,
+        cluster=cluster_config,
+        notes=tuple(notes),
+    )
+
+
+def _short(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
+
+
+def _label_map(
+    plan: InputPlan, trained: TrainedModel, settings: PredictConfig
+) -> tuple[tuple[int, ...] | None, list[str]]:
+    """Input class → model class by name, when the input has labels and they can be used."""
+    if settings.evaluate is False:
+        return None, []
+    if plan.classes is None:
+        if settings.evaluate:
+            raise ConfigError(f"predict.evaluate: the input {plan.url} has no labels")
+        return None, ["the input has no labels: no metrics"]
+    unknown = [c for c in plan.classes if c not in trained.classes]
+    if unknown:
+        message = (
+            f"the input's classes {', '.join(unknown[:5])} are not among the model's "
+            f"({', '.join(trained.classes[:10])})"
+        )
+        if settings.evaluate:
+            raise ConfigError(f"predict.evaluate: {message}; set predict.evaluate = false")
+        return None, [f"{message}: labels left out, no metrics"]
+    return tuple(trained.classes.index(c) for c in plan.classes), []
+
+
+def _check_output(output: str | Path, options: dict[str, Any]) -> str:
+    url = str(output)
+    if "://" not in url:
+        url = str(Path(url).expanduser().resolve())
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    if fs.exists(path):
+        raise ConfigError(
+            f"--output: {url} exists; choose a new path (predictions are never overwritten)"
+        )
+    return url
+
+
+def predict(
+    *,
+    model: str | Path,
+    input: str | Path,
+    output: str | Path,
+    config: RunConfig | str | Path | dict[str, Any] | None = None,
+    settings: PredictConfig | dict[str, Any] | None = None,
+    cluster: TrainingCluster | Client | None = None,
+) -> PredictResult:
+    """Score ``input`` with the trained ``model`` on ``cluster`` (or on a local cluster
+    started and closed here) and write the predictions to ``output``.
+
+    ``model`` is a run directory or a checkpoint (then ``config`` says what it is); ``input`` a
+    dataset store, an image folder or a CIFAR-10 test batch; ``settings`` a PredictConfig or its
+    fields as a dict.
+    """
+    prepared = prepare(model=model, input=input, output=output, config=config, settings=settings)
+    owned = cluster is None
+    if cluster is None:
+        cluster = start_cluster(prepared.cluster)
+    client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
+    try:
+        return run_prepared(client, prepared)
+    finally:
+        if owned:
+            cluster.close()
+
+
+def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
+    """Score a checked request on ``client``'s cluster and write everything out."""
+    plan, settings, job = prepared.plan, prepared.settings, prepared.job
+    fs, root = fsspec.core.url_to_fs(prepared.output, **prepared.storage_options)
+    predictions = f"{prepared.output.rstrip('/')}/{PREDICTIONS[settings.format]}"
+    tag = job.token[:8]
+    started = time.perf_counter()
+    # Every worker (and any that joins later) loads the model once, here.
+    client.register_plugin(ModelPlugin(prepared.spec), name=ModelPlugin.name)
+    futures: list[Any] = []
+    try:
+        workers = len(live_workers(client))
+        # One task per partition, ("predict-<name>-<job>-…", i) on the dashboard. Sample ids
+        # are str already: dask's string conversion would only add a task per partition.
+        with dask.config.set({"dataframe.convert-string": False}):
+            frame = dd.from_map(
+                score_partition,
+                plan.partitions,
+                job=job,
+                meta=empty_frame(job),
+                label=f"predict-{prepared.name}-{tag}",
+                enforce_metadata=False,
+            )
+        fs.makedirs(root, exist_ok=True)
+        if settings.format == "parquet":
+            # Each partition goes to its own numbered file: a partition rescored after its
+            # worker died rewrites the same file, so every sample is written exactly once.
+            write = frame.to_parquet(
+                predictions,
+                write_index=False,
+                compute=False,
+                name_function=_part_name,
+                storage_options=prepared.storage_options or None,
+            )
+        else:
+            _create_zarr(predictions, job, plan, prepared.storage_options)
+            write = frame.map_partitions(
+                write_zarr_partition,
+                predictions,
+                prepared.storage_options,
+                meta=pd.Series(dtype=np.int64),
+            ).sum()
+        # With labels, the confusion counts: a Dask reduction over the same partitions,
+        # computed in the same pass as the writes.
+        collections: list[Any] = [write]
+        if job.label_map is not None:
+            collections.append(frame.groupby(["label", "prediction"]).size())
+        futures = client.compute(collections)
+        try:
+            wait(futures, timeout=settings.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"predict.timeout_s: scoring {plan.count} samples took longer than "
+                f"{settings.timeout_s:g} s"
+            ) from None
+        results = client.gather(futures)
+    except BaseException:
+        # A failed, timed-out or interrupted job leaves no tasks queued behind it.
+        if futures:
+            client.cancel(futures)
+        raise
+    finally:
+        # The workers free the model now rather than hold it until the next job.
+        with contextlib.suppress(Exception):
+            client.unregister_worker_plugin(ModelPlugin.name)
+    seconds = time.perf_counter() - started
+    # What is on disk must be every input sample, once.
+    count = _parquet_rows(fs, predictions) if settings.format == "parquet" else int(results[0])
+    if count != plan.count:
+        raise RuntimeError(f"wrote {count} predictions, but the input has {plan.count} samples")
+    metrics = None
+    if job.label_map is not None:
+        matrix = np.zeros((len(job.classes),) * 2, dtype=np.int64)
+        for (truth, guess), n in results[1].items():
+            matrix[int(truth), int(guess)] += int(n)
+        metrics = confusion_metrics(matrix, list(job.classes))
+        _write_json(fs, f"{root}/metrics.json", metrics)
+        with fs.open(f"{root}/confusion_matrix.png", "wb") as f:
+            plot_confusion_matrix(matrix, list(job.classes)).savefig(f, format="png", dpi=100)
+    result = PredictResult(
+        output=prepared.output,
+        predictions=predictions,
+        format=settings.format,
+        count=count,
+        partitions=len(plan.partitions),
+        workers=workers,
+        classes=list(job.classes),
+        seconds=seconds,
+        images_per_s=count / seconds,
+        metrics=metrics,
+        token=job.token,
+        notes=list(prepared.notes),
+    )
+    _write_json(
+        fs,
+        f"{root}/summary.json",
+        {
+            "model": prepared.trained.checkpoint,
+            "model_name": prepared.spec.name,
+            "input": plan.url,
+            "input_kind": plan.kind,
+            "predictions": predictions,
+            "format": settings.format,
+            "count": count,
+            "partitions": result.partitions,
+            "workers": workers,
+            "seconds": seconds,
+            "images_per_s": result.images_per_s,
+            "accuracy": metrics["accuracy"] if metrics else None,
+            "classes": result.classes,
+            "mean": prepared.trained.mean,
+            "std": prepared.trained.std,
+            "settings": settings.model_dump(),
+            "notes": result.notes,
+        },
+    )
+    logger.info("scored %d samples in %.1f s on %d workers", count, seconds, workers)
+    return result
+
+
+def _parquet_rows(fs: Any, path: str) -> int:
+    """Rows in the Parquet file set, from the files' footers (no data read)."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for file in fs.glob(f"{fs._strip_protocol(path)}/part.*.parquet"):
+        with fs.open(file, "rb") as f:
+            total += pq.ParquetFile(f).metadata.num_rows
+    return total
+
+
+def _part_name(index: int) -> str:
+    return f"part.{index:06d}.parquet"
+
+
+def _create_zarr(url: str, job: ScoreJob, plan: InputPlan, options: dict[str, Any]) -> None:
+    """Empty arrays, one chunk per partition, which the partitions' tasks fill."""
+    size = max(len(p) for p in plan.partitions)
+    sample = zarr_columns(empty_frame(job))
+    zarr.open_group(url, mode="w-", storage_options=options or None)
+    for name, column in sample.items():
+        shape = (plan.count, *column.shape[1:])
+        dtype = str if name == "sample_id" else column.dtype
+        zarr.create_array(
+            url,
+            name=name,
+            shape=shape,
+            dtype=dtype,
+            chunks=(size, *column.shape[1:]),
+            storage_options=options or None,
+        )
+    group = zarr.open_group(url, mode="r+", storage_options=options or None)
+    group.attrs.update({"classes": list(job.classes), "input": plan.url})
+
+
+def confusion_metrics(matrix: np.ndarray, classes: list[str]) -> dict[str, Any]:
+    """Accuracy, per-class precision and recall (0 where a class was never predicted or never
+    present, as scikit-learn's zero_division=0), support, and the matrix (rows: true class)."""
+    matrix = np.asarray(matrix, dtype=np.int64)
+    diagonal = np.diag(matrix).astype(np.float64)
+    predicted, actual = matrix.sum(axis=0), matrix.sum(axis=1)
+    precision = np.divide(diagonal, predicted, out=np.zeros_like(diagonal), where=predicted > 0)
+    recall = np.divide(diagonal, actual, out=np.zeros_like(diagonal), where=actual > 0)
+    total = int(matrix.sum())
+    return {
+        "samples": total,
+        "accuracy": float(diagonal.sum() / total) if total else 0.0,
+        "classes": list(classes),
+        "precision": dict(zip(classes, precision.tolist(), strict=True)),
+        "recall": dict(zip(classes, recall.tolist(), strict=True)),
+        "support": dict(zip(classes, actual.tolist(), strict=True)),
+        "confusion_matrix": matrix.tolist(),
+    }
+
+
+def plot_confusion_matrix(matrix: np.ndarray, classes: list[str]) -> Any:
+    """A matplotlib Figure of the matrix (no pyplot: leaves the caller's backend alone)."""
+    from matplotlib.figure import Figure
+
+    n = len(classes)
+    side = min(12.0, 2.0 + 0.5 * n)
+    figure = Figure(figsize=(side, side))
+    ax = figure.subplots()
+    image = ax.imshow(matrix, cmap="Blues")
+    figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    ax.set(
+        xticks=range(n),
+        yticks=range(n),
+        xticklabels=classes,
+        yticklabels=classes,
+        xlabel="predicted",
+        ylabel="true",
+        title="confusion matrix",
+    )
+    if n <= 30:
+        threshold = matrix.max() / 2 if matrix.size else 0
+        for (i, j), value in np.ndenumerate(matrix):
+            ax.text(
+                j,
+                i,
+                str(value),
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if value > threshold else "black",
+            )
+    figure.tight_layout()
+    return figure
+
+
+def _write_json(fs: Any, path: str, content: dict[str, Any]) -> None:
+    with fs.open(path, "w") as f:
+        f.write(json.dumps(content, indent=2) + "\n")
+
+
+__all__ = [
+    "CheckpointError",
+    "PredictConfig",
+    "PredictResult",
+    "confusion_metrics",
+    "load_predict_config",
+    "predict",
+    "prepare",
+    "run_prepared",
+]
