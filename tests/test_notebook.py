@@ -27,6 +27,7 @@ def test_training_notebook_executes_end_to_end(store_dir, monkeypatch):
     assert "Epoch [4/4]" in text  # the in-place progress line, at its last update
     assert "samples/s" in text and "predicted:" in text
     assert "359 predictions in 3 partitions, accuracy" in text  # batch inference
+    assert "pipeline cut at ['" in text  # the pipeline strategy, with a planned cut
     assert any(
         "image/png" in output.get("data", {})
         for cell in notebook.cells
