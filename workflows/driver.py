@@ -25,6 +25,7 @@ from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import (
     GroupFormationError,
     Heartbeats,
+    LaunchError,
     ProcessGroup,
     RankFailed,
     RankHung,
@@ -215,6 +216,13 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
                         run_rank, job, name=f"train-{config.name}", heartbeats=heartbeats
                     )
                 break
+            except LaunchError as error:
+                if failure is None:
+                    raise  # the cluster cannot hold this run: a configuration error
+                # After a failure: the lost worker did not come back in time.
+                raise TrainingFailed(
+                    f"{failure.message}; no replacement worker arrived: {error}"
+                ) from error
             except (RankFailed, GroupFormationError) as error:
                 if not _recoverable(error):
                     raise
