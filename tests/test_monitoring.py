@@ -33,6 +33,21 @@ def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
     assert 0 <= first["dask_train_accuracy"] <= 1
     assert first["dask_train_samples_per_second"] > 0
 
+    url = cluster.dashboard_link.replace("/status", "/metrics")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    # Every rank's own throughput, from its heartbeats; heartbeats are no job of their own.
+    for rank in (0, 1):
+        (line,) = [
+            line
+            for line in text.splitlines()
+            if line.startswith("dask_train_rank_samples_per_second{")
+            and 'job="metrics-' in line
+            and f'rank="{rank}"' in line
+        ]
+        assert float(line.rsplit(" ", 1)[1]) > 0
+    assert "heartbeat-" not in text and "-heartbeat" not in text
+
     after = _training_gauges(cluster.dashboard_link)
     assert after["dask_train_epoch"] == 3
     assert after["dask_train_step"] == result.final["step"]

@@ -111,16 +111,22 @@ def run_rank(job: TrainJob) -> RankResult:
     def report(record: dict[str, Any]) -> None:
         worker.log_event(job.event_topic, record)
 
-    last_beat, first_steps = [-math.inf], set()
+    last_beat, first_steps = [-math.inf, 0], set()
+    staged = job.pipeline is not None and job.training.strategy in STAGED
+    # The samples one step of this rank handles: a stage sees its whole replica's share.
+    per_step = job.training.batch_size // (job.pipeline.dp if staged else membership.world_size)
 
     def heartbeat(step: int) -> None:
         # At most one event a second per rank, enough to see a stopped rank; but always the
         # first two steps, which end the long first-step bound on the client.
         now = time.monotonic()
         if job.heartbeat_topic and (now - last_beat[0] >= 1.0 or len(first_steps) < 2):
-            last_beat[0] = now
+            beat = {"rank": membership.rank, "step": step}
+            if first_steps and step > last_beat[1]:
+                beat["samples_per_s"] = (step - last_beat[1]) * per_step / (now - last_beat[0])
+            last_beat[:] = [now, step]
             first_steps.add(step)
-            worker.log_event(job.heartbeat_topic, {"rank": membership.rank, "step": step})
+            worker.log_event(job.heartbeat_topic, beat)
 
     return train(
         job.data,

@@ -30,7 +30,7 @@ from workflows.launcher import (
     RankFailed,
     RankHung,
 )
-from workflows.monitoring import EVENT_PREFIX, TrainingMetrics
+from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
 from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store
 
@@ -194,9 +194,14 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
             if failure is not None:
                 recoveries.append(failure.recovered_at(resume))
                 logger.warning("recovery %d: %s", len(recoveries), recoveries[-1].describe())
+                # The dashboard counts them; on_event handlers see a "recovery" record.
+                client.log_event(
+                    topic,
+                    {"kind": "recovery", "recoveries": len(recoveries), **recoveries[-1].summary()},
+                )
             attempt_started = time.time()
             heartbeats = Heartbeats()
-            heartbeat_topic = f"{topic}-heartbeat"
+            heartbeat_topic = HEARTBEAT_PREFIX + topic.removeprefix(EVENT_PREFIX)
             client.subscribe_topic(heartbeat_topic, heartbeats.record)
             try:
                 with ProcessGroup(client, launch) as group:
@@ -303,7 +308,12 @@ class _EventRelay:
 
     @staticmethod
     def _key(record: dict[str, Any]) -> tuple[Any, ...]:
-        return (record.get("kind"), record.get("epoch"), record.get("step"))
+        return (
+            record.get("kind"),
+            record.get("epoch"),
+            record.get("step"),
+            record.get("recoveries"),
+        )
 
     def deliver_missed(self, records: list[dict[str, Any]]) -> None:
         """Call after leaving the context. If the handler is still busy after the bounded wait,

@@ -9,6 +9,8 @@ from typing import Any
 from distributed import Scheduler, SchedulerPlugin
 
 EVENT_PREFIX = "dask-train-"
+# Each rank's heartbeat (step, samples/s) for job J travels on HEARTBEAT_PREFIX + J.
+HEARTBEAT_PREFIX = "dask-train-heartbeat-"
 PLUGIN_NAME = "dask-train-metrics"
 KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
 
@@ -23,6 +25,7 @@ GAUGES = (
     ("dask_train_samples_per_second", "samples_per_s", "Training samples per second, all ranks"),
     ("dask_train_learning_rate", "lr", "Current learning rate"),
     ("dask_train_world_size", "world_size", "Ranks in the job"),
+    ("dask_train_recoveries", "recoveries", "Restarts from a checkpoint after a failure"),
 )
 
 
@@ -46,16 +49,25 @@ class TrainingMetrics(SchedulerPlugin):
     def log_event(self, topic: str, msg: Any) -> None:
         if not topic.startswith(EVENT_PREFIX) or not isinstance(msg, dict):
             return
-        job = topic.removeprefix(EVENT_PREFIX)
+        heartbeat = topic.startswith(HEARTBEAT_PREFIX)
+        job = topic.removeprefix(HEARTBEAT_PREFIX if heartbeat else EVENT_PREFIX)
         with self._lock:
             if job not in self.jobs and len(self.jobs) >= KEEP_JOBS:
                 del self.jobs[next(iter(self.jobs))]  # the oldest job's series go
             state = self.jobs.setdefault(job, {})
+            if heartbeat:
+                if isinstance(msg.get("samples_per_s"), int | float):
+                    ranks = state.setdefault("ranks", {})
+                    ranks[int(msg["rank"])] = float(msg["samples_per_s"])
+                return
             state.update({k: v for k, v in msg.items() if isinstance(v, int | float | str)})
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            return {job: dict(state) for job, state in self.jobs.items()}
+            return {
+                job: {**state, "ranks": dict(state.get("ranks", {}))}
+                for job, state in self.jobs.items()
+            }
 
 
 class _Exporter:
@@ -95,6 +107,15 @@ class _Exporter:
                 if isinstance(state.get(field), int | float):
                     family.add_metric([job, str(state.get("strategy", ""))], float(state[field]))
             yield family
+        family = GaugeMetricFamily(
+            "dask_train_rank_samples_per_second",
+            "Training samples per second of one rank (its last heartbeat)",
+            labels=["job", "strategy", "rank"],
+        )
+        for job, state in jobs.items():
+            for rank, value in sorted(state["ranks"].items()):
+                family.add_metric([job, str(state.get("strategy", "")), str(rank)], value)
+        yield family
 
 
 _exporter = _Exporter()
