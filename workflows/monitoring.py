@@ -13,6 +13,7 @@ EVENT_PREFIX = "dask-train-"
 HEARTBEAT_PREFIX = "dask-train-heartbeat-"
 PLUGIN_NAME = "dask-train-metrics"
 KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
+KEEP_EPOCHS = 1000  # and this many epoch records of each, for the Training page's curves
 
 # (metric, record field, help)
 GAUGES = (
@@ -42,6 +43,12 @@ class TrainingMetrics(SchedulerPlugin):
         # Created here, in the scheduler: the plugin travels there pickled, and locks do not.
         self._lock = threading.Lock()
         _exporter.add(self)
+        # The Training page, on the scheduler's web server next to the dashboard's pages.
+        from workflows.dashboard import ROUTE, TrainingPage
+
+        application = getattr(scheduler, "http_application", None)
+        if application is not None:
+            application.add_handlers(".*$", [(ROUTE, TrainingPage, {"snapshot": self.snapshot})])
 
     async def close(self) -> None:
         _exporter.discard(self)
@@ -61,11 +68,20 @@ class TrainingMetrics(SchedulerPlugin):
                     ranks[int(msg["rank"])] = float(msg["samples_per_s"])
                 return
             state.update({k: v for k, v in msg.items() if isinstance(v, int | float | str)})
+            if msg.get("kind") == "epoch":
+                history = state.setdefault("history", [])
+                if not any(r.get("epoch") == msg.get("epoch") for r in history):
+                    history.append(dict(msg))
+                del history[:-KEEP_EPOCHS]
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             return {
-                job: {**state, "ranks": dict(state.get("ranks", {}))}
+                job: {
+                    **state,
+                    "ranks": dict(state.get("ranks", {})),
+                    "history": list(state.get("history", [])),
+                }
                 for job, state in self.jobs.items()
             }
 

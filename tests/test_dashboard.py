@@ -1,0 +1,46 @@
+"""The Training page on the scheduler's dashboard, fetched raw and rendered by a real browser."""
+
+import shutil
+import urllib.request
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from workflows.dashboard import ROUTE, screenshot
+from workflows.driver import train
+
+BOKEH_BLUE = (31, 119, 180)  # the train curves' default colour
+
+
+@pytest.fixture(scope="module")
+def trained_page(cluster, make_config):
+    result = train(make_config({"name": "page"}, epochs=3), cluster=cluster, on_event=None)
+    return cluster.dashboard_link.replace("/status", ROUTE), result
+
+
+def test_the_training_page_lists_the_jobs_figures(trained_page):
+    url, result = trained_page
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200
+        html = response.read().decode()
+    # The text sits HTML-escaped inside the Bokeh document's JSON.
+    assert "page-" in html and "ddp" in html
+    assert "2 ranks, epoch 3/3" in html
+    assert f"step {result.final['step']}, recoveries 0" in html
+    for title in ("loss", "accuracy", "samples/s per rank"):
+        assert f'"{title}"' in html  # the figures' titles in the Bokeh document
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None,
+    reason="Debian's chromium is not installed (make test installs it where apt can)",
+)
+def test_headless_chromium_renders_the_training_plots(trained_page, tmp_path):
+    url, _ = trained_page
+    shot = tmp_path / "training.png"
+    screenshot(url + "?refresh=0", str(shot))
+    pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3)
+    # BokehJS draws everything on this page, curves included: blue pixels mean it rendered.
+    blue = np.all(np.abs(pixels.astype(int) - BOKEH_BLUE) <= 12, axis=1).sum()
+    assert blue > 200, f"only {blue} pixels of the curves' blue: the plots did not render"
