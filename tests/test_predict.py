@@ -139,15 +139,27 @@ def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    # Kill the worker only while it is scoring a partition, after it scored some already.
+    # Kill the worker only with predict tasks in flight on it, after it scored some already.
+    # A partition takes milliseconds, less than a round trip on a busy machine; so the worker
+    # is first frozen (SIGSTOP), which holds the scheduler's view of it still, and killed only
+    # when the scheduler shows predict tasks processing there; otherwise it is thawed again.
     deadline = time.monotonic() + 120
     while True:
-        assert time.monotonic() < deadline, "the worker never ran a predict task"
+        assert time.monotonic() < deadline, "the worker never held a predict task in flight"
         assert thread.is_alive(), outcome
         report = client.run(worker_report, workers=[target]).get(target, {})
         if report.get("executing") and report["scored"] >= 2:
-            os.kill(pid, signal.SIGKILL)
-            break
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.2)  # what it sent before the stop reaches the scheduler
+                in_flight = client.processing(workers=[target]).get(target, [])
+            except BaseException:
+                os.kill(pid, signal.SIGCONT)
+                raise
+            if any("predict-" in str(key) for key in in_flight):
+                os.kill(pid, signal.SIGKILL)
+                break
+            os.kill(pid, signal.SIGCONT)
         time.sleep(0.005)
     thread.join(timeout=240)
     assert not thread.is_alive(), "predict did not finish within 240 s of the kill"
