@@ -516,3 +516,5 @@ def test_a_temporary_certificate_set_secures_a_local_cluster():
         assert cluster.client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
         with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
             assert _refused(cluster.cluster.scheduler_address, Security.temporary()) is not None
+        with pytest.raises(ConnectionError, match=r"cluster\.security: the scheduler at tls://"):
+            start_cluster(scheduler=cluster.cluster.scheduler_address)

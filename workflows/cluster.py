@@ -268,6 +268,15 @@ def _read_scheduler_file(path: str, timeout_s: float) -> str:
 def _connect(address: str, timeout_s: float, security: Security | None) -> Client:
     try:
         return Client(address, timeout=timeout_s, security=security)
+    except TypeError as error:
+        # Dask's way of saying that a tls:// address came without certificates.
+        if "ssl_context" not in str(error):
+            raise
+        raise ConnectionError(
+            f"cluster.security: the scheduler at {address} uses TLS; give "
+            "cluster.security.tls_ca_file, tls_cert and tls_key (or Dask's distributed.comm.tls "
+            "settings)"
+        ) from error
     except (OSError, TimeoutError) as error:
         raise ConnectionError(
             f"cluster.scheduler: could not reach the scheduler at {address} within "
