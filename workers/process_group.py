@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 from distributed import Worker, WorkerPlugin, get_worker
@@ -211,8 +212,6 @@ def describe_worker(socket_ifname: str | None = None, *, dask_worker: Worker) ->
     """What the launcher needs to know about a worker before assigning it a rank (run with
     ``Client.run``, which passes the worker in): its interfaces, and with ``socket_ifname`` the
     IPv4 address of the first named one, where its peers reach it when it is rank 0."""
-    import psutil
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         free_port = probe.getsockname()[1]
