@@ -148,6 +148,9 @@ class ProcessGroupPlugin(WorkerPlugin):
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
                 raise RendezvousTimeout(self._timeout_message(rank)) from error
             raise
+        except BaseException:
+            self._restore_environ()
+            raise
         self._store = store  # keep the TCP server of rank 0 alive for the group's lifetime
         self.membership = Membership(
             generation=spec.generation,
