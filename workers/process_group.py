@@ -7,10 +7,12 @@ bootstrap again and again on a warm cluster.
 
 import asyncio
 import logging
+import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 from distributed import Worker, WorkerPlugin, get_worker
@@ -19,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "dask-train-process-group"
 BACKENDS = ("gloo", "nccl")
+# gloo reads its variable for every group it makes (a device mesh's subgroups too), so it must
+# stay set while the group lives; nccl may make gloo groups as well, so both are set.
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class ProcessGroupSpec:
     local_ranks: dict[str, int] = field(default_factory=dict)
     # A worker restarted at the same address is another process: it must not take the rank.
     worker_ids: dict[str, str] = field(default_factory=dict)
+    socket_ifname: str | None = None  # the interface the backend's traffic uses on every rank
 
     @property
     def world_size(self) -> int:
@@ -80,6 +86,7 @@ class ProcessGroupPlugin(WorkerPlugin):
         spec.validate()  # on the client, before anything is sent
         self.spec = spec
         self.membership: Membership | None = None
+        self._saved_environ: dict[str, str | None] | None = None
 
     async def setup(self, worker: Worker) -> None:
         address = worker.address
@@ -113,6 +120,9 @@ class ProcessGroupPlugin(WorkerPlugin):
                     "use backend = 'gloo' or 'auto'"
                 )
             torch.cuda.set_device(device)
+        if spec.socket_ifname is not None:
+            self._saved_environ = {name: os.environ.get(name) for name in SOCKET_IFNAME_VARIABLES}
+            os.environ.update(dict.fromkeys(SOCKET_IFNAME_VARIABLES, spec.socket_ifname))
         try:
             store = dist.TCPStore(
                 spec.master_addr,
@@ -134,8 +144,12 @@ class ProcessGroupPlugin(WorkerPlugin):
             )
             dist.set_timeout(timedelta(seconds=spec.collective_timeout_s))
         except (RuntimeError, TimeoutError) as error:  # torch's DistStoreError is a RuntimeError
+            self._restore_environ()
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
                 raise RendezvousTimeout(self._timeout_message(rank)) from error
+            raise
+        except BaseException:
+            self._restore_environ()
             raise
         self._store = store  # keep the TCP server of rank 0 alive for the group's lifetime
         self.membership = Membership(
@@ -155,11 +169,22 @@ class ProcessGroupPlugin(WorkerPlugin):
             "check that the workers can reach each other)"
         )
 
+    def _restore_environ(self) -> None:
+        # The worker outlives the group: the next generation may use another interface, or none.
+        saved, self._saved_environ = self._saved_environ, None
+        for name, value in (saved or {}).items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
     async def teardown(self, worker: Worker) -> None:
         if self.membership is None:
+            self._restore_environ()
             return
         self.membership = None
         await asyncio.to_thread(_leave)
+        self._restore_environ()
 
 
 def _leave() -> None:
@@ -186,14 +211,23 @@ def current_membership(generation: str) -> Membership:
     return membership
 
 
-def describe_worker(dask_worker: Worker) -> dict[str, object]:
+def describe_worker(socket_ifname: str | None = None, *, dask_worker: Worker) -> dict[str, object]:
     """What the launcher needs to know about a worker before assigning it a rank (run with
-    ``Client.run``, which passes the worker in)."""
+    ``Client.run``, which passes the worker in): its interfaces, and with ``socket_ifname`` the
+    IPv4 address of the first named one, where its peers reach it when it is rank 0."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         free_port = probe.getsockname()[1]
+    interfaces = psutil.net_if_addrs()
+    ifname_address = None
+    if socket_ifname is not None:
+        first = socket_ifname.split(",")[0]
+        ipv4 = [a.address for a in interfaces.get(first, []) if a.family == socket.AF_INET]
+        ifname_address = ipv4[0] if ipv4 else None
     return {
         "cuda_devices": torch.cuda.device_count(),
         "free_port": free_port,
         "worker_id": dask_worker.id,
+        "interfaces": sorted(interfaces),
+        "ifname_address": ifname_address,
     }

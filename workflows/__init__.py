@@ -13,8 +13,15 @@ The public API is small::
 from workflows.cluster import ClusterConfig, TrainingCluster, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.driver import TrainResult, train
-from workflows.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
+from workflows.launcher import (
+    LaunchConfig,
+    LaunchError,
+    ProcessGroup,
+    RankFailed,
+    WorkerSelection,
+)
 from workflows.predict import PredictConfig, PredictResult, predict
+from workflows.security import SecurityConfig
 
 __all__ = [
     "ClusterConfig",
@@ -26,8 +33,10 @@ __all__ = [
     "ProcessGroup",
     "RankFailed",
     "RunConfig",
+    "SecurityConfig",
     "TrainResult",
     "TrainingCluster",
+    "WorkerSelection",
     "load_config",
     "predict",
     "start_cluster",

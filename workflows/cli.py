@@ -45,13 +45,33 @@ set_option = click.option(
 )
 
 
-def _load(config: Path, overrides: tuple[str, ...], scheduler: str | None = None) -> RunConfig:
+scheduler_option = click.option(
+    "--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster (tcp:// or tls://)"
+)
+scheduler_file_option = click.option(
+    "--scheduler-file",
+    metavar="PATH",
+    help="run on the existing Dask cluster whose scheduler wrote PATH (--scheduler-file)",
+)
+
+
+def _load(
+    config: Path,
+    overrides: tuple[str, ...],
+    scheduler: str | None = None,
+    scheduler_file: str | None = None,
+) -> RunConfig:
     try:
         resolved = load_config(config, overrides)
-        if scheduler:
-            # An existing cluster replaces the config's local one, sizing included.
+        if scheduler or scheduler_file:
+            # An existing cluster replaces the config's cluster, sizing included; both options
+            # at once are refused by the config's own check.
             raw = resolved.model_dump()
-            raw["cluster"] |= {"scheduler": scheduler, "n_workers": None}
+            raw["cluster"] |= {
+                "scheduler": scheduler,
+                "scheduler_file": scheduler_file,
+                "n_workers": None,
+            }
             resolved = load_config(raw)
         return resolved
     except ConfigError as error:
@@ -113,16 +133,21 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
 @main.command()
 @config_argument
 @set_option
-@click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
+@scheduler_option
+@scheduler_file_option
 @click.option("--force", is_flag=True, help="rebuild the store even if it is up to date")
 def preprocess(
-    config: Path, overrides: tuple[str, ...], scheduler: str | None, force: bool
+    config: Path,
+    overrides: tuple[str, ...],
+    scheduler: str | None,
+    scheduler_file: str | None,
+    force: bool,
 ) -> None:
     """Build CONFIG's dataset store as Dask tasks (or confirm it is up to date)."""
     from workflows.cluster import start_cluster
     from workflows.preprocess import prepare_store
 
-    resolved = _load(config, overrides, scheduler)
+    resolved = _load(config, overrides, scheduler, scheduler_file)
     with _exit_codes("preprocessing"), start_cluster(resolved.cluster) as cluster:
         click.echo(f"dashboard: {cluster.dashboard_link}")
         manifest = prepare_store(
@@ -138,21 +163,26 @@ def preprocess(
 @main.command()
 @config_argument
 @set_option
-@click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
-def plan(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> None:
+@scheduler_option
+@scheduler_file_option
+def plan(
+    config: Path, overrides: tuple[str, ...], scheduler: str | None, scheduler_file: str | None
+) -> None:
     """Profile CONFIG's model on a worker; print the stage split and the strategy that fits."""
     from workflows.cluster import live_workers, start_cluster
+    from workflows.launcher import select_workers
     from workflows.planner import plan as plan_stages
     from workflows.preprocess import read_manifest
 
-    resolved = _load(config, overrides, scheduler)
+    resolved = _load(config, overrides, scheduler, scheduler_file)
     data = resolved.data.resolved()
     manifest = read_manifest(data.store_url, storage_options=data.storage_options)
     # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
     num_classes = len(manifest["classes"]) if manifest else 10
     # A ValueError here is the planner's: the model does not fit the stages it is given.
     with _exit_codes("planning", ValueError), start_cluster(resolved.cluster) as cluster:
-        world_size = resolved.world_size or len(live_workers(cluster.client))
+        chosen = select_workers(live_workers(cluster.client), resolved.launch.workers)
+        world_size = resolved.world_size or len(chosen)
         resolved.check_batch(world_size)
         result = plan_stages(
             cluster.client, resolved, world_size=world_size, num_classes=num_classes
@@ -167,7 +197,8 @@ def plan(config: Path, overrides: tuple[str, ...], scheduler: str | None) -> Non
 @main.command()
 @config_argument
 @set_option
-@click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
+@scheduler_option
+@scheduler_file_option
 @click.option(
     "--output",
     type=click.Path(path_type=Path),
@@ -182,6 +213,7 @@ def run(
     config: Path,
     overrides: tuple[str, ...],
     scheduler: str | None,
+    scheduler_file: str | None,
     output: Path | None,
     resume: bool,
 ) -> None:
@@ -190,7 +222,7 @@ def run(
     from workflows.driver import print_progress, train
     from workflows.run_directory import RunDirectory
 
-    resolved = _load(config, overrides, scheduler)
+    resolved = _load(config, overrides, scheduler, scheduler_file)
     try:
         run_directory = RunDirectory.create(resolved, output, resume=resume)
     except (ConfigError, OSError) as error:
@@ -292,21 +324,17 @@ def predict(
         _fail(EXIT_INVALID, str(error))
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     plan = prepared.plan
-    try:
-        with start_cluster(prepared.cluster) as cluster:
-            click.echo(f"dashboard: {cluster.dashboard_link}")
-            click.echo(
-                f"scoring {plan.count} images ({plan.kind} {plan.url}) in "
-                f"{len(plan.partitions)} partitions"
-            )
-            result = run_prepared(cluster.client, prepared)
-    except KeyboardInterrupt:
-        _fail(EXIT_INTERRUPTED, f"interrupted; partial output in {prepared.output}")
-    except (ConfigError, CheckpointError, SourceError, ConnectionError) as error:
-        _fail(EXIT_INVALID, str(error))
-    except Exception as error:
-        logging.getLogger(__name__).debug("prediction failed", exc_info=True)
-        _fail(EXIT_FAILED, f"prediction failed: {type(error).__name__}: {error}")
+    interrupted = f"interrupted; partial output in {prepared.output}"
+    with (
+        _exit_codes("prediction", CheckpointError, interrupted=interrupted),
+        start_cluster(prepared.cluster) as cluster,
+    ):
+        click.echo(f"dashboard: {cluster.dashboard_link}")
+        click.echo(
+            f"scoring {plan.count} images ({plan.kind} {plan.url}) in "
+            f"{len(plan.partitions)} partitions"
+        )
+        result = run_prepared(cluster.client, prepared)
     for note in result.notes:
         click.echo(f"note: {note}")
     accuracy = f", accuracy {result.metrics['accuracy']:.4f}" if result.metrics else ""

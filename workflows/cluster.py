@@ -1,5 +1,6 @@
 """The cluster: one Dask worker per GPU, a CPU stand-in with the same interface, or an existing
-cluster by address.
+cluster by address or scheduler file (workers started with the stock ``dask worker``,
+``dask cuda worker``, dask-jobqueue, dask-kubernetes, ...), optionally over TLS.
 
 Workers this module starts are non-daemonic (so a DataLoader inside a task may fork its own
 workers) and do not get Dask's ``MALLOC_TRIM_THRESHOLD_=65536`` (measured here: it halves
@@ -8,14 +9,19 @@ reuse instead.
 """
 
 import contextlib
+import json
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator
 from typing import Literal, Self
 
 import dask
 from distributed import Client, LocalCluster
+from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workflows.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,10 @@ class ClusterConfig(BaseModel):
     scheduler: str | None = Field(
         default=None, description="address of an existing scheduler; none starts a local cluster"
     )
+    scheduler_file: str | None = Field(
+        default=None,
+        description="an existing scheduler's file (dask scheduler --scheduler-file), read at start",
+    )
     kind: Literal["auto", "cuda", "cpu"] = Field(
         default="auto", description="auto: one worker per GPU when NVML sees GPUs, else CPU"
     )
@@ -69,14 +79,37 @@ class ClusterConfig(BaseModel):
     tune_malloc: bool = Field(
         default=True, description="keep freed memory in local workers for reuse (faster on CPU)"
     )
+    security: SecurityConfig = SecurityConfig()
 
     @model_validator(mode="after")
     def _local_or_remote(self) -> "ClusterConfig":
-        if self.scheduler is not None and self.n_workers is not None:
+        if self.scheduler is not None and self.scheduler_file is not None:
+            raise ValueError(
+                "cluster.scheduler_file: give the scheduler's address or its file, not both"
+            )
+        existing = self.scheduler is not None or self.scheduler_file is not None
+        if existing and self.n_workers is not None:
             raise ValueError(
                 "cluster.n_workers: cannot size an existing cluster; drop n_workers or scheduler"
             )
+        if existing and self.security.temporary:
+            raise ValueError(
+                "cluster.security.temporary: a temporary certificate set exists only in this "
+                "process, so an existing cluster cannot share it; give tls_ca_file, tls_cert "
+                "and tls_key"
+            )
+        plain = (self.scheduler or "").startswith("tcp://")
+        if plain and self.security.enabled and self.security.require_encryption:
+            raise ValueError(
+                f"cluster.scheduler: {self.scheduler} is plain tcp://, but cluster.security "
+                "requires TLS; use the scheduler's tls:// address"
+            )
         return self
+
+    @property
+    def existing(self) -> bool:
+        """Connect to a cluster started elsewhere rather than start one here."""
+        return self.scheduler is not None or self.scheduler_file is not None
 
 
 def count_gpus() -> int:
@@ -101,8 +134,9 @@ class TrainingCluster:
         self._config_scope: dask.config.set | None = None
         self.cluster: LocalCluster | None = None
         self.kind = "remote"
+        security = config.security.build()
         try:
-            if config.scheduler is None:
+            if not config.existing:
                 malloc = None
                 if config.tune_malloc:
                     malloc = malloc_settings(_worker_memory_bytes(config))
@@ -110,10 +144,15 @@ class TrainingCluster:
                 # The nanny copies its pre-spawn environment into *this* process's os.environ;
                 # undo that, so it neither leaks into our subprocesses nor into later clusters.
                 with _environ_restored(TUNED_MALLOC):
-                    self.cluster, self.kind = _start_local(config)
-                self.client = Client(self.cluster, timeout=config.connect_timeout_s)
+                    self.cluster, self.kind = _start_local(config, security)
+                self.client = Client(
+                    self.cluster, timeout=config.connect_timeout_s, security=security
+                )
             else:
-                self.client = _connect(config.scheduler, config.connect_timeout_s)
+                address = config.scheduler or _read_scheduler_file(
+                    str(config.scheduler_file), config.connect_timeout_s
+                )
+                self.client = _connect(address, config.connect_timeout_s, security)
         except BaseException:
             self.close()
             raise
@@ -153,8 +192,8 @@ def start_cluster(config: ClusterConfig | None = None, **overrides: object) -> T
     >>> with start_cluster(n_workers=2, dashboard_port=0) as cluster:
     ...     print(cluster.dashboard_link)
     """
-    config = (config or ClusterConfig()).model_copy(update=overrides)
-    config = ClusterConfig.model_validate(config.model_dump())  # re-check the overrides
+    # Validated again as a whole, so overrides are checked (and nested sections may be dicts).
+    config = ClusterConfig.model_validate({**(config or ClusterConfig()).model_dump(), **overrides})
     return TrainingCluster(config)
 
 
@@ -178,8 +217,10 @@ def _worker_memory_bytes(config: ClusterConfig) -> int | None:
     return parse_memory_limit(config.memory_limit, nthreads=1, total_cores=workers, logger=logger)
 
 
-def _start_local(config: ClusterConfig) -> tuple[LocalCluster, str]:
+def _start_local(config: ClusterConfig, security: Security | None) -> tuple[LocalCluster, str]:
     dashboard = f"{config.dashboard_host}:{config.dashboard_port}"
+    # Every connection, the workers' to each other included, over TLS when it is on.
+    secured = {"security": security, "protocol": "tls://"} if security else {}
     gpus = count_gpus() if config.kind in ("auto", "cuda") else 0
     if config.kind == "cuda" and gpus == 0:
         raise RuntimeError("cluster.kind: 'cuda' was asked for, but NVML sees no GPU")
@@ -191,6 +232,7 @@ def _start_local(config: ClusterConfig) -> tuple[LocalCluster, str]:
             threads_per_worker=1,
             memory_limit=config.memory_limit,
             dashboard_address=dashboard,
+            **secured,
         )
         return cluster, "cuda"
     cluster = LocalCluster(
@@ -199,13 +241,42 @@ def _start_local(config: ClusterConfig) -> tuple[LocalCluster, str]:
         processes=True,
         memory_limit=config.memory_limit,
         dashboard_address=dashboard,
+        **secured,
     )
     return cluster, "cpu"
 
 
-def _connect(address: str, timeout_s: float) -> Client:
+def _read_scheduler_file(path: str, timeout_s: float) -> str:
+    """The address in a scheduler file. A batch system may start the run before the scheduler
+    has written it, so wait for it, within the connect timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(os.path.expanduser(path)) as file:
+                return str(json.load(file)["address"])
+        except (FileNotFoundError, ValueError, KeyError) as error:
+            # ValueError/KeyError: the scheduler is still writing it.
+            if time.monotonic() > deadline:
+                reason = "no such file" if isinstance(error, FileNotFoundError) else "no address"
+                raise ConnectionError(
+                    f"cluster.scheduler_file: {path}: {reason} after waiting {timeout_s:g} s "
+                    "(start the scheduler with --scheduler-file, or fix the path)"
+                ) from None
+            time.sleep(0.1)
+
+
+def _connect(address: str, timeout_s: float, security: Security | None) -> Client:
     try:
-        return Client(address, timeout=timeout_s)
+        return Client(address, timeout=timeout_s, security=security)
+    except TypeError as error:
+        # Dask's way of saying that a tls:// address came without certificates.
+        if "ssl_context" not in str(error):
+            raise
+        raise ConnectionError(
+            f"cluster.security: the scheduler at {address} uses TLS; give "
+            "cluster.security.tls_ca_file, tls_cert and tls_key (or Dask's distributed.comm.tls "
+            "settings)"
+        ) from error
     except (OSError, TimeoutError) as error:
         raise ConnectionError(
             f"cluster.scheduler: could not reach the scheduler at {address} within "

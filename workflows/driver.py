@@ -29,6 +29,7 @@ from workflows.launcher import (
     ProcessGroup,
     RankFailed,
     RankHung,
+    select_workers,
 )
 from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
 from workflows.planner import resolve_split_points
@@ -155,7 +156,9 @@ def train(
 def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) -> TrainResult:
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
-    world_size = config.world_size or max(1, len(live_workers(client)))
+    world_size = config.world_size or max(
+        1, len(select_workers(live_workers(client), config.launch.workers))
+    )
     config.check_batch(world_size)
     # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()

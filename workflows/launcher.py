@@ -8,6 +8,8 @@ restarts the rank workers so that no thread stays stuck in a collective.
 """
 
 import contextlib
+import fnmatch
+import ipaddress
 import logging
 import re
 import time
@@ -17,7 +19,7 @@ from typing import Any, Literal, Self
 
 from distributed import Client, Future, wait
 from distributed.comm import get_address_host
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.process_group import (
     PLUGIN_NAME,
@@ -30,12 +32,70 @@ from workflows.cluster import live_workers
 logger = logging.getLogger(__name__)
 
 
+class WorkerSelection(BaseModel):
+    """Which of an existing cluster's workers may take ranks (all of them by default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="only workers offering at least these (dask worker --resources 'GPU=1')",
+    )
+    name_pattern: str | None = Field(
+        default=None, description="only workers whose name matches this glob ('gpu-node-*')"
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _positive(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if amount <= 0:
+                raise ValueError(
+                    f"launch.workers.resources.{name}: {amount:g} selects every worker; give a "
+                    "positive amount or leave the resource out"
+                )
+        return resources
+
+    @field_validator("name_pattern")
+    @classmethod
+    def _not_empty(cls, pattern: str | None) -> str | None:
+        if pattern is not None and not pattern.strip():
+            raise ValueError("launch.workers.name_pattern: empty; leave it out to take every name")
+        return pattern
+
+    def matches(self, identity: dict[str, Any]) -> bool:
+        """Whether a worker, as the scheduler describes it, is eligible."""
+        offered = identity.get("resources") or {}
+        if any(offered.get(name, 0) < amount for name, amount in self.resources.items()):
+            return False
+        return self.name_pattern is None or fnmatch.fnmatchcase(
+            str(identity.get("name")), self.name_pattern
+        )
+
+    def describe(self) -> str:
+        parts = [f"resources {self.resources}"] if self.resources else []
+        if self.name_pattern is not None:
+            parts.append(f"name matching {self.name_pattern!r}")
+        return " and ".join(parts) or "any"
+
+
 class LaunchConfig(BaseModel):
     """How many ranks, which backend, and how long each wait may last."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    world_size: int | None = Field(default=None, ge=1, description="none: every worker")
+    world_size: int | None = Field(default=None, ge=1, description="none: every chosen worker")
+    workers: WorkerSelection = WorkerSelection()
+    master_addr: str | None = Field(
+        default=None,
+        description="rendezvous address of the rank-0 worker's host for hosts with several "
+        "interfaces; none: its address on socket_ifname, else its Dask contact address",
+    )
+    socket_ifname: str | None = Field(
+        default=None,
+        description="network interface for gloo/nccl traffic (GLOO_SOCKET_IFNAME, "
+        "NCCL_SOCKET_IFNAME) on every rank; none: the backend's own choice",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="auto: nccl when every rank has a GPU, else gloo"
     )
@@ -54,6 +114,40 @@ class LaunchConfig(BaseModel):
     max_failures: int = Field(
         default=3, ge=0, description="restarts from the last checkpoint before the run fails"
     )
+
+    @field_validator("master_addr")
+    @classmethod
+    def _a_host(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host = value.strip().removeprefix("[").removesuffix("]")
+        if "://" in host or not host or any(c.isspace() for c in host):
+            raise ValueError(
+                f"launch.master_addr: {value!r} is not a host; give an IP address or host name "
+                "without scheme or port (e.g. '10.0.0.5')"
+            )
+        with contextlib.suppress(ValueError):
+            return str(ipaddress.ip_address(host))
+        if ":" in host or not re.fullmatch(r"[A-Za-z0-9.-]+", host):
+            raise ValueError(
+                f"launch.master_addr: {value!r} is not a host; give an IP address or host name "
+                "without scheme or port (e.g. '10.0.0.5')"
+            )
+        return host
+
+    @field_validator("socket_ifname")
+    @classmethod
+    def _an_interface(cls, value: str | None) -> str | None:
+        # gloo takes a comma-separated list (one device per interface, the same count on every
+        # rank); Linux names are at most 15 characters.
+        if value is not None and not re.fullmatch(
+            r"[A-Za-z0-9_.:@-]{1,15}(,[A-Za-z0-9_.:@-]{1,15})*", value
+        ):
+            raise ValueError(
+                f"launch.socket_ifname: {value!r} is not a network interface name (like 'eth0' "
+                "or 'ib0'; several comma-separated)"
+            )
+        return value
 
 
 class LaunchError(RuntimeError):
@@ -121,19 +215,24 @@ class ProcessGroup:
     def start(self) -> Self:
         config = self.config
         workers = self._choose_workers()
-        described = self.client.run(describe_worker, workers=workers)
+        described = self.client.run(describe_worker, config.socket_ifname, workers=workers)
         backend = _resolve_backend(config.backend, {w: described[w] for w in workers})
+        _check_interfaces(config.socket_ifname, {w: described[w] for w in workers})
         hosts = [get_address_host(address) for address in workers]
         spec = ProcessGroupSpec(
             generation=uuid.uuid4().hex[:12],
             ranks={address: rank for rank, address in enumerate(workers)},
             local_ranks={address: hosts[:i].count(hosts[i]) for i, address in enumerate(workers)},
             worker_ids={address: str(described[address]["worker_id"]) for address in workers},
-            master_addr=hosts[0],
+            # Where the peers reach rank 0: what they reach its worker at, unless told otherwise.
+            master_addr=(
+                config.master_addr or described[workers[0]].get("ifname_address") or hosts[0]
+            ),
             master_port=int(described[workers[0]]["free_port"]),
             backend=backend,
             init_timeout_s=config.init_timeout_s,
             collective_timeout_s=config.collective_timeout_s,
+            socket_ifname=config.socket_ifname,
         )
         started = time.perf_counter()
         self.spec = spec
@@ -276,21 +375,54 @@ class ProcessGroup:
         return list(live_workers(self.client))
 
     def _choose_workers(self) -> list[str]:
-        wanted = self.config.world_size
-        try:
-            self.client.wait_for_workers(wanted or 1, timeout=self.config.worker_wait_s)
-        except TimeoutError as error:
-            have = len(self._alive_workers())
+        wanted = self.config.world_size or 1
+        selection = self.config.workers
+        deadline = time.monotonic() + self.config.worker_wait_s
+        while True:
+            info = live_workers(self.client)
+            chosen = select_workers(info, selection)
+            if len(chosen) >= wanted:
+                return chosen[: self.config.world_size or len(chosen)]
+            if time.monotonic() > deadline:
+                break
+            time.sleep(min(self.config.poll_interval_s, 0.2))
+        if selection.resources or selection.name_pattern is not None:
             raise LaunchError(
-                f"launch.world_size: {wanted or 1} workers are needed, but the cluster has "
-                f"{have} after waiting {self.config.worker_wait_s:g} s (lower launch.world_size "
-                "or add workers)"
-            ) from error
-        info = live_workers(self.client)
-        ordered = sorted(
-            info, key=lambda a: (info[a]["host"], _natural_key(str(info[a].get("name"))), a)
+                f"launch.workers: {wanted} workers with {selection.describe()} are needed, but "
+                f"{len(chosen)} of the cluster's {len(info)} match after waiting "
+                f"{self.config.worker_wait_s:g} s (change launch.workers or launch.world_size)"
+            )
+        raise LaunchError(
+            f"launch.world_size: {wanted} workers are needed, but the cluster has {len(info)} "
+            f"after waiting {self.config.worker_wait_s:g} s (lower launch.world_size or add "
+            "workers)"
         )
-        return ordered[: wanted or len(ordered)]
+
+
+def select_workers(info: dict[str, dict[str, Any]], selection: WorkerSelection) -> list[str]:
+    """The eligible workers in rank order: by host, so that each host's workers get consecutive
+    ranks, then by name in natural order (dask-cuda names workers by device id)."""
+    eligible = [address for address, identity in info.items() if selection.matches(identity)]
+    return sorted(
+        eligible,
+        key=lambda a: (
+            info[a].get("host") or get_address_host(a),
+            _natural_key(str(info[a].get("name"))),
+            a,
+        ),
+    )
+
+
+def _check_interfaces(ifname: str | None, described: dict[str, dict[str, Any]]) -> None:
+    if ifname is None:
+        return
+    for address, description in described.items():
+        missing = [name for name in ifname.split(",") if name not in description["interfaces"]]
+        if missing:
+            raise LaunchError(
+                f"launch.socket_ifname: worker {address} has no interface {missing[0]!r} (it "
+                f"has {', '.join(description['interfaces'])}); name one every chosen worker has"
+            )
 
 
 def _resolve_backend(requested: str, described: dict[str, dict[str, Any]]) -> str:

@@ -1,0 +1,520 @@
+"""Beyond one machine: clusters started with the stock ``dask scheduler`` / ``dask worker``,
+workers in two network namespaces standing in for two hosts, and TLS. Real processes only."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dask
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import Client
+from distributed.security import Security
+
+from workers.process_group import current_membership
+from workflows.cluster import live_workers, start_cluster
+from workflows.config import ConfigError, load_config
+from workflows.driver import train
+from workflows.launcher import (
+    LaunchConfig,
+    LaunchError,
+    ProcessGroup,
+    WorkerSelection,
+    select_workers,
+)
+from workflows.security import write_pem_files
+
+ROOT = Path(__file__).parents[1]
+CONFIGS = ROOT / "workflows" / "configs"
+DASK = str(Path(sys.executable).with_name("dask"))  # the stock CLI of this environment
+
+
+# -- processes this module starts --------------------------------------------------------------
+
+
+def _environment() -> dict[str, str]:
+    # Stock workers unpickle this module's functions and the project's code: they need the tree
+    # on their path, and the recipe's worker settings (README, "Beyond one machine").
+    return os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "DASK_CONFIG": str(ROOT / "workflows" / "dask"),
+    }
+
+
+def _spawn(command: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        # A session of its own, so that the nanny and its worker can be stopped together.
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=_environment(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in reversed(processes):  # workers first, the scheduler last
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in reversed(processes):
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the group we started, nanny and worker
+            process.wait(timeout=30)
+
+
+def _wait_for_file(path: Path, processes: list[subprocess.Popen], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            return json.loads(path.read_text())["address"]
+        assert all(p.poll() is None for p in processes), "a process exited while starting"
+        time.sleep(0.1)
+    raise TimeoutError(f"no scheduler file {path} after {timeout_s:g} s")
+
+
+def _wait_for_workers(scheduler_file: Path, names: set[str], timeout_s: float) -> None:
+    with Client(scheduler_file=str(scheduler_file), timeout=timeout_s) as client:
+        deadline = time.monotonic() + timeout_s
+        while {w.get("name") for w in live_workers(client).values()} != names:
+            assert time.monotonic() < deadline, f"workers {names} did not all arrive"
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _stock_cluster(
+    folder: Path,
+    workers: dict[str, list[str]],
+    prefix: tuple[str, ...] = (),
+    scheduler_host: str = "127.0.0.1",
+    worker_hosts: dict[str, tuple[str, ...]] | None = None,
+) -> Iterator[tuple[str, Path]]:
+    """``dask scheduler`` and one ``dask worker`` per name (extra CLI arguments as given), each
+    a separate process; ``prefix`` runs a worker inside a namespace (``ip netns exec NAME``)."""
+    scheduler_file = folder / "scheduler.json"
+    worker_hosts = worker_hosts or {}
+    processes: list[subprocess.Popen] = []
+    try:
+        processes.append(
+            _spawn(
+                [
+                    *worker_hosts.get("scheduler", prefix),
+                    *(DASK, "scheduler", "--host", scheduler_host, "--port", "0"),
+                    *("--dashboard-address", "127.0.0.1:0", "--scheduler-file", scheduler_file),
+                ],
+                folder / "scheduler.log",
+            )
+        )
+        address = _wait_for_file(scheduler_file, processes, timeout_s=60)
+        for name, arguments in workers.items():
+            processes.append(
+                _spawn(
+                    [
+                        *worker_hosts.get(name, prefix),
+                        *(DASK, "worker", "--scheduler-file", scheduler_file),
+                        *("--name", name, "--nthreads", "1", *arguments),
+                    ],
+                    folder / f"{name}.log",
+                )
+            )
+        if not worker_hosts:
+            _wait_for_workers(scheduler_file, set(workers), timeout_s=90)
+        yield address, scheduler_file
+    finally:
+        _stop(processes)
+
+
+# -- an existing cluster, started with the stock CLIs ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    """Two workers offering TRAIN=1 and a helper without it, all on this host."""
+    folder = tmp_path_factory.mktemp("stock")
+    workers = {
+        "trainer-1": ["--host", "127.0.0.1", "--resources", "TRAIN=1"],
+        "trainer-2": ["--host", "127.0.0.1", "--resources", "TRAIN=1"],
+        "helper-1": ["--host", "127.0.0.1"],
+    }
+    with _stock_cluster(folder, workers) as (address, scheduler_file):
+        yield address, scheduler_file
+
+
+def _process_facts() -> dict[str, object]:
+    import multiprocessing
+
+    return {
+        "daemon": multiprocessing.current_process().daemon,
+        "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+    }
+
+
+def _probe(generation: str) -> dict[str, object]:
+    membership = current_membership(generation)
+    value = torch.tensor([float(membership.rank + 1)])
+    dist.all_reduce(value)
+    return {
+        "rank": membership.rank,
+        "local_rank": membership.local_rank,
+        "sum": value.item(),
+        "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+    }
+
+
+def _ifname_variable() -> str | None:
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def test_stock_workers_started_with_the_recipes_settings_can_fork_and_keep_memory(stock):
+    _, scheduler_file = stock
+    with start_cluster(scheduler_file=str(scheduler_file)) as cluster:
+        facts = cluster.client.run(_process_facts)
+    assert len(facts) == 3
+    assert all(f["daemon"] is False for f in facts.values())
+    assert all(f["malloc_trim"] == str(256 * 2**20) for f in facts.values())
+
+
+def test_choose_workers_by_resource_or_name_pattern_one_host_consecutive_local_ranks(stock):
+    _, scheduler_file = stock
+    with start_cluster(scheduler_file=str(scheduler_file)) as cluster:
+        client = cluster.client
+        names = {a: w["name"] for a, w in live_workers(client).items()}
+        by_resource = LaunchConfig(workers=WorkerSelection(resources={"TRAIN": 1}))
+        with ProcessGroup(client, by_resource) as group:
+            assert [names[a] for a in group.workers] == ["trainer-1", "trainer-2"]
+            assert group.spec.master_addr == "127.0.0.1"
+            results = group.run(_probe, group.spec.generation)
+        assert [(r["rank"], r["local_rank"], r["sum"]) for r in results] == [(0, 0, 3), (1, 1, 3)]
+        by_name = LaunchConfig(workers=WorkerSelection(name_pattern="helper-*"))
+        with ProcessGroup(client, by_name) as group:
+            assert [names[a] for a in group.workers] == ["helper-1"]
+
+
+def test_socket_ifname_reaches_gloo_for_the_groups_life_then_is_restored(stock):
+    _, scheduler_file = stock
+    config = LaunchConfig(world_size=2, socket_ifname="lo", master_addr=None)
+    with start_cluster(scheduler_file=str(scheduler_file)) as cluster:
+        client = cluster.client
+        with ProcessGroup(client, config) as group:
+            results = group.run(_probe, group.spec.generation)
+            workers = group.workers
+        assert group.spec is None
+        assert [r["gloo_ifname"] for r in results] == ["lo", "lo"]
+        assert set(client.run(_ifname_variable, workers=workers).values()) == {None}
+
+
+def test_a_missing_interface_or_too_few_matching_workers_fail_fast_naming_the_field(stock):
+    _, scheduler_file = stock
+    with start_cluster(scheduler_file=str(scheduler_file)) as cluster:
+        started = time.monotonic()
+        with pytest.raises(LaunchError, match=r"launch\.socket_ifname: worker .* no interface"):
+            ProcessGroup(
+                cluster.client, LaunchConfig(world_size=1, socket_ifname="nosuch0")
+            ).start()
+        too_many = LaunchConfig(
+            world_size=3, worker_wait_s=1, workers=WorkerSelection(resources={"TRAIN": 1})
+        )
+        with pytest.raises(LaunchError, match=r"launch\.workers: 3 workers with resources .* 2 of"):
+            ProcessGroup(cluster.client, too_many).start()
+        assert time.monotonic() - started < 20
+
+
+def _cli(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    command = [*prefix, sys.executable, "-c", "from workflows.cli import main; main()", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=240, cwd=ROOT, env=_environment()
+    )
+
+
+@pytest.mark.slow
+def test_ddp_run_through_scheduler_on_stock_workers_selected_by_resource(
+    stock, store_dir, tmp_path
+):
+    address, _ = stock
+    done = _cli(
+        *("run", str(CONFIGS / "digits_ddp.toml"), "--scheduler", address),
+        *("--set", f"data.store='{store_dir / 'digits'}'", "--set", "training.epochs=1"),
+        *("--set", "launch.workers.resources={TRAIN=1}", "--output", str(tmp_path / "run")),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "done: ddp on 2 ranks" in done.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+
+
+def test_cli_refuses_address_and_scheduler_file_together_and_names_a_missing_file(tmp_path):
+    both = _cli(
+        *("validate", str(CONFIGS / "digits_ddp.toml")),
+        *("--set", "cluster.scheduler='tcp://127.0.0.1:8786'"),
+        *("--set", f"cluster.scheduler_file='{tmp_path / 's.json'}'"),
+    )
+    assert both.returncode == 2
+    assert "cluster.scheduler_file: give the scheduler's address or its file" in both.stderr
+    missing = _cli(
+        *("run", str(CONFIGS / "digits_ddp.toml"), "--scheduler-file", str(tmp_path / "s.json")),
+        *("--set", "cluster.connect_timeout_s=1", "--output", str(tmp_path / "run")),
+    )
+    assert missing.returncode == 2, missing.stderr
+    assert f"cluster.scheduler_file: {tmp_path / 's.json'}: no such file" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"cluster": {"scheduler": "tls://h:8786", "security": {"temporary": True}}},
+            "cluster.security.temporary: a temporary certificate set exists only in this process",
+        ),
+        (
+            {"cluster": {"security": {"tls_ca_file": "/nonexistent/ca.pem"}}},
+            "cluster.security.tls_cert: TLS with certificate files needs",
+        ),
+        (
+            {"cluster": {"security": {"tls_ca_file": __file__, "tls_cert": "/nonexistent.pem"}}},
+            "cluster.security.tls_cert: /nonexistent.pem: no such file",
+        ),
+        (
+            {
+                "cluster": {
+                    "scheduler": "tcp://h:8786",
+                    "security": {"tls_ca_file": __file__, "tls_cert": __file__},
+                }
+            },
+            "cluster.scheduler: tcp://h:8786 is plain tcp://, but cluster.security requires TLS",
+        ),
+        ({"launch": {"master_addr": "tcp://10.0.0.1:1234"}}, "launch.master_addr: 'tcp://"),
+        ({"launch": {"socket_ifname": "eth 0"}}, "launch.socket_ifname: 'eth 0' is not"),
+        (
+            {"launch": {"workers": {"resources": {"GPU": 0}}}},
+            "launch.workers.resources.GPU: 0 selects every worker",
+        ),
+        ({"launch": {"workers": {"name_patern": "x"}}}, "launch.workers.name_patern: unknown key"),
+    ],
+)
+def test_config_errors_name_the_field(raw, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_master_addr_accepts_hosts_and_addresses():
+    assert LaunchConfig(master_addr="10.0.0.5").master_addr == "10.0.0.5"
+    assert LaunchConfig(master_addr="[fd00::2]").master_addr == "fd00::2"
+    assert LaunchConfig(master_addr="node-7.cluster").master_addr == "node-7.cluster"
+
+
+def test_selected_workers_are_ordered_by_host_then_natural_name():
+    info = {
+        "tcp://10.0.0.2:1": {"host": "10.0.0.2", "name": "gpu-10", "resources": {"GPU": 1}},
+        "tcp://10.0.0.1:2": {"host": "10.0.0.1", "name": "gpu-2", "resources": {"GPU": 1}},
+        "tcp://10.0.0.2:3": {"host": "10.0.0.2", "name": "gpu-9", "resources": {"GPU": 1}},
+        "tcp://10.0.0.1:4": {"host": "10.0.0.1", "name": "cpu-1", "resources": {}},
+    }
+    gpus = select_workers(info, WorkerSelection(resources={"GPU": 1}))
+    assert gpus == ["tcp://10.0.0.1:2", "tcp://10.0.0.2:3", "tcp://10.0.0.2:1"]
+    assert select_workers(info, WorkerSelection(name_pattern="cpu-*")) == ["tcp://10.0.0.1:4"]
+    assert len(select_workers(info, WorkerSelection())) == 4
+
+
+# -- two hosts: one worker in each of two network namespaces -----------------------------------
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[dict[str, str]]:
+    """Namespaces A and B joined by a veth pair named ``dt0`` on both sides, with addresses in
+    a private test range; nothing else is reachable from them (their ``lo`` aside)."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = str(os.getpid())[-6:]
+    subnet = f"10.213.{1 + os.getpid() % 250}"
+    hosts = {"a": f"dt-{tag}-a", "b": f"dt-{tag}-b"}
+    made: list[str] = []
+    try:
+        for namespace in hosts.values():
+            try:
+                _ip("netns", "add", namespace)
+            except (subprocess.CalledProcessError, OSError) as error:
+                pytest.skip(f"cannot make a network namespace here: {error}")
+            made.append(namespace)
+        _ip("link", "add", f"dta{tag}", "type", "veth", "peer", "name", f"dtb{tag}")
+        for side, address in (("a", f"{subnet}.1"), ("b", f"{subnet}.2")):
+            namespace = hosts[side]
+            _ip("link", "set", f"dt{side}{tag}", "netns", namespace)
+            _ip("-n", namespace, "link", "set", f"dt{side}{tag}", "name", "dt0")
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "dt0")
+            _ip("-n", namespace, "link", "set", "dt0", "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+        yield {"ns_a": hosts["a"], "ns_b": hosts["b"], "a": f"{subnet}.1", "b": f"{subnet}.2"}
+    finally:
+        # Deleting a namespace deletes its end of the veth pair, and with it the other end.
+        for namespace in made:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("link", "del", f"dta{tag}")  # only left when moving it failed
+
+
+def _connections_probe(generation: str) -> dict[str, object]:
+    membership = current_membership(generation)
+    value = torch.tensor([1.0])
+    dist.all_reduce(value)  # the gloo pairs are connected
+    # The TCPStore listens dual-stack: its peers show as IPv4-mapped IPv6 addresses.
+    remote = {
+        c.raddr.ip.removeprefix("::ffff:")
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.raddr and c.status == psutil.CONN_ESTABLISHED
+    }
+    return {"rank": membership.rank, "remote": sorted(remote), "sum": value.item()}
+
+
+def _namespace_group(scheduler: str) -> None:
+    """Run inside namespace A: form the group over dt0, print what the ranks saw."""
+    with start_cluster(scheduler=scheduler) as cluster:
+        # The workers arrive on their own: wait for both, not just the first.
+        config = LaunchConfig(world_size=2, socket_ifname="dt0", worker_wait_s=60)
+        with ProcessGroup(cluster.client, config) as group:
+            results = group.run(_connections_probe, group.spec.generation)
+            master = group.spec.master_addr
+    print(json.dumps({"master": master, "results": results}))
+
+
+@pytest.mark.slow
+def test_ddp_across_two_namespace_hosts_rendezvous_at_rank0s_namespace_address(
+    two_hosts, store_dir, tmp_path
+):
+    in_a = ("ip", "netns", "exec", two_hosts["ns_a"])
+    in_b = ("ip", "netns", "exec", two_hosts["ns_b"])
+    a, b = two_hosts["a"], two_hosts["b"]
+    workers = {"host-a": ["--host", a], "host-b": ["--host", b]}
+    placement = {"scheduler": in_a, "host-a": in_a, "host-b": in_b}
+    # The scheduler listens on A's address only: B reaches it over the veth pair.
+    with _stock_cluster(tmp_path, workers, scheduler_host=a, worker_hosts=placement) as (
+        address,
+        _,
+    ):
+        assert address.startswith(f"tcp://{a}:")
+        group = _cli_python(
+            f"from tests.test_multihost import _namespace_group; _namespace_group({address!r})",
+            prefix=in_a,
+        )
+        assert group.returncode == 0, group.stderr
+        seen = json.loads(group.stdout.strip().splitlines()[-1])
+        assert seen["master"] == a  # rank 0's namespace address, never 127.0.0.1
+        ranks = {r["rank"]: r for r in seen["results"]}
+        assert ranks[0]["sum"] == ranks[1]["sum"] == 2
+        assert b in ranks[0]["remote"] and a in ranks[1]["remote"]  # the gloo pair
+        for r in seen["results"]:
+            assert set(r["remote"]) <= {a, b, "127.0.0.1"}, r
+
+        run = _cli(
+            *("-v", "run", str(CONFIGS / "digits_ddp.toml"), "--scheduler", address),
+            *("--set", f"data.store='{store_dir / 'digits'}'", "--set", "training.epochs=1"),
+            *("--set", "launch.socket_ifname='dt0'", "--set", "launch.world_size=2"),
+            *("--output", str(tmp_path / "run")),
+            prefix=in_a,
+        )
+        assert run.returncode == 0, run.stderr
+        assert "done: ddp on 2 ranks" in run.stdout
+        assert f"master {a}:" in (tmp_path / "run" / "run.log").read_text()
+
+
+def _cli_python(code: str, prefix: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=_environment(),
+    )
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> dict[str, str]:
+    """A self-signed CA, certificate and key written to files, as an operator would have."""
+    folder = tmp_path_factory.mktemp("tls")
+    return {k: str(v) for k, v in write_pem_files(Security.temporary(), folder).items()}
+
+
+def _refused(address: str, security: Security | None) -> Exception | None:
+    try:
+        with Client(address, timeout=5, security=security):
+            return None
+    except Exception as error:  # any failure to connect is a refusal
+        return error
+
+
+def _handshake_without_a_certificate(address: str, ca_file: str) -> Exception | None:
+    """A TLS client that trusts the cluster's CA but has no certificate of its own: the
+    scheduler must refuse it (TLS 1.3 reports that on the first read)."""
+    host, port = address.removeprefix("tls://").rsplit(":", 1)
+    context = ssl.create_default_context(cafile=ca_file)
+    context.check_hostname = False  # Dask's certificates name roles, not hosts
+    try:
+        with (
+            socket.create_connection((host, int(port)), timeout=5) as raw,
+            context.wrap_socket(raw) as secured,
+        ):
+            secured.sendall(b"\0" * 8)
+            if secured.recv(1) == b"":
+                return ConnectionResetError("closed by the scheduler")
+            return None
+    except (OSError, ssl.SSLError) as error:
+        return error
+
+
+@pytest.mark.slow
+def test_training_over_tls_and_clients_without_the_certificate_are_refused(
+    make_config, certificates
+):
+    config = make_config(
+        {"cluster": {"n_workers": 2, "dashboard_port": 0, "security": certificates}}, epochs=1
+    )
+    with start_cluster(config.cluster) as cluster:
+        address = cluster.cluster.scheduler_address
+        assert address.startswith("tls://")
+        assert cluster.dashboard_link.startswith("http://127.0.0.1:")
+        assert all(w.startswith("tls://") for w in cluster.worker_addresses)
+        result = train(config, cluster=cluster, on_event=None)
+        assert result.world_size == 2 and result.final["val_accuracy"] > 0.2
+
+        refusal = _handshake_without_a_certificate(address, certificates["tls_ca_file"])
+        assert isinstance(refusal, OSError), refusal  # ssl.SSLError is one
+        with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
+            # A certificate the cluster's CA never signed, and no TLS at all.
+            assert _refused(address, Security.temporary()) is not None
+            assert _refused(address.replace("tls://", "tcp://"), None) is not None
+
+
+def test_a_temporary_certificate_set_secures_a_local_cluster():
+    with start_cluster(n_workers=1, dashboard_port=0, security={"temporary": True}) as cluster:
+        assert cluster.cluster.scheduler_address.startswith("tls://")
+        assert cluster.client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
+        with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
+            assert _refused(cluster.cluster.scheduler_address, Security.temporary()) is not None
+        with pytest.raises(ConnectionError, match=r"cluster\.security: the scheduler at tls://"):
+            start_cluster(scheduler=cluster.cluster.scheduler_address)
