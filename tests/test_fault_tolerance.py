@@ -42,6 +42,15 @@ def checkpointed(make_config, tmp_path):
     return checkpointed
 
 
+def _interrupt_after_first_mid_epoch_checkpoint(saved: list) -> None:
+    """Leave the checkpoints as a run interrupted after its first mid-epoch one would."""
+    middle = [p for p in saved if json.loads((p / MANIFEST).read_text())["batch"]][-1]
+    for newer in saved[: saved.index(middle)]:
+        for file in newer.iterdir():
+            file.unlink()
+        newer.rmdir()
+
+
 def _worker_pids(cluster) -> dict[str, int]:
     return cluster.client.run(os.getpid)
 
@@ -146,12 +155,7 @@ def test_a_resumed_run_continues_exactly_where_its_checkpoint_left_off(cluster, 
         14,
         7,
     ]
-    # Interrupt "after" the first mid-epoch checkpoint: drop everything newer, then resume.
-    middle = [p for p in saved if json.loads((p / MANIFEST).read_text())["batch"]][-1]
-    for newer in saved[: saved.index(middle)]:
-        for file in newer.iterdir():
-            file.unlink()
-        newer.rmdir()
+    _interrupt_after_first_mid_epoch_checkpoint(saved)
     resumed = train(config, cluster=cluster, on_event=None)
     _assert_same_parameters(resumed.state_dict, full.state_dict)
     assert resumed.history == [
@@ -269,11 +273,7 @@ def test_staged_strategies_resume_each_stage_from_its_checkpoint(cluster, checkp
     )
     full = train(config, cluster=cluster, on_event=None)
     saved = list_checkpoints(config.checkpoint.directory)
-    middle = [p for p in saved if json.loads((p / MANIFEST).read_text())["batch"]][-1]
-    for newer in saved[: saved.index(middle)]:
-        for file in newer.iterdir():
-            file.unlink()
-        newer.rmdir()
+    _interrupt_after_first_mid_epoch_checkpoint(saved)
     resumed = train(config, cluster=cluster, on_event=None)
     _assert_same_parameters(resumed.state_dict, full.state_dict)
 

@@ -176,8 +176,20 @@ def load_config(
     source: str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()
 ) -> RunConfig:
     """Read a TOML file (or a dict), apply ``section.key=value`` overrides, validate."""
+    raw = read_raw_config(source, overrides)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_one_line(error)) from None
+
+
+def read_raw_config(
+    source: str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """A TOML file's (or a dict's) sections with ``section.key=value`` overrides applied,
+    before validation: commands with sections of their own take theirs out first."""
     if isinstance(source, dict):
-        raw = source
+        raw = dict(source)
     else:
         path = Path(source)
         try:
@@ -186,11 +198,7 @@ def load_config(
             raise ConfigError(f"{path}: no such config file") from None
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{path}: not valid TOML: {error}") from None
-    raw = _apply_overrides(raw, overrides)
-    try:
-        return RunConfig.model_validate(raw)
-    except ValidationError as error:
-        raise ConfigError(_one_line(error)) from None
+    return _apply_overrides(raw, overrides)
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import time
-import tomllib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from workers.inference import (
 )
 from workers.sources import CIFAR_FOLDER, IMAGE_SUFFIXES, SourceError, _scan_classes
 from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, start_cluster
-from workflows.config import ConfigError, RunConfig, _apply_overrides, _one_line, load_config
+from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
 from workflows.preprocess import read_manifest
 
 logger = logging.getLogger(__name__)
@@ -107,17 +106,7 @@ def load_predict_config(
     source: str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()
 ) -> tuple[RunConfig, PredictConfig]:
     """A config file with an optional ``[predict]`` section → (run config, predict settings)."""
-    if isinstance(source, dict):
-        raw = dict(source)
-    else:
-        path = Path(source)
-        try:
-            raw = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"{path}: not valid TOML: {error}") from None
-    raw = _apply_overrides(raw, overrides)
+    raw = read_raw_config(source, overrides)
     section = raw.pop("predict", {})
     return load_config(raw), PredictConfig.from_dict(section)
 
