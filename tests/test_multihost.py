@@ -51,12 +51,12 @@ def _environment() -> dict[str, str]:
     }
 
 
-def _spawn(command: list[str], log: Path) -> subprocess.Popen:
+def _spawn(command: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
     with log.open("w") as out:
         # A session of its own, so that the nanny and its worker can be stopped together.
         return subprocess.Popen(
             command,
-            cwd=ROOT,
+            cwd=cwd,
             env=_environment(),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -101,9 +101,11 @@ def _stock_cluster(
     prefix: tuple[str, ...] = (),
     scheduler_host: str = "127.0.0.1",
     worker_hosts: dict[str, tuple[str, ...]] | None = None,
+    cwd: Path = ROOT,
 ) -> Iterator[tuple[str, Path]]:
     """``dask scheduler`` and one ``dask worker`` per name (extra CLI arguments as given), each
-    a separate process; ``prefix`` runs a worker inside a namespace (``ip netns exec NAME``)."""
+    a separate process started in ``cwd``; ``prefix`` runs a worker inside a namespace
+    (``ip netns exec NAME``)."""
     scheduler_file = folder / "scheduler.json"
     worker_hosts = worker_hosts or {}
     processes: list[subprocess.Popen] = []
@@ -128,6 +130,7 @@ def _stock_cluster(
                         *("--name", name, "--nthreads", "1", *arguments),
                     ],
                     folder / f"{name}.log",
+                    cwd,
                 )
             )
         if not worker_hosts:

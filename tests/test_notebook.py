@@ -28,6 +28,8 @@ def test_training_notebook_executes_end_to_end(store_dir, monkeypatch):
     assert "samples/s" in text and "predicted:" in text
     assert "359 predictions in 3 partitions, accuracy" in text  # batch inference
     assert "pipeline cut at ['" in text  # the pipeline strategy, with a planned cut
+    assert "accuracy of each rank's shard:" in text  # the user's own loop on launch()
+    assert "reports from rank 0" in text
     assert any(
         "image/png" in output.get("data", {})
         for cell in notebook.cells

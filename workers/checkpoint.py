@@ -94,34 +94,52 @@ def save_checkpoint(
     keep: int,
     commit: bool = True,
 ) -> Path | None:
-    """Write this rank's part of a checkpoint; every rank of the default group must call it.
+    """Write this rank's part of the built-in trainer's checkpoint; every rank of the default
+    group must call it.
 
     Returns the committed folder on rank 0. ``commit=False`` stops after writing, the state a
     crash between write and commit leaves behind.
     """
     rank = dist.get_rank()
-    root = Path(directory)
-    name = f"{PREFIX}{progress.step:09d}"
-    partial = root / f".{name}.partial"
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
     state = _state(modules, optimizer, scaler)
     state["progress"] = torch.tensor([progress.epoch, progress.batch, progress.step])
     # Each rank's own running sums of the epoch in progress, and its RNG.
     state[f"sums.rank{rank}"] = torch.tensor(progress.sums, dtype=torch.float64)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
-    dcp.save(state, checkpoint_id=partial)
+    fields = {"epoch": progress.epoch, "batch": progress.batch, "history": progress.history}
+    return write_checkpoint(
+        directory, state, step=progress.step, keep=keep, fields=fields, commit=commit
+    )
+
+
+def write_checkpoint(
+    directory: str | Path,
+    tensors: dict[str, Any],
+    *,
+    step: int,
+    keep: int,
+    fields: dict[str, Any],
+    commit: bool = True,
+) -> Path | None:
+    """The one way a checkpoint is written (collective): each rank's ``tensors`` through DCP
+    into ``.step-<n>.partial``, then rank 0 adds the manifest (``fields`` plus the hash of
+    every file) and renames the folder, so it is visible only when complete."""
+    rank = dist.get_rank()
+    root = Path(directory)
+    name = f"{PREFIX}{step:09d}"
+    partial = root / f".{name}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(tensors, checkpoint_id=partial)
     dist.barrier()  # every rank's files are on disk
     final = None
     if rank == 0 and commit:
         manifest = {
-            "step": progress.step,
-            "epoch": progress.epoch,
-            "batch": progress.batch,
+            "step": step,
+            **fields,
             "world_size": dist.get_world_size(),
-            "history": progress.history,
             "written_at": time.time(),
             "files": {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.name != MANIFEST},
         }
@@ -303,3 +321,8 @@ def _write_durably(path: Path, data: bytes) -> None:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
+
+
+# What the user-state checkpoints (workers.training_state) read with.
+SafeReader = _SafeReader
+read_metadata = _read_metadata

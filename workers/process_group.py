@@ -6,9 +6,13 @@ bootstrap again and again on a warm cluster.
 """
 
 import asyncio
+import contextlib
+import ctypes
 import logging
 import os
 import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -24,6 +28,7 @@ BACKENDS = ("gloo", "nccl")
 # gloo reads its variable for every group it makes (a device mesh's subgroups too), so it must
 # stay set while the group lives; nccl may make gloo groups as well, so both are set.
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+LEAVE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class ProcessGroupSpec:
     init_timeout_s: float
     collective_timeout_s: float
     local_ranks: dict[str, int] = field(default_factory=dict)
+    # Hosts in rank order: a worker's node rank is its host's place, its local world size the
+    # number of ranks on that host (torchrun's GROUP_RANK and LOCAL_WORLD_SIZE).
+    hosts: dict[str, str] = field(default_factory=dict)
     # A worker restarted at the same address is another process: it must not take the rank.
     worker_ids: dict[str, str] = field(default_factory=dict)
     socket_ifname: str | None = None  # the interface the backend's traffic uses on every rank
@@ -45,6 +53,15 @@ class ProcessGroupSpec:
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    def node_rank(self, address: str) -> int:
+        ordered = list(dict.fromkeys(self.hosts[a] for a in sorted(self.ranks, key=self.ranks.get)))
+        return ordered.index(self.hosts[address]) if address in self.hosts else 0
+
+    def local_world_size(self, address: str) -> int:
+        if address not in self.hosts:
+            return 1
+        return sum(host == self.hosts[address] for host in self.hosts.values())
 
     def validate(self) -> None:
         if sorted(self.ranks.values()) != list(range(len(self.ranks))):
@@ -67,10 +84,23 @@ class Membership:
     world_size: int
     backend: str
     device: torch.device
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
 
 
 class RendezvousTimeout(TimeoutError):
     pass
+
+
+class MembershipLost(RuntimeError):
+    """This worker no longer holds the job's generation: the group was replaced or the worker
+    restarted. Always an infrastructure failure, never a bug in the training code."""
+
+
+class RankStopped(BaseException):
+    """Raised inside a rank's thread when the launcher stops the job (a failure elsewhere,
+    Ctrl-C). A BaseException, so that training code's ``except Exception`` cannot swallow it."""
 
 
 class ProcessGroupPlugin(WorkerPlugin):
@@ -159,6 +189,9 @@ class ProcessGroupPlugin(WorkerPlugin):
             world_size=spec.world_size,
             backend=spec.backend,
             device=device,
+            local_world_size=spec.local_world_size(address),
+            node_rank=spec.node_rank(address),
+            master_addr=spec.master_addr,
         )
 
     def _timeout_message(self, rank: int) -> str:
@@ -179,11 +212,14 @@ class ProcessGroupPlugin(WorkerPlugin):
                 os.environ[name] = value
 
     async def teardown(self, worker: Worker) -> None:
-        if self.membership is None:
-            self._restore_environ()
-            return
-        self.membership = None
-        await asyncio.to_thread(_leave)
+        await self.leave()
+
+    async def leave(self) -> None:
+        """Leave the group (if joined) and restore the environment; safe to call twice."""
+        if self.membership is not None:
+            self.membership = None
+            # Bounded: destroying a group whose peers are gone only closes local sockets.
+            await asyncio.wait_for(asyncio.to_thread(_leave), timeout=LEAVE_TIMEOUT_S)
         self._restore_environ()
 
 
@@ -204,7 +240,7 @@ def current_membership(generation: str) -> Membership:
     membership = getattr(plugin, "membership", None)
     if membership is None or membership.generation != generation:
         held = membership.generation if membership else None
-        raise RuntimeError(
+        raise MembershipLost(
             f"worker {worker.address} is not a member of process group generation {generation} "
             f"(it holds {held}); the group was replaced or this worker restarted"
         )
@@ -231,3 +267,71 @@ def describe_worker(socket_ifname: str | None = None, *, dask_worker: Worker) ->
         "interfaces": sorted(interfaces),
         "ifname_address": ifname_address,
     }
+
+
+class _RankThreads:
+    """The threads of this worker that are inside a rank function, by generation.
+
+    Only such a thread is ever stopped with an asynchronous exception, and at most once: one
+    raised in Dask's own task machinery (after the function returned) would corrupt the
+    worker's bookkeeping.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: dict[int, str] = {}  # thread ident -> generation
+
+    @contextlib.contextmanager
+    def running(self, generation: str) -> Iterator[None]:
+        ident = threading.get_ident()
+        with self._lock:
+            self._threads[ident] = generation
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._threads.pop(ident, None)
+            # A stop that arrived as the function ended must not fire in Dask's code.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
+
+    def stop(self, generation: str) -> int:
+        """Raise :class:`RankStopped` in this generation's threads; returns how many."""
+        with self._lock:
+            targets = [ident for ident, g in self._threads.items() if g == generation]
+            for ident in targets:
+                # Raised at the thread's next Python instruction: a rank inside a C call (a
+                # collective) sees it once that call returns, which its peers leaving makes
+                # happen.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(ident), ctypes.py_object(RankStopped)
+                )
+                del self._threads[ident]
+        return len(targets)
+
+
+rank_threads = _RankThreads()
+
+
+async def release_generation(
+    generation: str, stop: bool = False, *, dask_worker: Worker
+) -> dict[str, object]:
+    """Let go of one generation on this worker (run with ``Client.run``, in its event loop).
+
+    gloo cannot abort a collective that is already waiting (``ProcessGroup.abort()`` returns,
+    the wait goes on); what ends it is a peer closing its connections. So a worker whose rank
+    task is over leaves the group, which closes its connections and makes its peers' pending
+    collectives fail at once; a worker whose task still runs is told to stop (``stop``, for
+    rank functions of :func:`workflows.launch`) and reports itself busy, and the launcher asks
+    again. Returns ``{"busy": bool}``.
+    """
+    if stop:
+        rank_threads.stop(generation)
+    running = [key for key in list(dask_worker.active_threads.values()) if generation in str(key)]
+    if running:
+        return {"busy": True}
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    membership = getattr(plugin, "membership", None)
+    if membership is not None and membership.generation == generation:
+        # Leaving closes the backend's sockets; no rank of this generation runs here any more.
+        await plugin.leave()
+    return {"busy": False}

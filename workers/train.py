@@ -27,7 +27,8 @@ from workers.data import (
     open_store,
 )
 from workers.models import ModelConfig, build_model
-from workers.process_group import Membership, current_membership
+from workers.process_group import Membership
+from workers.rank_context import RankContext
 from workers.strategies.data_parallel import apply_data_parallel
 from workers.strategies.ddp import apply_ddp
 from workers.strategies.pipeline import (
@@ -80,14 +81,10 @@ class TrainJob:
     data: DataConfig  # resolved: absolute paths, store URL filled in
     model: ModelConfig
     training: TrainingConfig
-    generation: str
-    event_topic: str
     # Staged strategies: split_points resolved by the client, so every rank cuts alike.
     pipeline: PipelineConfig | None = None
-    # Where checkpoints go (None: nowhere), and the verified one to continue from.
+    # Where checkpoints go (None: nowhere); the one to continue from comes with the attempt.
     checkpoint: CheckpointConfig | None = None
-    resume_from: str | None = None
-    heartbeat_topic: str | None = None
 
 
 @dataclass
@@ -101,32 +98,20 @@ class RankResult:
     state_dict: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
-def run_rank(job: TrainJob) -> RankResult:
-    """The Dask task of one rank: look up this worker's membership, then train."""
-    from distributed import get_worker
-
-    membership = current_membership(job.generation)
-    worker = get_worker()
-
-    def report(record: dict[str, Any]) -> None:
-        worker.log_event(job.event_topic, record)
-
-    last_beat, first_steps = [-math.inf, 0], set()
+def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
+    """The built-in trainer as a rank function of :func:`workflows.launch`: records go out
+    through the context, checkpoints continue from the attempt's."""
+    membership = ctx.membership
     staged = job.pipeline is not None and job.training.strategy in STAGED
     # The samples one step of this rank handles: a stage sees its whole replica's share.
     per_step = job.training.batch_size // (job.pipeline.dp if staged else membership.world_size)
+    last_step: list[int | None] = [None]
 
     def heartbeat(step: int) -> None:
-        # At most one event a second per rank, enough to see a stopped rank; but always the
-        # first two steps, which end the long first-step bound on the client.
-        now = time.monotonic()
-        if job.heartbeat_topic and (now - last_beat[0] >= 1.0 or len(first_steps) < 2):
-            beat = {"rank": membership.rank, "step": step}
-            if first_steps and step > last_beat[1]:
-                beat["samples_per_s"] = (step - last_beat[1]) * per_step / (now - last_beat[0])
-            last_beat[:] = [now, step]
-            first_steps.add(step)
-            worker.log_event(job.heartbeat_topic, beat)
+        # The first call comes before any step: the context already announced the start.
+        if last_step[0] is not None:
+            ctx.heartbeat(samples=(step - last_step[0]) * per_step)
+        last_step[0] = step
 
     return train(
         job.data,
@@ -135,8 +120,8 @@ def run_rank(job: TrainJob) -> RankResult:
         membership=membership,
         pipeline=job.pipeline,
         checkpoint=job.checkpoint,
-        resume_from=job.resume_from,
-        report=report,
+        resume_from=ctx.resume_from,
+        report=ctx.emit,
         heartbeat=heartbeat,
     )
 

@@ -343,3 +343,64 @@ def predict(
         f"{result.images_per_s:.0f} images/s, {result.seconds:.1f} s{accuracy}; "
         f"results in {result.output}"
     )
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option("--world-size", type=click.IntRange(min=1), help="ranks (default: every worker)")
+@scheduler_option
+@scheduler_file_option
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="restart every rank this many times after a failure, as torchrun does",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="a folder for the run's output.log, metrics.jsonl and summary.json",
+)
+@click.option("-m", "module", is_flag=True, help="SCRIPT is a module name (python -m)")
+@click.argument("script")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def launch(
+    world_size: int | None,
+    scheduler: str | None,
+    scheduler_file: str | None,
+    max_restarts: int,
+    output: Path | None,
+    module: bool,
+    script: str,
+    script_args: tuple[str, ...],
+) -> None:
+    """Run SCRIPT on every rank, as torchrun would: an unmodified script that calls
+    init_process_group() from the environment, ``-m package.module``, or
+    ``package.module:function`` (called with a rank context, through the Python API)."""
+    from workflows.cluster import ClusterConfig
+    from workflows.launcher import LaunchConfig
+    from workflows.script_launch import ScriptNotFound, launch_script, resolve_target
+
+    try:
+        cluster = ClusterConfig(scheduler=scheduler, scheduler_file=scheduler_file, n_workers=None)
+        if not cluster.existing and world_size is not None:
+            cluster = ClusterConfig(n_workers=world_size)
+        settings = LaunchConfig(world_size=world_size, max_failures=max_restarts)
+        resolve_target(script, module=module)  # a missing script fails before a cluster starts
+    except (ValueError, ScriptNotFound) as error:
+        _fail(EXIT_INVALID, str(error).splitlines()[0])
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with _exit_codes("launch", LaunchError, interrupted="interrupted; every rank was stopped"):
+        result = launch_script(
+            script,
+            script_args,
+            module=module,
+            cluster=cluster,
+            launch_config=settings,
+            output=output,
+            echo=click.echo,
+        )
+    restarts = f", {len(result.recoveries)} restarts" if result.recoveries else ""
+    click.echo(f"done: {result.world_size} ranks exited 0 in {result.wall_s:.1f} s{restarts}")

@@ -59,11 +59,28 @@ def render_page(jobs: dict[str, dict[str, Any]], *, refresh: bool = True) -> str
         )
         throughput.vbar(x=names, top=[ranks[int(n)] for n in names], width=0.6)
         blocks.append(row(loss, accuracy, throughput))
+        reports = state.get("reports", [])
+        if reports:
+            blocks.append(row(*_report_plots(reports, figure)))
     page = file_html(column(*blocks), resources=INLINE, title="dask-train: Training")
     if not refresh:
         return page
     reload = f'<meta http-equiv="refresh" content="{REFRESH_S}">'
     return page.replace("<head>", f"<head>\n{reload}", 1)
+
+
+def _report_plots(reports: list[dict[str, Any]], figure: Any) -> list[Any]:
+    """One curve per metric a rank function reported (``ctx.report``), from rank 0."""
+    from workflows.monitoring import REPORT_BOOKKEEPING
+
+    names = sorted({k for r in reports for k in r} - REPORT_BOOKKEEPING - {"step"})[:4]
+    plots = []
+    for name in names:
+        points = [(r.get("step", r.get("seq")), r[name]) for r in reports if name in r]
+        plot = figure(title=f"reported: {name}", width=420, height=260, x_axis_label="step")
+        plot.line([x for x, _ in points], [y for _, y in points], line_width=2)
+        plots.append(plot)
+    return plots
 
 
 class TrainingPage(web.RequestHandler):

@@ -7,6 +7,7 @@ per rank and watches them with bounded waits; ``shutdown`` leaves the group, and
 restarts the rank workers so that no thread stays stuck in a collective.
 """
 
+import asyncio
 import contextlib
 import fnmatch
 import ipaddress
@@ -14,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, Self
 
 from distributed import Client, Future, wait
@@ -26,10 +27,13 @@ from workers.process_group import (
     ProcessGroupPlugin,
     ProcessGroupSpec,
     describe_worker,
+    release_generation,
 )
 from workflows.cluster import live_workers
+from workflows.failure_policy import is_infrastructure_error
 
 logger = logging.getLogger(__name__)
+RELEASE_POLL_S = 0.05
 
 
 class WorkerSelection(BaseModel):
@@ -105,6 +109,12 @@ class LaunchConfig(BaseModel):
         default=600.0, gt=0, description="a collective that waits longer fails the job"
     )
     poll_interval_s: float = Field(default=0.5, gt=0, description="how often to check liveness")
+    settle_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="after a communication error, how long to look for its cause (another "
+        "rank's exception, a lost worker) before retrying",
+    )
     hang_timeout_s: float = Field(
         default=300.0, gt=0, description="a rank silent this long after its first step hangs"
     )
@@ -113,6 +123,12 @@ class LaunchConfig(BaseModel):
     )
     max_failures: int = Field(
         default=3, ge=0, description="restarts from the last checkpoint before the run fails"
+    )
+    release_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="after a failure, how long ranks may take to let go of the group before "
+        "their workers are restarted",
     )
 
     @field_validator("master_addr")
@@ -161,11 +177,24 @@ class GroupFormationError(RuntimeError):
 
 
 class RankFailed(RuntimeError):
-    """A rank's task raised, or its worker left the cluster."""
+    """A rank's task raised, or its worker left the cluster.
 
-    def __init__(self, message: str, *, rank: int, worker: str) -> None:
+    ``infrastructure`` tells a lost worker or a communication failure (worth another attempt)
+    from an exception raised by the training code (``error``, with its remote traceback).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        worker: str,
+        infrastructure: bool = True,
+        error: BaseException | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank, self.worker = rank, worker
+        self.infrastructure, self.error = infrastructure, error
         self.detected_at = time.time()  # before the clean-up, which can take seconds
 
 
@@ -223,6 +252,7 @@ class ProcessGroup:
             generation=uuid.uuid4().hex[:12],
             ranks={address: rank for rank, address in enumerate(workers)},
             local_ranks={address: hosts[:i].count(hosts[i]) for i, address in enumerate(workers)},
+            hosts=dict(zip(workers, hosts, strict=True)),
             worker_ids={address: str(described[address]["worker_id"]) for address in workers},
             # Where the peers reach rank 0: what they reach its worker at, unless told otherwise.
             master_addr=(
@@ -255,29 +285,59 @@ class ProcessGroup:
         )
         return self
 
-    def shutdown(self, *, abort: bool = False) -> None:
-        """Leave the group. ``abort`` first restarts the rank workers: a rank blocked in a
-        collective whose peer is gone would otherwise hold its worker thread until the
-        collective timeout."""
+    def shutdown(self, *, abort: bool = False, stuck: Iterable[str] = ()) -> None:
+        """Leave the group. ``abort`` (after a failure, or to stop a job) first makes every rank
+        let go of it: ranks still running are stopped, finished ones leave, which ends their
+        peers' pending collectives; only a worker that does not let go within
+        ``launch.release_timeout_s``, and the ``stuck`` ones (a stopped process cannot answer),
+        are restarted. Restarting survivors was the old way and cost each ~4 s."""
         if self.spec is None:
             return
         spec, self.spec = self.spec, None
         if abort:
-            alive = set(self._alive_workers())
-            survivors = [address for address in spec.ranks if address in alive]
-            if survivors:
-                logger.warning("restarting rank workers %s to release them", survivors)
-                self.client.restart_workers(survivors, timeout=60, raise_for_error=False)
+            self._release(spec, stuck=set(stuck))
         # Restarted workers are new processes: the spec's worker ids keep them out of the group,
         # whatever address they come back at. Unregistering tears the group down on the rest.
         with contextlib.suppress(ValueError):  # nothing registered any more
             self.client.unregister_worker_plugin(PLUGIN_NAME)
 
+    def _release(self, spec: ProcessGroupSpec, *, stuck: set[str]) -> None:
+        alive = set(self._alive_workers())
+        pending = [a for a in spec.ranks if a in alive and a not in stuck]
+        restart = [a for a in spec.ranks if a in alive and a in stuck]
+        deadline = time.monotonic() + self.config.release_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                answers = run_bounded(
+                    self.client,
+                    release_generation,
+                    spec.generation,
+                    True,
+                    workers=pending,
+                    timeout_s=left,
+                )
+            except TimeoutError:
+                break  # one of them does not answer: restart them
+            # A worker that left meanwhile answers with an error: it holds nothing any more.
+            pending = [
+                a for a in pending if isinstance(answers.get(a), dict) and answers[a]["busy"]
+            ]
+            if pending:
+                time.sleep(RELEASE_POLL_S)
+        restart += pending
+        if restart:
+            logger.warning("restarting rank workers %s: they did not let go of the group", restart)
+            self.client.restart_workers(restart, timeout=60, raise_for_error=False)
+
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.shutdown(abort=exc_type is not None)
+    def __exit__(self, exc_type: object, exc: object, *_: object) -> None:
+        stuck = [exc.worker] if isinstance(exc, RankHung) else []
+        self.shutdown(abort=exc_type is not None, stuck=stuck)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -298,8 +358,9 @@ class ProcessGroup:
     ) -> list[Any]:
         """Run ``function(*args)`` once on every rank and return the results in rank order.
 
-        Returns when every rank finished; raises :class:`RankFailed` as soon as one rank raised
-        or its worker left the cluster, and ``TimeoutError`` after ``timeout_s``.
+        Returns when every rank finished; raises :class:`RankFailed` for the root cause as
+        soon as one rank raised or its worker left the cluster, and ``TimeoutError`` after
+        ``timeout_s``.
         """
         assert self.spec is not None, "start() first"
         futures = [
@@ -328,30 +389,12 @@ class ProcessGroup:
         while pending:
             with contextlib.suppress(TimeoutError):
                 wait(pending, timeout=self.config.poll_interval_s, return_when="FIRST_COMPLETED")
-            for rank, future in enumerate(futures):
-                if future.status == "error":
-                    error = future.exception()
-                    raise RankFailed(
-                        f"rank {rank} on worker {self.workers[rank]} failed: "
-                        f"{type(error).__name__}: {error}",
-                        rank=rank,
-                        worker=self.workers[rank],
-                    ) from error
-                if future.status == "cancelled":
-                    raise RankFailed(
-                        f"rank {rank}'s task was cancelled", rank=rank, worker=self.workers[rank]
-                    )
+            failure = self._failure(futures)
+            if failure is not None:
+                raise self._root_cause(futures, failure)
             pending = [future for future in futures if not future.done()]
             if not pending:
                 return
-            alive = set(self._alive_workers())
-            for rank, address in enumerate(self.workers):
-                if address not in alive:
-                    raise RankFailed(
-                        f"rank {rank}'s worker {address} left the cluster",
-                        rank=rank,
-                        worker=address,
-                    )
             silent = heartbeats and heartbeats.silent_rank(
                 len(futures),
                 since=submitted,
@@ -368,6 +411,64 @@ class ProcessGroup:
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not finish within {timeout_s:g} s")
+
+    def _failure(self, futures: list[Future]) -> RankFailed | None:
+        """The first failure in sight: a rank that raised, or a worker that left."""
+        failures = []
+        for rank, future in enumerate(futures):
+            if future.status == "error":
+                failures.append(self._raised(rank, future))
+            elif future.status == "cancelled":
+                failures.append(
+                    RankFailed(
+                        f"rank {rank}'s task was cancelled", rank=rank, worker=self.workers[rank]
+                    )
+                )
+        if any(not f.infrastructure for f in failures):
+            return next(f for f in failures if not f.infrastructure)
+        if any(not future.done() for future in futures) or failures:
+            alive = set(self._alive_workers())
+            for rank, address in enumerate(self.workers):
+                if address not in alive:
+                    return RankFailed(
+                        f"rank {rank}'s worker {address} left the cluster",
+                        rank=rank,
+                        worker=address,
+                    )
+        return failures[0] if failures else None
+
+    def _root_cause(self, futures: list[Future], first: RankFailed) -> RankFailed:
+        """A communication error is often the echo of another rank's failure (its peer died, or
+        raised and left): look a little longer for an error of the training code, or a lost
+        worker, before blaming the network."""
+        if not first.infrastructure or "left the cluster" in str(first):
+            return first
+        deadline = time.monotonic() + self.config.settle_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                pending = [f for f in futures if not f.done()]
+                if pending:
+                    wait(pending, timeout=RELEASE_POLL_S * 2, return_when="FIRST_COMPLETED")
+                else:
+                    time.sleep(RELEASE_POLL_S)
+            found = self._failure(futures)
+            if found is not None and (not found.infrastructure or "left the cluster" in str(found)):
+                return found
+        return first
+
+    def _raised(self, rank: int, future: Future) -> RankFailed:
+        error = future.exception()
+        traceback = future.traceback()
+        if error is not None and traceback is not None:
+            error = error.with_traceback(traceback)
+        infrastructure = error is None or is_infrastructure_error(error)
+        return RankFailed(
+            f"rank {rank} on worker {self.workers[rank]} failed: {type(error).__name__}: {error}",
+            rank=rank,
+            worker=self.workers[rank],
+            infrastructure=infrastructure,
+            error=error,
+        )
 
     # -- choosing workers -------------------------------------------------------------------
 
@@ -440,3 +541,15 @@ def _resolve_backend(requested: str, described: dict[str, dict[str, Any]]) -> st
 def _natural_key(text: str) -> list[Any]:
     # dask-cuda names workers by device id ("0", "1", … "10"): order 2 before 10.
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def run_bounded(
+    client: Client, function: Callable[..., Any], *args: Any, workers: list[str], timeout_s: float
+) -> dict[str, Any]:
+    """``Client.run`` with a bound: ``TimeoutError`` when a worker does not answer in time (a
+    stopped process); a worker that failed or left maps to its exception."""
+
+    async def call() -> dict[str, Any]:
+        return await client._run(function, *args, workers=workers, on_error="return")
+
+    return client.sync(asyncio.wait_for, call(), timeout_s)

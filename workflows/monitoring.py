@@ -14,6 +14,8 @@ HEARTBEAT_PREFIX = "dask-train-heartbeat-"
 PLUGIN_NAME = "dask-train-metrics"
 KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
 KEEP_EPOCHS = 1000  # and this many epoch records of each, for the Training page's curves
+# Fields of a ctx.report record that say where it came from, not what was measured.
+REPORT_BOOKKEEPING = frozenset({"kind", "rank", "attempt", "seq", "time"})
 
 # (metric, record field, help)
 GAUGES = (
@@ -67,6 +69,17 @@ class TrainingMetrics(SchedulerPlugin):
                     ranks = state.setdefault("ranks", {})
                     ranks[int(msg["rank"])] = float(msg["samples_per_s"])
                 return
+            if msg.get("kind") == "report":
+                # A rank function's own metrics (ctx.report): rank 0's make the page's curves;
+                # the gauges keep the job's strategy and world size, not a rank's fields.
+                if msg.get("rank") == 0:
+                    reports = state.setdefault("reports", [])
+                    reports.append({k: v for k, v in msg.items() if isinstance(v, int | float)})
+                    del reports[:-KEEP_EPOCHS]
+                fields = {k: v for k, v in msg.items() if k not in REPORT_BOOKKEEPING}
+                state.update({k: v for k, v in fields.items() if isinstance(v, int | float)})
+                state.setdefault("strategy", "launch")
+                return
             state.update({k: v for k, v in msg.items() if isinstance(v, int | float | str)})
             if msg.get("kind") == "epoch":
                 history = state.setdefault("history", [])
@@ -81,6 +94,7 @@ class TrainingMetrics(SchedulerPlugin):
                     **state,
                     "ranks": dict(state.get("ranks", {})),
                     "history": list(state.get("history", [])),
+                    "reports": list(state.get("reports", [])),
                 }
                 for job, state in self.jobs.items()
             }

@@ -109,6 +109,7 @@ class RunDirectory:
             "samples_per_s": result.steady_samples_per_s,
             "wall_s": result.wall_s,
             "first_step_s": result.first_step_s,
+            "first_step_after_launch_s": result.first_step_after_launch_s,
             "store": {
                 "url": result.store.url,
                 "counts": result.store.counts,

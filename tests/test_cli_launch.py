@@ -1,0 +1,207 @@
+"""``dask-train launch``: unmodified torchrun scripts on worker processes, as a batch system
+would run them. Real CLI processes, real clusters, real signals."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+# A torchrun-style script: everything from the environment, nothing from dask-train.
+TORCHRUN_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # env:// rendezvous, as under torchrun
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+         "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+         "TORCHELASTIC_RUN_ID", "MALLOC_TRIM_THRESHOLD_"]
+facts = {name: os.environ.get(name) for name in names}
+facts |= {"sum": value.item(), "argv": sys.argv[1:], "pid": os.getpid()}
+out = sys.argv[1]
+with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as file:
+    json.dump(facts, file)
+print(f"hello from rank {dist.get_rank()} of {dist.get_world_size()}")
+dist.destroy_process_group()
+"""
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from workflows.cli import main; main()", *args]
+
+
+def _launch(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _command("launch", *args),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def _script(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_an_unmodified_torchrun_script_gets_torchruns_environment(tmp_path):
+    script = _script(tmp_path, "train.py", TORCHRUN_SCRIPT)
+    output = tmp_path / "out"
+    output.mkdir()
+    done = _launch("--world-size", "2", "--output", str(tmp_path / "run"), str(script), str(output))
+    assert done.returncode == 0, done.stderr
+    facts = [json.loads((output / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ports = {f["MASTER_PORT"] for f in facts}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    run_ids = {f["TORCHELASTIC_RUN_ID"] for f in facts}
+    assert len(run_ids) == 1 and run_ids.pop().startswith("train-")
+    for rank, fact in enumerate(facts):
+        assert fact["RANK"] == fact["LOCAL_RANK"] == str(rank)
+        assert fact["WORLD_SIZE"] == fact["LOCAL_WORLD_SIZE"] == "2"
+        assert fact["GROUP_RANK"] == "0"  # one host
+        assert fact["MASTER_ADDR"] == "127.0.0.1"
+        assert fact["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert fact["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert fact["MALLOC_TRIM_THRESHOLD_"] == str(256 * 2**20)  # the workers' settings
+        assert fact["sum"] == 3.0  # the script's own process group worked
+        assert fact["argv"] == [str(output)]
+    # Output streamed back, each line prefixed with its rank.
+    for rank in (0, 1):
+        assert f"[rank {rank}] hello from rank {rank} of 2" in done.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["attempts"] == 1
+    assert "[rank 1] hello from rank 1 of 2" in (tmp_path / "run" / "output.log").read_text()
+
+
+def test_a_rank_exiting_3_fails_the_launch_naming_the_rank(tmp_path):
+    script = _script(
+        tmp_path,
+        "fails.py",
+        """
+        import os, sys
+        print("rank", os.environ["RANK"], "starting")
+        sys.exit(3 if os.environ["RANK"] == "1" else 0)
+        """,
+    )
+    done = _launch("--world-size", "2", str(script))
+    assert done.returncode == 1, done.stderr
+    assert "rank 1 exited with code 3" in done.stderr
+    assert "[rank 1] rank 1 starting" in done.stdout
+
+
+def test_max_restarts_reruns_every_rank_like_torchrun(tmp_path):
+    script = _script(
+        tmp_path,
+        "flaky.py",
+        """
+        import os, sys
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        print("attempt", attempt, "port", os.environ["MASTER_PORT"])
+        sys.exit(5 if attempt == "0" and os.environ["RANK"] == "0" else 0)
+        """,
+    )
+    done = _launch("--world-size", "2", "--max-restarts", "2", str(script))
+    assert done.returncode == 0, done.stderr
+    assert "1 restarts" in done.stdout
+    assert "[rank 1] attempt 1" in done.stdout
+
+
+def test_bad_arguments_exit_2_with_one_line(tmp_path):
+    missing = _launch(str(tmp_path / "no_such_script.py"))
+    assert missing.returncode == 2
+    assert "no_such_script.py: no such script" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+    zero = _launch("--world-size", "0", str(tmp_path / "x.py"))
+    assert zero.returncode == 2
+
+
+def _pids_in(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in folder.glob("*.pid") if p.read_text().strip()]
+
+
+def test_ctrl_c_exits_130_and_leaves_no_orphan(tmp_path):
+    script = _script(
+        tmp_path,
+        "forever.py",
+        f"""
+        import os, time
+        with open(os.path.join({str(tmp_path)!r}, os.environ["RANK"] + ".pid"), "w") as f:
+            f.write(str(os.getpid()))
+        while True:
+            time.sleep(0.1)
+        """,
+    )
+    launcher = subprocess.Popen(
+        _command("launch", "--world-size", "2", str(script)),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(_pids_in(tmp_path)) < 2:
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the script never started on both ranks"
+            time.sleep(0.1)
+        children = _pids_in(tmp_path)
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, stderr
+    assert "interrupted" in stderr
+    _, alive = psutil.wait_procs([_process(pid) for pid in children if _process(pid)], 10)
+    assert not alive, f"orphaned script processes: {[p.pid for p in alive]}"
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+@pytest.mark.slow
+def test_a_module_the_stock_workers_cannot_import_is_shipped(tmp_path):
+    from tests.test_multihost import _stock_cluster
+
+    user_code = tmp_path / "user_code" / "my_launch_pkg"
+    user_code.mkdir(parents=True)
+    (user_code / "__init__.py").write_text("")
+    (user_code / "main.py").write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    output = tmp_path / "out"
+    output.mkdir()
+    # The client imports the package from its own folder; the stock workers, started in
+    # another directory, cannot.
+    client_env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(user_code.parent), str(ROOT)]),
+    }
+    with _stock_cluster(tmp_path, {"w0": [], "w1": []}, cwd=elsewhere) as (_, scheduler_file):
+        done = _launch(
+            *("--scheduler-file", str(scheduler_file), "--world-size", "2"),
+            *("-m", "my_launch_pkg.main", str(output)),
+            cwd=elsewhere,
+            env=client_env,
+        )
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in output.iterdir()) == ["rank0.json", "rank1.json"]
+    assert "[rank 1] hello from rank 1 of 2" in done.stdout

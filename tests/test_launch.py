@@ -1,0 +1,297 @@
+"""The rank API: a user's own training function on real worker processes with gloo.
+
+``launch(fn, ...)`` must give the same numbers as one process, survive a SIGKILL through the
+user's own checkpoints, never retry the user's bugs, and leave a warm cluster as it found it.
+"""
+
+import _thread
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from workflows import CodeNotShippable, launch
+from workflows.launch import TrainingFailed
+
+GLOBAL_BATCH, FEATURES, CLASSES = 32, 12, 4
+
+
+def _data(seed: int = 0, n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=generator)
+    y = (x[:, :CLASSES].argmax(1) + (x[:, -1] > 1).long()) % CLASSES
+    return x, y
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, CLASSES))
+
+
+def _global_batch(step: int, n: int) -> torch.Tensor:
+    """The sample indices of global step ``step``: a fixed permutation per pass over the data."""
+    per_pass = n // GLOBAL_BATCH
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(step // per_pass))
+    start = (step % per_pass) * GLOBAL_BATCH
+    return order[start : start + GLOBAL_BATCH]
+
+
+def ddp_loop(ctx, steps: int, lr: float, save_every: int = 0) -> dict[str, torch.Tensor]:
+    """A user's own DDP loop: each rank takes its slice of every global batch."""
+    x, y = _data()
+    model = DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    state = {"model": model, "optimizer": optimizer, "next_step": 0}
+    first = ctx.restore(state) if save_every else None
+    start = state["next_step"] if first is not None else 0
+    per_rank = GLOBAL_BATCH // ctx.world_size
+    for step in range(start, steps):
+        index = _global_batch(step, len(y))[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[index]), y[index])
+        loss.backward()
+        optimizer.step()
+        ctx.report(step=step + 1, loss=loss.item())
+        if save_every and (step + 1) % save_every == 0:
+            state["next_step"] = step + 1
+            ctx.save(state, step=step + 1)
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def _one_process(steps: int, lr: float) -> dict[str, torch.Tensor]:
+    x, y = _data()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        index = _global_batch(step, len(y))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _assert_same(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _pids(cluster) -> dict[str, int]:
+    return cluster.client.run(os.getpid)
+
+
+def test_a_users_ddp_loop_matches_one_process_and_every_rank_returns(cluster):
+    events: list[dict] = []
+    result = launch(ddp_loop, 20, 0.1, cluster=cluster, world_size=2, on_event=events.append)
+    assert result.world_size == 2 and len(result.results) == 2
+    for parameters in result.results:  # every rank's return value, in rank order
+        _assert_same(parameters, _one_process(20, 0.1))
+    # Every rank's reports come back, in order, and reached on_event once each.
+    assert [[r["step"] for r in rank] for rank in result.metrics] == [list(range(1, 21))] * 2
+    reports = [(e["rank"], e["step"]) for e in events if e.get("kind") == "report"]
+    assert sorted(reports) == sorted((rank, s) for rank in (0, 1) for s in range(1, 21))
+    assert 0 < result.first_step_s < result.wall_s
+    assert result.recoveries == [] and result.attempts == 1
+
+
+def ragged_reports(ctx) -> int:
+    # Rank 0 reports 40 times, rank 1 three times: reports never wait for other ranks.
+    for i in range(40 if ctx.rank == 0 else 3):
+        ctx.report(i=i)
+    value = torch.tensor([1.0])
+    dist.all_reduce(value)  # and the group still works afterwards
+    return int(value.item())
+
+
+def test_ranks_that_report_unequally_do_not_hang(cluster):
+    result = launch(ragged_reports, cluster=cluster, world_size=2)
+    assert result.results == [2, 2]
+    assert [len(reports) for reports in result.metrics] == [40, 3]
+    assert [r["i"] for r in result.metrics[0]] == list(range(40))
+
+
+def counted_then_raises(ctx, calls: str, error: str) -> None:
+    with open(calls, "a") as file:
+        file.write(f"{ctx.rank}\n")
+    if ctx.rank == 1:
+        if error == "value":
+            raise ValueError("the user's own bug on rank 1")
+        torch.ones(2, 3) @ torch.ones(2, 3)  # a shape error: torch raises RuntimeError
+    value = torch.ones(1)
+    dist.all_reduce(value)  # rank 0 waits here for a peer that never comes
+
+
+@pytest.mark.parametrize("error", ["value", "shape"])
+def test_a_user_exception_is_raised_once_and_never_retried(cluster, tmp_path, error):
+    calls = tmp_path / "calls"
+    pids = _pids(cluster)
+    started = time.monotonic()
+    expected = ValueError if error == "value" else RuntimeError
+    with pytest.raises(expected) as raised:
+        launch(counted_then_raises, str(calls), error, cluster=cluster, world_size=2)
+    assert sorted(calls.read_text().split()) == ["0", "1"]  # once per rank: no retry
+    # The user's own file and line are in the traceback, and the rank and worker in a note.
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert (__file__, "counted_then_raises") in [(f.filename, f.name) for f in frames]
+    assert "raised by rank 1 on worker" in "".join(raised.value.__notes__)
+    # Rank 0 was waiting in a collective: it was released, not restarted, and promptly.
+    assert time.monotonic() - started < 60
+    assert _pids(cluster) == pids
+    assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_users_checkpoints_survive_a_sigkill_with_the_same_parameters(own_cluster, tmp_path):
+    victim = max(_pids(own_cluster).values())
+    sent: list[float] = []
+
+    def kill_at_step_13(record: dict) -> None:
+        if not sent and record.get("kind") == "report" and record.get("step", 0) >= 13:
+            os.kill(victim, signal.SIGKILL)
+            sent.append(time.time())
+
+    result = launch(
+        ddp_loop,
+        30,
+        0.1,
+        5,
+        cluster=own_cluster,
+        world_size=2,
+        checkpoint_dir=tmp_path / "checkpoints",
+        on_event=kill_at_step_13,
+    )
+    assert sent, "the kill never happened"
+    (recovery,) = result.recoveries
+    assert recovery["resumed_from_step"] in (10, 15)
+    assert recovery["restart_s"] is not None and recovery["seconds_lost"] > 0
+    assert result.attempts == 2
+    for parameters in result.results:
+        _assert_same(parameters, _one_process(30, 0.1))
+    # The resumed attempt reported from the checkpoint's step on.
+    final_attempt = [r for r in result.metrics[0] if r["attempt"] == 1]
+    assert final_attempt[0]["step"] == recovery["resumed_from_step"] + 1
+    assert final_attempt[-1]["step"] == 30
+
+
+def sleeps_in_python(ctx) -> None:
+    while True:
+        time.sleep(0.01)
+
+
+def test_ctrl_c_stops_the_ranks_without_restarting_workers(cluster):
+    pids = _pids(cluster)
+    timer = threading.Timer(3.0, _thread.interrupt_main)
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(sleeps_in_python, cluster=cluster, world_size=2)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 30
+    assert _pids(cluster) == pids  # stopped in place
+    assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
+
+
+def test_max_failures_zero_gives_up_at_the_first_lost_worker(own_cluster):
+    victim = max(_pids(own_cluster).values())
+
+    def kill_at_first_report(record: dict) -> None:
+        if record.get("kind") == "report" and record.get("step") == 2 and psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGKILL)
+
+    with pytest.raises(TrainingFailed, match=r"giving up after 0 recoveries"):
+        launch(
+            ddp_loop,
+            10_000,
+            0.1,
+            cluster=own_cluster,
+            world_size=2,
+            max_failures=0,
+            on_event=kill_at_first_report,
+        )
+
+
+def noop(ctx) -> int:
+    return ctx.rank
+
+
+def _threads_and_descriptors() -> tuple[int, int]:
+    process = psutil.Process()
+    return process.num_threads(), process.num_fds()
+
+
+def test_twenty_launches_leave_descriptors_and_threads_flat(cluster):
+    for _ in range(3):  # warm-up: first imports, the metrics plugin, connection pools
+        launch(noop, cluster=cluster, world_size=2)
+    client_before = _threads_and_descriptors()
+    workers_before = cluster.client.run(_threads_and_descriptors)
+    for _ in range(20):
+        assert launch(noop, cluster=cluster, world_size=2).results == [0, 1]
+    assert _threads_and_descriptors() == client_before
+    assert cluster.client.run(_threads_and_descriptors) == workers_before
+
+
+# -- code the workers cannot import ---------------------------------------------------------
+
+USER_PACKAGE = """
+import torch.distributed as dist
+import torch
+
+from {name}.helpers import scale
+
+
+def user_loop(ctx, value):
+    tensor = torch.tensor([scale(value) * (ctx.rank + 1)])
+    dist.all_reduce(tensor)
+    return tensor.item()
+"""
+
+
+def _write_package(root: Path, name: str) -> None:
+    package = root / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(USER_PACKAGE.format(name=name)))
+    (package / "helpers.py").write_text("def scale(value):\n    return 10 * value\n")
+
+
+def test_code_the_stock_workers_cannot_import_is_shipped(tmp_path, monkeypatch):
+    from tests.test_multihost import _stock_cluster
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    user_code = tmp_path / "user_code"
+    _write_package(user_code, "my_research_pkg")
+    (user_code / "my_single_module.py").write_text(
+        "def times_rank(ctx, value):\n    return value * ctx.rank\n"
+    )
+    (user_code / "compiled_pkg").mkdir()
+    (user_code / "compiled_pkg" / "__init__.py").write_text("def fn(ctx):\n    return 1\n")
+    (user_code / "compiled_pkg" / "_speedups.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(user_code))
+    from compiled_pkg import fn as compiled_fn
+    from my_research_pkg import user_loop
+    from my_single_module import times_rank
+
+    with _stock_cluster(tmp_path, {"w0": [], "w1": []}, cwd=elsewhere) as (address, _):
+        from distributed import Client
+
+        with Client(address, timeout=30) as client:
+            assert launch(user_loop, 0.5, cluster=client, world_size=2).results == [15.0, 15.0]
+            assert launch(times_rank, 7, cluster=client, world_size=2).results == [0, 7]
+            with pytest.raises(CodeNotShippable, match=r"module 'compiled_pkg'.*compiled"):
+                launch(compiled_fn, cluster=client, world_size=2)
+    for module in [m for m in sys.modules if m.startswith(("my_", "compiled_pkg"))]:
+        del sys.modules[module]

@@ -1,0 +1,199 @@
+"""What a user's training function sees on its rank: ``fn(ctx, *args, **kwargs)``.
+
+``run_function`` is the Dask task of one rank under :func:`workflows.launch`: it looks up this
+worker's membership of the process group (already formed by the plugin), builds the
+:class:`RankContext` and calls the function.
+"""
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import torch
+from distributed import get_worker
+
+from workers.process_group import Membership, current_membership, rank_threads
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What every rank of one attempt receives."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    name: str
+    generation: str
+    attempt: int  # 0, then one more for each restart (torchrun's TORCHELASTIC_RESTART_COUNT)
+    max_failures: int
+    event_topic: str
+    heartbeat_topic: str
+    checkpoint_dir: str | None = None
+    keep_checkpoints: int = 3
+    resume_from: str | None = None  # the newest good checkpoint when the attempt started
+
+
+@dataclass
+class RankOutcome:
+    """One rank's return value and everything it reported, for the client."""
+
+    rank: int
+    value: Any
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    first_report_at: float = math.nan  # wall clock of the first report or heartbeat with a step
+
+
+class RankContext:
+    """The rank's place in the group, and its ways to report, checkpoint and resume.
+
+    ``report`` and ``heartbeat`` never block and involve no other rank. ``save`` and
+    ``restore`` are collective: every rank calls them at the same point.
+    """
+
+    def __init__(self, membership: Membership, job: RankJob) -> None:
+        self.rank = membership.rank
+        self.world_size = membership.world_size
+        self.local_rank = membership.local_rank
+        self.local_world_size = membership.local_world_size
+        self.node_rank = membership.node_rank
+        self.device: torch.device = membership.device
+        self.backend = membership.backend
+        self.master_addr = membership.master_addr
+        self.attempt = job.attempt
+        self.max_failures = job.max_failures
+        self.job_name = job.name
+        self.checkpoint_dir = job.checkpoint_dir
+        self.membership = membership
+        self._job = job
+        self._worker = get_worker()
+        self._reports: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._last_beat = -math.inf
+        self._beats = 0
+        self._samples = 0  # since the last heartbeat sent
+        self._first_report_at = math.nan
+        self._resume_from = job.resume_from
+        self._beat(samples=None)  # started: the launcher's first-step bound begins here
+
+    def __repr__(self) -> str:
+        return (
+            f"RankContext(rank={self.rank}, world_size={self.world_size}, "
+            f"local_rank={self.local_rank}, device={self.device}, backend={self.backend!r}, "
+            f"attempt={self.attempt})"
+        )
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def report(self, **metrics: Any) -> None:
+        """Send a metrics record (numbers, strings) to the client, the dashboard and the run
+        directory. Any rank, any number of times; it never waits for other ranks. A ``step``
+        among the metrics becomes the record's step."""
+        with self._lock:
+            record = {
+                "kind": "report",
+                **metrics,
+                "rank": self.rank,
+                "attempt": self.attempt,
+                "seq": len(self._reports),
+                "time": time.time(),
+            }
+            self._reports.append(record)
+        self.emit(record)
+        self._beat(samples=0)
+
+    def heartbeat(self, samples: int = 0) -> None:
+        """Tell the launcher this rank makes progress, with the samples it processed since the
+        last call (the dashboard shows each rank's samples/s). Sent at most once a second; a
+        rank silent for ``launch.hang_timeout_s`` after its first progress counts as hung.
+        ``report`` does this too; call it in loops that report rarely."""
+        self._beat(samples=samples)
+
+    @property
+    def resume_from(self) -> str | None:
+        """The checkpoint this attempt continues from (what ``restore`` loads), or None."""
+        return self._resume_from
+
+    def emit(self, record: Mapping[str, Any]) -> None:
+        """Send one record as it is (the built-in trainer's epoch and step records)."""
+        self._worker.log_event(self._job.event_topic, dict(record))
+
+    def _beat(self, *, samples: int | None) -> None:
+        """``samples=None``: the start, not progress."""
+        now = time.monotonic()
+        with self._lock:
+            if samples is not None:
+                self._beats += 1
+                self._samples += samples
+                if math.isnan(self._first_report_at):
+                    self._first_report_at = time.time()
+            # The start and the first two progress beats always go: they end the long
+            # first-step bound on the client; later ones at most once a second.
+            if self._beats > 2 and now - self._last_beat < 1.0:
+                return
+            beat: dict[str, Any] = {"rank": self.rank, "step": self._beats}
+            if self._samples and self._beats > 1:  # the first one also timed the build
+                beat["samples_per_s"] = self._samples / (now - self._last_beat)
+            self._last_beat, self._samples = now, 0
+        self._worker.log_event(self._job.heartbeat_topic, beat)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self, state: Mapping[str, Any], *, step: int) -> None:
+        """Checkpoint ``state`` as of ``step`` (collective: every rank calls it).
+
+        ``state`` maps names to modules, optimizers, objects with ``state_dict()``, tensors,
+        and numbers, strings, lists and dicts of them. The checkpoint is committed atomically
+        with a manifest of checksums; the newest ``keep_checkpoints`` are kept.
+        """
+        from workers.training_state import save_state
+
+        save_state(
+            self._require_directory("save"), state, step=step, keep=self._job.keep_checkpoints
+        )
+        self.heartbeat()  # a long save is progress too
+
+    def restore(self, state: dict[str, Any]) -> int | None:
+        """Load the newest complete checkpoint into ``state`` (collective) and return its step,
+        or ``None`` when there is none to continue from (a fresh run)."""
+        from workers.training_state import load_state
+
+        self._require_directory("restore")
+        if self._resume_from is None:
+            return None
+        return load_state(self._resume_from, state)
+
+    def _require_directory(self, action: str) -> str:
+        if self.checkpoint_dir is None:
+            raise ValueError(
+                f"ctx.{action}: no checkpoint folder; pass checkpoint_dir= to launch() "
+                "(a folder every worker can reach)"
+            )
+        return self.checkpoint_dir
+
+    def outcome(self, value: Any) -> RankOutcome:
+        return RankOutcome(
+            rank=self.rank,
+            value=value,
+            reports=list(self._reports),
+            first_report_at=self._first_report_at,
+        )
+
+
+def run_function(job: RankJob) -> RankOutcome:
+    """The Dask task of one rank: join up with this worker's membership, then call the user's
+    function with its context."""
+    ctx = RankContext(current_membership(job.generation), job)
+    with rank_threads.running(job.generation):
+        value = job.fn(ctx, *job.args, **job.kwargs)
+    return ctx.outcome(value)
+
+
+def run_pickled(payload: bytes) -> RankOutcome:
+    """:func:`run_function` for a job pickled on the client. The scheduler unpickles a task's
+    arguments; the user's code may come from a module only the workers have been sent, so it
+    travels as bytes the scheduler passes on untouched."""
+    return run_function(cloudpickle.loads(payload))

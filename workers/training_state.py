@@ -1,0 +1,204 @@
+"""A user's training state as a checkpoint: what ``ctx.save`` writes and ``ctx.restore`` reads.
+
+The state is a dict whose values may be modules (plain, DDP or FSDP-wrapped), optimizers, any
+object with ``state_dict``/``load_state_dict`` (an LR scheduler, a GradScaler), tensors, and
+numbers, strings, lists and dicts of them. It is stored in the same checkpoints as the built-in
+trainer's (``workers.checkpoint``): tensors through ``torch.distributed.checkpoint``, every other
+value as JSON in the manifest, so loading never unpickles anything. Each rank's RNG state (torch,
+CUDA, ``random``, NumPy) is saved under its rank and restored, so a resumed run draws the same
+numbers as an uninterrupted one.
+
+Keys under which every rank stores a tensor mean one replicated value (rank 0's is written);
+store per-rank tensors under per-rank keys. Non-tensor values are rank 0's.
+"""
+
+import json
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from workers.checkpoint import MANIFEST, SafeReader, read_metadata, write_checkpoint
+
+RNG_KEY = "_rng"
+_TENSOR = "__tensor__"  # where a tensor stood in a value stored as JSON
+
+
+def save_state(directory: str | Path, state: Mapping[str, Any], *, step: int, keep: int) -> None:
+    """Write ``state`` as the checkpoint of ``step`` (collective: every rank calls it)."""
+    tensors, values = _capture(state)
+    tensors[RNG_KEY] = {f"rank{dist.get_rank()}": _rng_state()}
+    write_checkpoint(directory, tensors, step=step, keep=keep, fields={"values": values})
+
+
+def load_state(path: str | Path, state: dict[str, Any]) -> int:
+    """Load the verified checkpoint at ``path`` into ``state`` (collective) and return its step.
+
+    Modules, optimizers and stateful objects are loaded in place; tensors are copied into the
+    ones in ``state``; other values are replaced in the dict.
+    """
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    saved = set(read_metadata(path).state_dict_metadata)
+    template, _ = _capture(state)
+    rank = f"rank{dist.get_rank()}"
+    # Another world size has other ranks: a rank with no saved RNG keeps its own.
+    rng = {k: v for k, v in _rng_state().items() if f"{RNG_KEY}.{rank}.{k}" in saved}
+    if rng:
+        template[RNG_KEY] = {rank: rng}
+    missing = sorted(key for key in state if key not in manifest["values"])
+    if missing:
+        raise KeyError(
+            f"{path}: the checkpoint has no {missing}; it holds {sorted(manifest['values'])}"
+        )
+    dcp.load(template, storage_reader=SafeReader(path))
+    model = _optimizer_model(state)
+    for key, value in state.items():
+        stored = manifest["values"][key]
+        if isinstance(value, nn.Module):
+            set_model_state_dict(value, template[key])
+        elif isinstance(value, torch.optim.Optimizer):
+            assert model is not None
+            set_optimizer_state_dict(
+                model,
+                value,
+                {"state": template[key], "param_groups": _join(stored["param_groups"], {})},
+            )
+        elif _stateful(value):
+            value.load_state_dict(_join(stored, template.get(key, {})))
+        else:
+            state[key] = _join(stored, template.get(key, {}))
+    if rng:
+        _set_rng_state(rng)
+    return int(manifest["step"])
+
+
+def _capture(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``state`` into the tensors DCP stores and the JSON values the manifest keeps."""
+    model = _optimizer_model(state)
+    tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(key, str) or key == RNG_KEY:
+            raise TypeError(f"ctx.save: state key {key!r}: keys are strings other than {RNG_KEY}")
+        if isinstance(value, nn.Module):
+            tensors[key], values[key] = get_model_state_dict(value), {_TENSOR: "module"}
+        elif isinstance(value, torch.optim.Optimizer):
+            if model is None:
+                raise TypeError(
+                    f"ctx.save: optimizer {key!r} is stored by parameter name, so its model must "
+                    "be in the same state (e.g. {'model': model, 'optimizer': optimizer})"
+                )
+            whole = get_optimizer_state_dict(model, value)
+            groups_tensors, groups = _split(whole["param_groups"], f"{key}.param_groups")
+            if groups_tensors:
+                raise TypeError(f"ctx.save: optimizer {key!r} has tensors in its param_groups")
+            tensors[key], values[key] = whole["state"], {"param_groups": groups}
+        else:
+            found, values[key] = _split(value.state_dict() if _stateful(value) else value, key)
+            if found:
+                tensors[key] = found
+    return tensors, values
+
+
+def _optimizer_model(state: Mapping[str, Any]) -> nn.Module | None:
+    # Optimizer state is keyed by parameter name: the names come from the state's modules.
+    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    if len(modules) <= 1:
+        return next(iter(modules.values()), None)
+    return nn.ModuleDict(modules)
+
+
+def _stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def _split(value: Any, where: str) -> tuple[Any, Any]:
+    """(the tensors in ``value`` keyed by position, ``value`` as JSON with placeholders)."""
+    if isinstance(value, torch.Tensor):
+        return value, {_TENSOR: True}
+    if isinstance(value, Mapping):
+        tensors, values = {}, {}
+        for k, v in value.items():
+            if not isinstance(k, str | int) or isinstance(k, bool):
+                raise TypeError(f"ctx.save: {where}: key {k!r} is not a string or an integer")
+            found, values[str(k)] = _split(v, f"{where}.{k}")
+            if found is not None and (not isinstance(found, dict) or found):
+                tensors[str(k)] = found
+        return tensors, {
+            "__dict__": values,
+            "__int_keys__": [str(k) for k in value if isinstance(k, int)],
+        }
+    if isinstance(value, list | tuple):
+        tensors, values = {}, []
+        for i, v in enumerate(value):
+            found, stored = _split(v, f"{where}[{i}]")
+            values.append(stored)
+            if found is not None and (not isinstance(found, dict) or found):
+                tensors[str(i)] = found
+        return tensors, {"__list__": values, "__tuple__": isinstance(value, tuple)}
+    if value is None or isinstance(value, bool | int | float | str):
+        return None, value
+    raise TypeError(
+        f"ctx.save: {where} is a {type(value).__name__}; a state holds modules, optimizers, "
+        "objects with state_dict(), tensors, and numbers, strings, lists and dicts of them"
+    )
+
+
+def _join(stored: Any, tensors: Any) -> Any:
+    """Undo :func:`_split`: ``stored`` from the manifest, ``tensors`` as DCP loaded them."""
+    if isinstance(stored, dict) and _TENSOR in stored:
+        return tensors
+    if isinstance(stored, dict) and "__dict__" in stored:
+        int_keys = set(stored["__int_keys__"])
+        return {
+            (int(k) if k in int_keys else k): _join(v, tensors.get(k, {}))
+            for k, v in stored["__dict__"].items()
+        }
+    if isinstance(stored, dict) and "__list__" in stored:
+        items = [_join(v, tensors.get(str(i), {})) for i, v in enumerate(stored["__list__"])]
+        return tuple(items) if stored["__tuple__"] else items
+    return stored
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    version, words, gauss = random.getstate()
+    _, keys, position, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *words], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_rest": torch.tensor([position, has_gauss, cached], dtype=torch.float64),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "python" in state:
+        python = state["python"].tolist()
+        has_gauss, gauss = state["python_gauss"].tolist()
+        random.setstate((python[0], tuple(python[1:]), gauss if has_gauss else None))
+    if "numpy" in state:
+        position, has_np_gauss, cached = state["numpy_rest"].tolist()
+        keys = state["numpy"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, int(position), int(has_np_gauss), cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

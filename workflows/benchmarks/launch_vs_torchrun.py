@@ -1,0 +1,228 @@
+"""The open path against its references: user code on ``launch`` vs torchrun and the built-in
+trainer, and what a SIGKILL costs.
+
+    python -m workflows.benchmarks.launch_vs_torchrun [--steps 150] [--repeats 3]
+
+1. The same torchrun script (``workflows.benchmarks.torchrun_rank``, unmodified) under
+   ``dask-train launch`` on a warm cluster and under ``torchrun --standalone``, alternating,
+   both with the workers' malloc settings: the ratio of the medians of steady samples/s.
+2. Call to first step: ``launch`` of a one-step function on a warm cluster, against
+   torchrun's cold start of the same one-step script (process start to its first step).
+3. The built-in trainer (``train``) against the same work written as a user function on
+   ``launch`` (the seed CNN, DDP, SGD on the same synthetic batches).
+4. Recovery: a user loop that checkpoints every 10 steps, one worker SIGKILLed mid-run; the
+   seconds lost (training redone since the checkpoint, plus detection to the resumed first
+   step), median of the repeats.
+"""
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from workers.models import build_model
+from workers.script_runner import ScriptSpec, run_script
+from workflows.benchmarks.ddp_vs_torchrun import benchmark_config
+from workflows.cluster import TUNED_MALLOC, start_cluster
+from workflows.driver import train
+from workflows.launch import launch, launch_on
+from workflows.launcher import LaunchConfig
+
+SCRIPT = "workflows.benchmarks.torchrun_rank"
+
+
+def torchrun(config_json: str, workers: int) -> tuple[float, float]:
+    """(steady samples/s, seconds from process start to the end of the run) under torchrun."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env |= {"OMP_NUM_THREADS": "1", **{k: str(v) for k, v in TUNED_MALLOC.items()}}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc_per_node={workers}", "-m", SCRIPT, config_json]
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun failed:\n{done.stderr[-3000:]}")
+    return _result(done.stdout.splitlines())["steady_samples_per_s"], started
+
+
+def _result(lines: list[str]) -> dict:
+    line = next(x for x in lines if "RESULT " in x)
+    return json.loads(line[line.index("RESULT ") + len("RESULT ") :])
+
+
+def under_launch(client, config_json: str, workers: int) -> float:
+    lines: list[str] = []
+
+    def on_event(record: dict) -> None:
+        if record.get("kind") == "output":
+            lines.extend(record["lines"])
+
+    spec = ScriptSpec(target=SCRIPT, module=True, args=(config_json,), run_id="bench")
+    launch_on(
+        client,
+        run_script,
+        (spec,),
+        {},
+        settings=LaunchConfig(world_size=workers),
+        name="bench-script",
+        checkpoint_dir=None,
+        keep_checkpoints=1,
+        on_event=on_event,
+        called_at=time.time(),
+        final_records=lambda results: [r for result in results for r in result.output],
+    )
+    return _result(lines)["steady_samples_per_s"]
+
+
+def first_step(ctx) -> None:
+    ctx.report(step=1)
+
+
+def torchrun_first_step(workers: int) -> float:
+    """Seconds from starting torchrun to rank 0's first all-reduce, a fresh process each."""
+    code = (
+        "import time, torch, torch.distributed as d; d.init_process_group('gloo'); "
+        "t = torch.ones(1); d.all_reduce(t); print('FIRST', time.time(), flush=True)"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(code)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    started = time.time()
+    done = subprocess.run(
+        [*command, f"--nproc_per_node={workers}", script.name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    os.unlink(script.name)
+    first = min(float(x.split()[-1]) for x in done.stdout.splitlines() if x.startswith("FIRST"))
+    return first - started
+
+
+def user_ddp_loop(ctx, steps: int, batch_size: int) -> float:
+    """The built-in trainer's work as a user writes it: the seed CNN, DDP, SGD, steady
+    samples/s from the fourth step on."""
+    generator = torch.Generator().manual_seed(0)
+    per_rank = batch_size // ctx.world_size
+    images = torch.randn(64 * per_rank, 3, 32, 32, generator=generator)
+    labels = torch.randint(0, 10, (64 * per_rank,), generator=generator)
+    model = DistributedDataParallel(build_model("cifar_cnn", num_classes=10, seed=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    started = None
+    for step in range(steps):
+        if step == 3:
+            started = time.perf_counter()
+        start = (step % 64) * per_rank
+        x, y = images[start : start + per_rank], labels[start : start + per_rank]
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        ctx.heartbeat(samples=len(y))
+    assert started is not None
+    return (steps - 3) * batch_size / (time.perf_counter() - started)
+
+
+def checkpointed_loop(ctx, steps: int, every: int) -> None:
+    model = DistributedDataParallel(build_model("cifar_cnn", num_classes=10, seed=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = {"model": model, "optimizer": optimizer}
+    start = ctx.restore(state) or 0
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    for step in range(start, steps):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        ctx.report(step=step + 1)
+        if (step + 1) % every == 0:
+            ctx.save(state, step=step + 1)
+
+
+def recovery_seconds(cluster, steps: int, every: int) -> dict:
+    victim = max(cluster.client.run(os.getpid).values())
+    kill_at = steps // 2 + every // 2
+
+    def kill(record: dict) -> None:
+        if record.get("kind") == "report" and record.get("step") == kill_at:
+            os.kill(victim, signal.SIGKILL)
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = launch(
+            checkpointed_loop,
+            steps,
+            every,
+            cluster=cluster,
+            world_size=2,
+            checkpoint_dir=folder,
+            on_event=kill,
+        )
+    (recovery,) = result.recoveries
+    return recovery
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = benchmark_config(args.steps, args.batch_size)
+    config_json = config.model_dump_json()
+    rates: dict[str, list[float]] = {"torchrun": [], "launch": [], "train": [], "user": []}
+    firsts: dict[str, list[float]] = {"launch": [], "torchrun": []}
+    recoveries: list[dict] = []
+    with start_cluster(n_workers=args.workers, dashboard_port=0) as cluster:
+        warm = config.model_copy(
+            update={"training": config.training.model_copy(update={"max_steps": 5})}
+        )
+        train(warm, cluster=cluster, on_event=None)  # imports and first-touch, paid once
+        for repeat in range(args.repeats):
+            rates["torchrun"].append(torchrun(config_json, args.workers)[0])
+            rates["launch"].append(under_launch(cluster.client, config_json, args.workers))
+            rates["train"].append(
+                train(config, cluster=cluster, on_event=None).steady_samples_per_s
+            )
+            user = launch(user_ddp_loop, args.steps, args.batch_size, cluster=cluster)
+            rates["user"].append(statistics.mean(user.results))
+            firsts["launch"].append(launch(first_step, cluster=cluster).first_step_s)
+            firsts["torchrun"].append(torchrun_first_step(args.workers))
+            recoveries.append(recovery_seconds(cluster, steps=60, every=10))
+            print(
+                f"repeat {repeat + 1}: torchrun {rates['torchrun'][-1]:.0f}, the same script "
+                f"under launch {rates['launch'][-1]:.0f}, train() {rates['train'][-1]:.0f}, "
+                f"user loop on launch {rates['user'][-1]:.0f} samples/s; first step "
+                f"{firsts['launch'][-1]:.3f} s vs {firsts['torchrun'][-1]:.2f} s; SIGKILL "
+                f"cost {recoveries[-1]['seconds_lost']:.2f} s",
+                flush=True,
+            )
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    lost = [r["seconds_lost"] for r in recoveries]
+    print()
+    print(f"seed CNN, {args.workers} ranks, batch {args.batch_size}, median of {args.repeats}:")
+    print(f"  torchrun --standalone, our malloc settings   {med['torchrun']:8.0f} samples/s")
+    print(f"  the same script under dask-train launch      {med['launch']:8.0f} samples/s")
+    print(f"  ratio launch / torchrun                      {med['launch'] / med['torchrun']:8.3f}")
+    print(f"  built-in trainer, train()                    {med['train']:8.0f} samples/s")
+    print(f"  the same work as a user function on launch   {med['user']:8.0f} samples/s")
+    print(f"  ratio user function / built-in               {med['user'] / med['train']:8.3f}")
+    print(
+        f"call to first step: launch on a warm cluster {statistics.median(firsts['launch']):.3f}"
+        f" s, torchrun cold start {statistics.median(firsts['torchrun']):.2f} s"
+    )
+    print(
+        f"SIGKILL of a worker, checkpoint every 10 steps: {statistics.median(lost):.2f} s lost "
+        f"(median; redo {statistics.median(r['redo_s'] for r in recoveries):.2f} s + restart "
+        f"{statistics.median(r['restart_s'] for r in recoveries):.2f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

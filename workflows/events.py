@@ -1,0 +1,108 @@
+"""The ranks' records on the client: Dask events, handed to ``on_event`` in order, once each."""
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from distributed import Client
+
+EventHandler = Callable[[dict[str, Any]], None]
+
+
+class EventRelay:
+    """Forwards a job's Dask events to ``on_event`` while the job runs.
+
+    Dask calls topic handlers on the client's event loop, which a LocalCluster's scheduler
+    shares: a handler that blocks (a print to a slow pipe, a request to the dashboard) would
+    stall the cluster. So records are handed to ``on_event`` from a thread of their own, in
+    order. Events travel asynchronously and the last ones may still be in flight when the job
+    returns; ``deliver_missed`` hands over those records from the ranks' results, so each
+    record arrives exactly once.
+
+    Report records (``ctx.report``) of every rank are also kept, per attempt, so that the
+    reports of an attempt that failed (whose results never came back) are not lost.
+    """
+
+    _STOP = object()
+
+    def __init__(self, client: Client, topic: str, on_event: EventHandler | None) -> None:
+        self.client, self.topic, self.on_event = client, topic, on_event
+        self.reports: dict[tuple[int, int], list[dict[str, Any]]] = {}  # (attempt, rank) ->
+        self._seen: set[tuple[Any, ...]] = set()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, name="dask-train-events", daemon=True)
+
+    def _handle(self, event: tuple[float, dict[str, Any]]) -> None:
+        record = event[1]
+        if record.get("kind") == "report":
+            with self._lock:
+                self.reports.setdefault((record["attempt"], record["rank"]), []).append(record)
+        if self.on_event is not None:
+            self._queue.put(record)
+
+    def _pump(self) -> None:
+        while (record := self._queue.get()) is not self._STOP:
+            self._deliver(record)
+
+    def _deliver(self, record: dict[str, Any]) -> None:
+        key = self._key(record)
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        if self.on_event is not None:
+            self.on_event(record)
+
+    def skip(self, records: list[dict[str, Any]]) -> None:
+        """Never deliver these records (a resumed run's earlier epochs)."""
+        with self._lock:
+            self._seen.update(self._key(record) for record in records)
+
+    @staticmethod
+    def _key(record: dict[str, Any]) -> tuple[Any, ...]:
+        if "seq" in record:  # a rank's numbered records: ctx.report, a script's output
+            return (record.get("kind"), record.get("attempt"), record.get("rank"), record["seq"])
+        return (
+            record.get("kind"),
+            record.get("epoch"),
+            record.get("step"),
+            record.get("recoveries"),
+        )
+
+    def reports_before(self, attempt: int, ranks: int) -> list[list[dict[str, Any]]]:
+        """Per rank, the reports that arrived from attempts before ``attempt``, in order."""
+        with self._lock:
+            return [
+                [
+                    record
+                    for earlier in range(attempt)
+                    for record in sorted(self.reports.get((earlier, rank), []), key=_seq)
+                ]
+                for rank in range(ranks)
+            ]
+
+    def deliver_missed(self, records: list[dict[str, Any]]) -> None:
+        """Call after leaving the context. If the handler is still busy after the bounded wait,
+        the missed records are dropped rather than delivered concurrently."""
+        if self.on_event is None or self._thread.is_alive():
+            return
+        for record in records:
+            self._deliver(record)
+
+    def __enter__(self) -> "EventRelay":
+        if self.on_event is not None:
+            self._thread.start()
+        self.client.subscribe_topic(self.topic, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.unsubscribe_topic(self.topic)
+        if self.on_event is not None:
+            self._queue.put(self._STOP)
+            self._thread.join(timeout=60)
+
+
+def _seq(record: dict[str, Any]) -> int:
+    return int(record["seq"])

@@ -1,0 +1,352 @@
+"""Run your own training function on every rank: ``launch(fn, *args, **kwargs)``.
+
+>>> from workflows import launch
+>>> def loop(ctx, lr):
+...     ...  # torch.distributed is initialized: build, wrap in DDP, train, ctx.report(loss=...)
+...     return ctx.rank
+>>> result = launch(loop, 0.1, world_size=2)
+>>> result.results
+[0, 1]
+
+One call is a sequence of attempts. Each attempt forms a fresh process-group generation over
+the chosen workers and runs ``fn(ctx, *args, **kwargs)`` once per rank. When a worker is lost,
+killed or hangs, the attempt's ranks let go of the group and the next attempt starts from the
+newest complete checkpoint (``ctx.restore``); an exception raised by ``fn`` itself is raised
+here at once, never retried. The built-in trainer (``workflows.train``) runs on this same path.
+"""
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import CodeType, TracebackType
+from typing import Any
+
+import cloudpickle
+import tblib
+from distributed import Client
+
+from workers.checkpoint import latest_good_checkpoint
+from workers.rank_context import RankJob, RankOutcome, run_pickled
+from workflows.cluster import TrainingCluster, start_cluster
+from workflows.code_shipping import ship_code
+from workflows.events import EventHandler, EventRelay
+from workflows.failure_policy import Decision, FailurePolicy
+from workflows.launcher import (
+    GroupFormationError,
+    Heartbeats,
+    LaunchConfig,
+    LaunchError,
+    ProcessGroup,
+    RankFailed,
+)
+from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
+
+logger = logging.getLogger(__name__)
+DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for code that travels by value
+
+
+class TrainingFailed(RuntimeError):
+    """The run failed more often than ``launch.max_failures`` allows, or the lost worker
+    never came back."""
+
+
+@dataclass
+class LaunchResult:
+    """What one ``launch`` hands back: every rank's return value and reports."""
+
+    name: str
+    world_size: int
+    results: list[Any]  # each rank's return value, in rank order
+    metrics: list[list[dict[str, Any]]]  # each rank's ctx.report records, every attempt's
+    recoveries: list[dict[str, Any]]  # one per restart: what failed, the step resumed from
+    wall_s: float  # from the call to the last rank's return
+    first_step_s: float  # from the call to the first report or heartbeat of any rank
+    attempts: int = 1
+    outcomes: list[RankOutcome] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Recovery:
+    """One restart: what failed, and the checkpoint the next attempt continued from."""
+
+    failure: str
+    detected_at: float
+    resumed_from_step: int
+    redo_s: float  # training since that checkpoint, done again
+    restart_s: float | None = None  # from detection to the resumed attempt's first step
+
+    def finish(self, *, first_step_at: float) -> None:
+        self.restart_s = max(0.0, first_step_at - self.detected_at)
+
+    def describe(self) -> str:
+        return f"{self.failure}; resuming from step {self.resumed_from_step}"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "failure": self.failure,
+            "detected_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.detected_at)),
+            "detected_at_s": self.detected_at,
+            "resumed_from_step": self.resumed_from_step,
+            "redo_s": self.redo_s,
+            "restart_s": self.restart_s,
+            "seconds_lost": self.redo_s + (self.restart_s or 0.0),
+        }
+
+
+@dataclass
+class Failure:
+    message: str
+    detected_at: float
+    attempt_started_at: float
+
+    def recovered_at(self, resume: tuple[Path, dict[str, Any]] | None) -> Recovery:
+        saved_at = resume[1]["written_at"] if resume else self.attempt_started_at
+        return Recovery(
+            failure=self.message,
+            detected_at=self.detected_at,
+            resumed_from_step=resume[1]["step"] if resume else 0,
+            redo_s=max(0.0, self.detected_at - max(saved_at, self.attempt_started_at)),
+        )
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    cluster: TrainingCluster | Client | None = None,
+    world_size: int | None = None,
+    name: str | None = None,
+    checkpoint_dir: str | Path | None = None,
+    keep_checkpoints: int = 3,
+    on_event: EventHandler | None = None,
+    config: LaunchConfig | dict[str, Any] | None = None,
+    max_failures: int | None = None,
+    backend: str | None = None,
+    workers: dict[str, Any] | None = None,
+    hang_timeout_s: float | None = None,
+    first_step_timeout_s: float | None = None,
+    **kwargs: Any,
+) -> LaunchResult:
+    """Call ``fn(ctx, *args, **kwargs)`` on every rank, the process group already formed.
+
+    ``cluster`` is a :class:`TrainingCluster` or a ``Client``; ``None`` starts a local cluster
+    and closes it afterwards. ``world_size`` defaults to every eligible worker. ``config`` is a
+    :class:`LaunchConfig` (or its fields as a dict); the keyword settings (``max_failures``,
+    ``backend``, ``workers``, ``hang_timeout_s``, ``first_step_timeout_s``) override its
+    fields. ``checkpoint_dir`` is where ``ctx.save`` writes (a folder every worker reaches).
+    ``on_event`` receives every record the ranks report, as it arrives.
+    """
+    called_at = time.time()
+    overrides = {
+        "world_size": world_size,
+        "max_failures": max_failures,
+        "backend": backend,
+        "workers": workers,
+        "hang_timeout_s": hang_timeout_s,
+        "first_step_timeout_s": first_step_timeout_s,
+    }
+    base = config.model_dump() if isinstance(config, LaunchConfig) else dict(config or {})
+    settings = LaunchConfig.model_validate(
+        base | {k: v for k, v in overrides.items() if v is not None}
+    )
+    if keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints: {keep_checkpoints}; keep at least 1")
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
+    owned = cluster is None
+    if cluster is None:
+        cluster = start_cluster()
+    client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
+    try:
+        return launch_on(
+            client,
+            fn,
+            args,
+            kwargs,
+            settings=settings,
+            name=name or getattr(fn, "__name__", "launch"),
+            checkpoint_dir=checkpoint_dir,
+            keep_checkpoints=keep_checkpoints,
+            on_event=on_event,
+            called_at=called_at,
+        )
+    finally:
+        if owned:
+            cluster.close()
+
+
+def launch_on(
+    client: Client,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    settings: LaunchConfig,
+    name: str,
+    checkpoint_dir: str | Path | None,
+    keep_checkpoints: int,
+    on_event: EventHandler | None,
+    called_at: float,
+    final_records: Callable[[list[Any]], list[dict[str, Any]]] | None = None,
+    retry_code_errors: bool = False,
+    task_prefix: str = "launch",
+) -> LaunchResult:
+    """The attempts of one launch on a connected client (``launch`` and ``train`` use it).
+
+    ``final_records`` picks, from the ranks' return values, records that ``on_event`` must
+    receive even if their events were still in flight (the built-in trainer's epochs). The
+    rank tasks are named ``<task_prefix>-<name>-<rank>-<generation>`` on the dashboard.
+    """
+    # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
+    directory = str(Path(checkpoint_dir).absolute()) if checkpoint_dir is not None else None
+    # The scheduler keeps the latest figures of every job for /metrics and the Training page.
+    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    job_id = f"{name}-{uuid.uuid4().hex[:8]}"
+    events = EventRelay(client, EVENT_PREFIX + job_id, on_event)
+    heartbeat_topic = HEARTBEAT_PREFIX + job_id
+    policy = FailurePolicy(settings.max_failures, retry_code_errors)
+    recoveries: list[Recovery] = []
+    failure: Failure | None = None
+    with events:
+        for attempt in range(settings.max_failures + 1):
+            resume = latest_good_checkpoint(directory) if directory else None
+            if resume:
+                # Records the checkpoint already holds were delivered by the run that wrote it.
+                events.skip(resume[1].get("history", []))
+            if failure is not None:
+                recoveries.append(failure.recovered_at(resume))
+                logger.warning("recovery %d: %s", len(recoveries), recoveries[-1].describe())
+                # The dashboard counts them; on_event handlers see a "recovery" record.
+                client.log_event(
+                    events.topic,
+                    {"kind": "recovery", "recoveries": len(recoveries), **recoveries[-1].summary()},
+                )
+            attempt_started = time.time()
+            heartbeats = Heartbeats()
+            client.subscribe_topic(heartbeat_topic, heartbeats.record)
+            try:
+                with ProcessGroup(client, settings) as group:
+                    assert group.spec is not None
+                    job = RankJob(
+                        fn=fn,
+                        args=args,
+                        kwargs=kwargs,
+                        name=name,
+                        generation=group.spec.generation,
+                        attempt=attempt,
+                        max_failures=settings.max_failures,
+                        event_topic=events.topic,
+                        heartbeat_topic=heartbeat_topic,
+                        checkpoint_dir=directory,
+                        keep_checkpoints=keep_checkpoints,
+                        resume_from=str(resume[0]) if resume else None,
+                    )
+                    payload = cloudpickle.dumps(job)
+                    if attempt == 0:
+                        ship_code(client, payload)  # what the workers cannot import
+                    outcomes: list[RankOutcome] = group.run(
+                        run_pickled, payload, name=f"{task_prefix}-{name}", heartbeats=heartbeats
+                    )
+                break
+            except LaunchError as error:
+                if failure is None:
+                    raise  # the cluster cannot hold this run: a configuration error
+                raise TrainingFailed(
+                    f"{failure.message}; no replacement worker arrived: {error}"
+                ) from error
+            except (RankFailed, GroupFormationError) as error:
+                failure = _next_failure(error, attempt_started, policy, len(recoveries), fn)
+            finally:
+                client.unsubscribe_topic(heartbeat_topic)
+    wall_s = time.time() - called_at
+    first_step_at = min((o.first_report_at for o in outcomes), default=float("nan"))
+    if recoveries:
+        # The work lost includes the restart: until the resumed attempt's first step.
+        recoveries[-1].finish(first_step_at=first_step_at)
+    reports = [o.reports for o in outcomes]
+    missed = [record for rank_reports in reports for record in rank_reports]
+    if final_records is not None:
+        missed = final_records([o.value for o in outcomes]) + missed
+    events.deliver_missed(missed)
+    earlier = events.reports_before(attempt, len(outcomes))
+    return LaunchResult(
+        name=name,
+        world_size=len(outcomes),
+        results=[o.value for o in outcomes],
+        metrics=[before + now for before, now in zip(earlier, reports, strict=True)],
+        recoveries=[r.summary() for r in recoveries],
+        wall_s=wall_s,
+        first_step_s=first_step_at - called_at,
+        attempts=attempt + 1,
+        outcomes=outcomes,
+    )
+
+
+def _next_failure(
+    error: RankFailed | GroupFormationError,
+    attempt_started: float,
+    policy: FailurePolicy,
+    recoveries: int,
+    fn: Callable[..., Any],
+) -> Failure:
+    """The failure to recover from, or the exception that ends the launch."""
+    infrastructure = getattr(error, "infrastructure", True)
+    decision = policy.decide(infrastructure=infrastructure, failures_so_far=recoveries)
+    user_error = error.error if isinstance(error, RankFailed) and not infrastructure else None
+    if decision is Decision.RAISE and user_error is not None:
+        # The training code's own exception, with its remote traceback: raised here.
+        assert isinstance(error, RankFailed)
+        retried = f"after {recoveries} restarts" if policy.retry_code_errors else "not retried"
+        user_error.add_note(
+            f"dask-train: raised by rank {error.rank} on worker {error.worker}; {retried} "
+            "(an exception of the training code, not of the cluster)"
+        )
+        raise user_error.with_traceback(_with_source_files(user_error.__traceback__, fn)) from None
+    if decision is Decision.RAISE:
+        raise TrainingFailed(
+            f"{error} (at {time.strftime('%H:%M:%S')}); giving up after {recoveries} "
+            f"recoveries (launch.max_failures = {policy.max_failures})"
+        ) from error
+    logger.warning("attempt failed, restarting from the last checkpoint: %s", error)
+    return Failure(str(error), getattr(error, "detected_at", time.time()), attempt_started)
+
+
+def _with_source_files(trace: TracebackType | None, fn: Callable[..., Any]) -> TracebackType | None:
+    """``trace`` with the user's file names back in it.
+
+    Functions defined in a script's ``__main__`` or a notebook travel by value, and cloudpickle
+    names their code ``<dynamic-code>`` (line numbers stay right); the client still has the
+    code, so each such frame gets the file of the function of that name here.
+    """
+    if trace is None:
+        return None
+    files = _code_files(fn)
+    tree = tblib.Traceback(trace).as_dict()
+    node: dict[str, Any] | None = tree
+    while node is not None:
+        code = node["tb_frame"]["f_code"]
+        if code["co_filename"] == DYNAMIC_CODE and code["co_name"] in files:
+            code["co_filename"] = files[code["co_name"]]
+        node = node["tb_next"]
+    return tblib.Traceback.from_dict(tree).as_traceback()
+
+
+def _code_files(fn: Callable[..., Any]) -> dict[str, str]:
+    """Function name -> source file, for ``fn`` and what its module defines."""
+    files: dict[str, str] = {}
+    roots = [fn, *getattr(fn, "__globals__", {}).values()]
+    seen: set[int] = set()
+    stack = [getattr(r, "__code__", None) for r in roots]
+    for root in roots:  # methods of classes defined next to fn
+        if isinstance(root, type):
+            stack += [getattr(v, "__code__", None) for v in vars(root).values()]
+    while stack:
+        code = stack.pop()
+        if not isinstance(code, CodeType) or id(code) in seen:
+            continue
+        seen.add(id(code))
+        files.setdefault(code.co_name, code.co_filename)
+        stack += [c for c in code.co_consts if isinstance(c, CodeType)]
+    return files

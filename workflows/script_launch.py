@@ -1,0 +1,129 @@
+"""``dask-train launch``: an unmodified torchrun script, a module or a function on the cluster.
+
+The script runs as a child process of each chosen worker (see ``workers.script_runner``),
+through the same :func:`workflows.launch` as every other job: rank assignment, restarts,
+events and the dashboard are the same. Its output comes back prefixed by rank.
+"""
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from workers.script_runner import ScriptResult, ScriptSpec, run_script
+from workflows.cluster import ClusterConfig, start_cluster
+from workflows.code_shipping import ship_modules
+from workflows.launch import LaunchResult, launch_on
+from workflows.launcher import LaunchConfig
+
+
+class ScriptNotFound(ValueError):
+    """The script, module or function to launch does not exist here."""
+
+
+def resolve_target(target: str, *, module: bool) -> tuple[ScriptSpec | None, Callable | None]:
+    """What ``dask-train launch TARGET`` means: a script file, ``-m`` a module, or
+    ``package.module:function``, a function for the Python API. Checked before anything
+    starts."""
+    if not module and ":" in target and not Path(target).exists():
+        module_name, _, function_name = target.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+        except (ImportError, AttributeError) as error:
+            raise ScriptNotFound(f"{target}: no function {function_name!r} ({error})") from None
+        if not callable(function):
+            raise ScriptNotFound(f"{target}: {function_name!r} is not callable")
+        return None, function
+    if module:
+        if importlib.util.find_spec(target.split(".")[0]) is None:
+            raise ScriptNotFound(f"-m {target}: no module {target.split('.')[0]!r} here")
+        return ScriptSpec(target=target, module=True), None
+    path = Path(target)
+    if not path.is_file():
+        raise ScriptNotFound(f"{target}: no such script")
+    source = path.read_bytes()
+    return (
+        ScriptSpec(
+            target=str(path.absolute()),
+            source=source,
+            sha256=hashlib.sha256(source).hexdigest(),
+        ),
+        None,
+    )
+
+
+def launch_script(
+    target: str,
+    args: tuple[str, ...],
+    *,
+    module: bool = False,
+    cluster: ClusterConfig,
+    launch_config: LaunchConfig,
+    output: Path | None = None,
+    echo: Callable[[str], None] = print,
+) -> LaunchResult:
+    """Run ``target`` on every rank; ``output`` (a folder) gets the run's summary and log."""
+    called_at = time.time()
+    spec, function = resolve_target(target, module=module)
+    run_id = f"{Path(target).stem or 'launch'}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    if output is not None:
+        output.mkdir(parents=True, exist_ok=True)
+    log = (output / "output.log").open("a", buffering=1) if output is not None else None
+    metrics = (output / "metrics.jsonl").open("a", buffering=1) if output is not None else None
+
+    def on_event(record: dict[str, Any]) -> None:
+        if record.get("kind") == "output":
+            text = "".join(f"[rank {record['rank']}] {line}" for line in record["lines"])
+            echo(text.rstrip("\n"))
+            if log is not None:
+                log.write(text)
+        elif record.get("kind") == "report" and metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+
+    try:
+        with start_cluster(cluster) as training_cluster:
+            client = training_cluster.client
+            if spec is not None and spec.module:
+                ship_modules(client, {spec.target.split(".")[0]})
+            if spec is not None:
+                spec = replace(spec, args=tuple(args), cwd=str(Path.cwd()), run_id=run_id)
+            result = launch_on(
+                client,
+                run_script if spec is not None else function,
+                (spec,) if spec is not None else args,
+                {},
+                settings=launch_config,
+                name=run_id,
+                checkpoint_dir=None,
+                keep_checkpoints=1,
+                on_event=on_event,
+                called_at=called_at,
+                final_records=_final_output if spec is not None else None,
+                # torchrun's contract: any failure of a script restarts it, within the bound.
+                retry_code_errors=spec is not None,
+            )
+    finally:
+        for file in (log, metrics):
+            if file is not None:
+                file.close()
+    if output is not None:
+        summary = {
+            "target": target,
+            "args": list(args),
+            "world_size": result.world_size,
+            "attempts": result.attempts,
+            "recoveries": result.recoveries,
+            "wall_s": result.wall_s,
+            "first_step_s": result.first_step_s,
+        }
+        (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return result
+
+
+def _final_output(results: list[ScriptResult]) -> list[dict[str, Any]]:
+    return [record for result in results for record in result.output]
