@@ -10,9 +10,11 @@ The public API is small::
                          cluster=cluster)
 """
 
+import importlib
+from typing import Any
+
 from workflows.cluster import ClusterConfig, TrainingCluster, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
-from workflows.driver import TrainResult, train
 from workflows.launcher import (
     LaunchConfig,
     LaunchError,
@@ -22,6 +24,17 @@ from workflows.launcher import (
 )
 from workflows.predict import PredictConfig, PredictResult, predict
 from workflows.security import SecurityConfig
+
+# The driver is imported on first use: the scheduler imports workflows.dashboard and
+# workflows.monitoring, and the driver (which imports them) must not come along.
+_LAZY = {"TrainResult": "workflows.driver", "train": "workflows.driver"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ClusterConfig",

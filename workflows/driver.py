@@ -19,7 +19,8 @@ from distributed import Client
 from distributed.scheduler import KilledWorker
 
 from workers.checkpoint import latest_good_checkpoint
-from workers.train import STAGED, RankResult, TrainJob, run_rank
+from workers.strategies import STAGED
+from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import (
@@ -159,7 +160,7 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
     world_size = config.world_size or max(
         1, len(select_workers(live_workers(client), config.launch.workers))
     )
-    config.check_batch(world_size)
+    layout = config.layout(world_size)
     # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()
     manifest = prepare_store(client, data, seed=config.training.seed)
@@ -167,7 +168,7 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
     if config.training.strategy in STAGED:
         # Cut once on the client, so every rank holds the same stages.
         points = resolve_split_points(
-            client, config, world_size=world_size, num_classes=manifest.num_classes
+            client, config, layout=layout, num_classes=manifest.num_classes
         )
         pipeline = config.pipeline.model_copy(update={"split_points": points})
     launch = config.launch.model_copy(update={"world_size": world_size})
@@ -213,6 +214,7 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
                         data=data,
                         model=config.model,
                         training=config.training,
+                        layout=layout,
                         generation=group.spec.generation,
                         event_topic=events.topic,
                         pipeline=pipeline,
