@@ -12,7 +12,7 @@ task, fills from Dask.
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -271,7 +271,7 @@ def train(
         restore=restore,
     )
     if membership.rank != layout.reporting_rank:
-        hooks = Hooks(heartbeat=hooks.heartbeat, checkpoints=hooks.checkpoints)
+        hooks = replace(hooks, report=None)  # one rank speaks for the job
     if hooks.heartbeat:
         hooks.heartbeat(trainer.step)
     if hooks.report:
