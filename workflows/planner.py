@@ -136,8 +136,7 @@ def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int
     layout = planned_layout(config, world_size)
     n_stages, m = layout.n_stages, layout.n_microbatches
     # What the schedule keeps alive per stage: GPipe every micro-batch, 1F1B at most p.
-    pipelined = config.training.strategy != "model_parallel"
-    in_flight = m if p.schedule == "gpipe" or not pipelined else min(m, n_stages)
+    in_flight = m if p.schedule == "gpipe" else min(m, n_stages)
     workers = sorted(live_workers(client))
     profile: DeviceProfile = client.submit(
         profile_model,

@@ -143,7 +143,9 @@ class WholeModel(Strategy):
     the model itself); gradients of micro-batches accumulate locally until the last one.
     """
 
-    def __init__(self, wrapped: nn.Module, *, layout: Layout, rank: int, device: torch.device):
+    def __init__(
+        self, wrapped: nn.Module, *, layout: Layout, rank: int, device: torch.device
+    ) -> None:
         self.wrapped, self.layout, self.rank, self.device = wrapped, layout, rank, device
 
     @property
