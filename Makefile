@@ -48,7 +48,7 @@ bench-pipeline: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.pipeline
 
 screenshot: $(STAMP) browser
-	$(BIN)/python -m workflows.dashboard --output workflows/assets/training-page.png
+	$(BIN)/python -m workflows.screenshot --output workflows/assets/training-page.png
 
 bench-predict: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.inference

@@ -1,14 +1,17 @@
 """The Training page on the scheduler's dashboard, fetched raw and rendered by a real browser."""
 
 import shutil
+import subprocess
+import sys
 import urllib.request
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from workflows.dashboard import ROUTE, screenshot
+from workflows.dashboard import ROUTE
 from workflows.driver import train
+from workflows.screenshot import screenshot
 
 BOKEH_BLUE = (31, 119, 180)  # the train curves' default colour
 
@@ -44,3 +47,15 @@ def test_headless_chromium_renders_the_training_plots(trained_page, tmp_path):
     # BokehJS draws everything on this page, curves included: blue pixels mean it rendered.
     blue = np.all(np.abs(pixels.astype(int) - BOKEH_BLUE) <= 12, axis=1).sum()
     assert blue > 200, f"only {blue} pixels of the curves' blue: the plots did not render"
+
+
+def test_the_scheduler_side_modules_do_not_import_the_driver():
+    # The scheduler imports both; the driver imports the monitoring plugin, which imports the
+    # dashboard: importing the driver from there would close a cycle.
+    code = (
+        "import sys, workflows.dashboard, workflows.monitoring; "
+        "print('workflows.driver' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -1,47 +1,34 @@
-"""The per-rank training loop: config, build, train, close, top to bottom.
+"""The per-rank training loop: build, then step by step and epoch by epoch, then close.
 
-``run_rank`` is the Dask task each rank runs; ``train`` is the loop itself and only needs an
-initialized process group, so the torchrun benchmark runs the very same code.
+``train`` reads top to bottom: :func:`build` a :class:`Trainer`, :func:`run_epoch` until done
+(each a series of :func:`train_step` and one :func:`evaluate`), :func:`close` into a
+:class:`RankResult`. It needs only an initialized process group, so the torchrun benchmark runs
+the very same code. What parallelism does to the model and to a step is the
+:class:`~workers.strategies.base.Strategy`'s; the loop reaches the world outside the rank only
+through :class:`Hooks` (metrics records, liveness, checkpoints), which ``run_rank``, the Dask
+task, fills from Dask.
 """
 
 import math
 import time
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from workers.checkpoint import CheckpointConfig, Progress, load_checkpoint, save_checkpoint
-from workers.data import (
-    DataConfig,
-    RankBatches,
-    StoreSplit,
-    eval_batches,
-    fixed_shape_eval_batches,
-    open_store,
-)
+from workers.data import DataConfig, RankBatches, StoreSplit, open_store
+from workers.layout import Layout
 from workers.models import ModelConfig, build_model
+from workers.precision import Precision
 from workers.process_group import Membership
 from workers.rank_context import RankContext
-from workers.strategies.data_parallel import apply_data_parallel
-from workers.strategies.ddp import apply_ddp
-from workers.strategies.pipeline import (
-    Pipeline,
-    PipelineConfig,
-    apply_pipeline,
-    clip_grad_norm,
-    full_state_dict,
-)
-
-STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline")
-# Strategies that cut the model into stages on several ranks.
-STAGED = ("model_parallel", "pipeline")
+from workers.strategies import STRATEGIES
+from workers.strategies.base import EpochSums, Strategy, get_strategy
+from workers.strategies.pipeline import PipelineConfig
 
 
 class TrainingConfig(BaseModel):
@@ -49,7 +36,7 @@ class TrainingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    strategy: Literal["ddp", "data_parallel", "model_parallel", "pipeline"] = "ddp"
+    strategy: Literal[STRATEGIES] = "ddp"  # type: ignore[valid-type]
     epochs: int = Field(default=3, ge=1)
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
     batch_size: int = Field(default=64, ge=1, description="global batch per optimizer step")
@@ -81,6 +68,7 @@ class TrainJob:
     data: DataConfig  # resolved: absolute paths, store URL filled in
     model: ModelConfig
     training: TrainingConfig
+    layout: Layout  # computed once on the client
     # Staged strategies: split_points resolved by the client, so every rank cuts alike.
     pipeline: PipelineConfig | None = None
     # Where checkpoints go (None: nowhere); the one to continue from comes with the attempt.
@@ -98,31 +86,149 @@ class RankResult:
     state_dict: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
+@dataclass
+class CheckpointState:
+    """What a checkpoint holds besides the progress: this rank's part of the training state."""
+
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+
+Save = Callable[[CheckpointState, Progress], None]
+Restore = Callable[[CheckpointState], Progress]
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """When this rank saves a checkpoint (always at the last step), and how."""
+
+    save: Save
+    every_steps: int = 0  # also every N steps within an epoch; 0: never
+    at_epoch_end: bool = True
+
+    @classmethod
+    def in_directory(cls, config: CheckpointConfig) -> "Checkpoints":
+        """DCP checkpoints under ``config.directory`` (``workers.checkpoint``)."""
+        directory = config.directory
+        assert directory is not None
+
+        def save(state: CheckpointState, progress: Progress) -> None:
+            save_checkpoint(
+                directory,
+                modules=state.modules,
+                optimizer=state.optimizer,
+                scaler=state.scaler,
+                progress=progress,
+                keep=config.keep,
+            )
+
+        return cls(save=save, every_steps=config.every_steps, at_epoch_end=config.at_epoch_end)
+
+
+def restore_from(path: str) -> Restore:
+    """Load the verified checkpoint at ``path``: parameters, optimizer, scaler, RNG, progress."""
+
+    def restore(state: CheckpointState) -> Progress:
+        return load_checkpoint(
+            path, modules=state.modules, optimizer=state.optimizer, scaler=state.scaler
+        )
+
+    return restore
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The loop's only ways out of the rank; each is optional."""
+
+    # The job's metrics records ("start", "step", "epoch"); called on the reporting rank only.
+    report: Callable[[dict[str, Any]], None] | None = None
+    # The step reached, after every step: the launcher's proof of life. Throttle it yourself.
+    heartbeat: Callable[[int], None] | None = None
+    checkpoints: Checkpoints | None = None
+
+
+@dataclass
+class Throughput:
+    """Samples and seconds in training loops (validation excluded), in total and up to the
+    warm step: the first steps pay one-off costs, so ``steady`` leaves them out."""
+
+    warm_step: int
+    steps: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+    warm_samples: int = 0
+    warm_seconds: float = math.nan
+    first_step_at: float = math.nan  # wall clock, for the client's restart figures
+
+    def step_done(self, samples: int, *, epoch_started: float) -> None:
+        self.steps += 1
+        self.samples += samples
+        if self.steps == 1:
+            self.first_step_at = time.time()
+        if self.steps == self.warm_step:
+            self.warm_seconds = self.seconds + time.perf_counter() - epoch_started
+            self.warm_samples = self.samples
+
+    @property
+    def overall(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @property
+    def steady(self) -> float:
+        if not self.warm_step:
+            return self.overall
+        return (self.samples - self.warm_samples) / (self.seconds - self.warm_seconds)
+
+
+@dataclass
+class Trainer:
+    """One rank's training, made by :func:`build`: what it trains with and where it stands."""
+
+    config: TrainingConfig
+    layout: Layout
+    rank: int
+    device: torch.device
+    strategy: Strategy
+    precision: Precision
+    batches: RankBatches
+    val: StoreSplit
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    total_steps: int
+    start: Progress  # where this run began: a checkpoint's progress, or the very beginning
+    step: int
+    history: list[dict[str, float]]
+    throughput: Throughput
+
+    @property
+    def checkpoint_state(self) -> CheckpointState:
+        return CheckpointState(self.strategy.modules, self.optimizer, self.precision.scaler)
+
+
 def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
-    """The built-in trainer as a rank function of :func:`workflows.launch`: records go out
-    through the context, checkpoints continue from the attempt's."""
-    membership = ctx.membership
-    staged = job.pipeline is not None and job.training.strategy in STAGED
-    # The samples one step of this rank handles: a stage sees its whole replica's share.
-    per_step = job.training.batch_size // (job.pipeline.dp if staged else membership.world_size)
+    """The built-in trainer as a rank function of :func:`workflows.launch`: its records and
+    heartbeats go out through the context, and it continues from the attempt's checkpoint."""
     last_step: list[int | None] = [None]
 
     def heartbeat(step: int) -> None:
         # The first call comes before any step: the context already announced the start.
         if last_step[0] is not None:
-            ctx.heartbeat(samples=(step - last_step[0]) * per_step)
+            ctx.heartbeat(samples=(step - last_step[0]) * job.layout.per_rank_batch)
         last_step[0] = step
 
+    checkpoints = None
+    if job.checkpoint is not None and job.checkpoint.directory is not None:
+        checkpoints = Checkpoints.in_directory(job.checkpoint)
     return train(
         job.data,
         job.model,
         job.training,
-        membership=membership,
+        membership=ctx.membership,
+        layout=job.layout,
         pipeline=job.pipeline,
-        checkpoint=job.checkpoint,
-        resume_from=ctx.resume_from,
-        report=ctx.emit,
-        heartbeat=heartbeat,
+        hooks=Hooks(report=ctx.emit, heartbeat=heartbeat, checkpoints=checkpoints),
+        restore=None if ctx.resume_from is None else restore_from(ctx.resume_from),
     )
 
 
@@ -132,17 +238,57 @@ def train(
     config: TrainingConfig,
     *,
     membership: Membership,
+    layout: Layout,
     pipeline: PipelineConfig | None = None,
-    checkpoint: CheckpointConfig | None = None,
-    resume_from: str | None = None,
-    report: Callable[[dict[str, Any]], None] | None = None,
-    heartbeat: Callable[[int], None] | None = None,
+    hooks: Hooks = Hooks(),  # frozen: one shared default is safe
+    restore: Restore | None = None,
 ) -> RankResult:
-    rank, world_size, device = membership.rank, membership.world_size, membership.device
-    torch.manual_seed(config.seed + rank)
-    precision = _Precision(config.precision, device)
+    """Train on this rank of an initialized process group laid out as ``layout``."""
+    trainer = build(
+        data_config,
+        model_config,
+        config,
+        membership=membership,
+        layout=layout,
+        pipeline=pipeline,
+        restore=restore,
+    )
+    if membership.rank != layout.reporting_rank:
+        hooks = replace(hooks, report=None)  # one rank speaks for the job
+    if hooks.heartbeat:
+        hooks.heartbeat(trainer.step)
+    if hooks.report:
+        hooks.report(
+            {
+                "kind": "start",
+                "strategy": config.strategy,
+                "world_size": layout.world_size,
+                "epochs": config.epochs,
+                "total_steps": trainer.total_steps,
+            }
+        )
+    for epoch in range(trainer.start.epoch, config.epochs):
+        if trainer.step >= trainer.total_steps:
+            break
+        run_epoch(trainer, epoch, hooks=hooks)
+    return close(trainer)
 
-    # Build: model and strategy, then this rank's data shard, optimizer and schedule.
+
+def build(
+    data_config: DataConfig,
+    model_config: ModelConfig,
+    config: TrainingConfig,
+    *,
+    membership: Membership,
+    layout: Layout,
+    pipeline: PipelineConfig | None = None,
+    restore: Restore | None = None,
+) -> Trainer:
+    """The model laid out by the strategy, this rank's data shard, the optimizer and the LR
+    schedule, continued from ``restore``'s checkpoint when given. Collective."""
+    rank, device = membership.rank, membership.device
+    torch.manual_seed(config.seed + rank)
+    precision = Precision(config.precision, device)
     store = open_store(data_config.store_url, storage_options=data_config.storage_options)
     model = build_model(
         model_config.name,
@@ -150,304 +296,161 @@ def train(
         seed=config.seed,
         image_size=data_config.image_size,
     )
-    pipe: Pipeline | None = None
-    if config.strategy in STAGED:
-        assert pipeline is not None and pipeline.split_points is not None
-        # Model parallel is a pipeline of one micro-batch: one stage works at a time.
-        pipe = apply_pipeline(
-            model,
-            config=pipeline,
-            split_points=pipeline.split_points,
-            n_microbatches=1 if config.strategy == "model_parallel" else pipeline.n_microbatches,
-            loss_fn=F.cross_entropy,
-            device=device,
-        )
-        # Replicas of the same stages read different data; the stages of a row read the same.
-        data_rank, data_world = pipe.dp_rank, pipe.dp_size
-        parameters = pipe.parameters()
-        # The last stage knows the loss, so its first replica reports.
-        reporter = rank == world_size - pipe.dp_size
-    else:
-        model = _apply_strategy(config.strategy, model, device=device)
-        data_rank, data_world = rank, world_size
-        parameters = list(model.parameters())
-        reporter = rank == 0
-    per_rank_batch = config.batch_size // data_world
-    micro_batch = max(1, per_rank_batch // config.grad_accum_steps)
+    strategy = get_strategy(config.strategy).prepare(
+        model, layout=layout, rank=rank, device=device, pipeline=pipeline
+    )
     batches = RankBatches(
         store.train,
         data_config,
-        rank=data_rank,
-        world_size=data_world,
-        batch_size=per_rank_batch,
+        rank=layout.dp_rank(rank),
+        world_size=layout.dp,
+        batch_size=layout.per_rank_batch,
         seed=config.seed,
     )
     optimizer = torch.optim.SGD(
-        parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        strategy.parameters(),
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
     )
     total_steps = config.epochs * len(batches)
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
-    # Continue where a checkpoint left off: parameters, optimizer, scaler, RNG, data position.
-    modules = pipe.stages if pipe is not None else [model]
-    progress = Progress()
-    if resume_from is not None:
-        progress = load_checkpoint(
-            resume_from, modules=modules, optimizer=optimizer, scaler=precision.scaler
-        )
+    start = Progress()
+    if restore is not None:
+        start = restore(CheckpointState(strategy.modules, optimizer, precision.scaler))
     # last_epoch puts the schedule at the resumed step; it scales each group's initial_lr.
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", config.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_factor(config, total_steps), last_epoch=progress.step - 1
+        optimizer, _lr_factor(config, total_steps), last_epoch=start.step - 1
     )
-    if heartbeat:
-        heartbeat(progress.step)
-    # Throughput is measured from the end of this step on: the first steps pay one-off costs.
-    warm_step = min(3, (total_steps - progress.step) // 4)
-
-    def save(at: Progress) -> None:
-        assert checkpoint is not None and checkpoint.directory is not None
-        save_checkpoint(
-            checkpoint.directory,
-            modules=modules,
-            optimizer=optimizer,
-            scaler=precision.scaler,
-            progress=at,
-            keep=checkpoint.keep,
-        )
-        if heartbeat:
-            heartbeat(step)
-
-    if report and reporter:
-        report(
-            {
-                "kind": "start",
-                "strategy": config.strategy,
-                "world_size": world_size,
-                "epochs": config.epochs,
-                "total_steps": total_steps,
-            }
-        )
-
-    # Train.
-    history: list[dict[str, float]] = list(progress.history)
-    step, samples_seen, warm_samples, run_steps = progress.step, 0, 0, 0
-    first_step_at = math.nan
-    saving = checkpoint is not None and checkpoint.directory is not None
-    # Seconds spent in training loops (validation excluded), in total and up to the warm step.
-    loop_seconds, warm_seconds = 0.0, math.nan
-    for epoch in range(progress.epoch, config.epochs):
-        if step >= total_steps:
-            break
-        (pipe or model).train()
-        resumed = epoch == progress.epoch
-        start_batch = progress.batch if resumed else 0
-        # Running totals stay on the device: no host sync inside the step.
-        sums0 = progress.sums if resumed else [0.0, 0.0, 0.0]
-        loss_sum = torch.tensor(sums0[0], dtype=torch.float64, device=device)
-        correct = torch.tensor(int(sums0[1]), dtype=torch.int64, device=device)
-        count = counted_before = int(sums0[2])
-        epoch_started = time.perf_counter()
-        for batch, (x, y) in enumerate(batches.epoch(epoch, start_batch=start_batch), start_batch):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            if pipe is not None:
-                # The schedule cuts the batch into micro-batches, runs forward and backward
-                # through every stage and averages the gradients over micro-batches.
-                losses: list[torch.Tensor] = []
-                with precision.autocast():
-                    logits = pipe.schedule.step(
-                        *([x] if pipe.is_first else []),
-                        target=y if pipe.is_last else None,
-                        losses=losses if pipe.is_last else None,
-                    )
-                if pipe.is_last:
-                    # Micro-batches are equal in size, so their mean loss is the batch's.
-                    loss = torch.stack(losses).detach().mean()
-                    loss_sum += loss.double() * len(y)
-                    correct += (logits.argmax(1) == y).sum()
-                    count += len(y)
-            else:
-                micro_batches = list(zip(x.split(micro_batch), y.split(micro_batch), strict=True))
-                for i, (mx, my) in enumerate(micro_batches):
-                    # Only the last micro-batch all-reduces; the others accumulate locally.
-                    last = i == len(micro_batches) - 1
-                    sync = nullcontext() if last else getattr(model, "no_sync", nullcontext)()
-                    with sync:
-                        with precision.autocast():
-                            logits = model(mx)
-                            loss = F.cross_entropy(logits, my)
-                        # Weight by share of the rank's batch: accumulation equals one batch.
-                        precision.scale(loss * (len(my) / len(y))).backward()
-                    loss_sum += loss.detach().double() * len(my)
-                    correct += (logits.argmax(1) == my).sum()
-                    count += len(my)
-            if config.grad_clip_norm is not None:
-                precision.unscale(optimizer)
-                if pipe is not None:
-                    clip_grad_norm(pipe, config.grad_clip_norm)
-                else:
-                    nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-            precision.step(optimizer)
-            schedule.step()
-            step += 1
-            run_steps += 1
-            samples_seen += len(y) * data_world
-            if heartbeat:
-                heartbeat(step)
-            if run_steps == 1:
-                first_step_at = time.time()
-            if run_steps == warm_step:
-                warm_seconds = loop_seconds + time.perf_counter() - epoch_started
-                warm_samples = samples_seen
-            if (
-                report
-                and reporter
-                and config.log_every_steps
-                and step % config.log_every_steps == 0
-            ):
-                report({"kind": "step", "epoch": epoch + 1, "step": step, "loss": loss.item()})
-            last_of_epoch = batch == len(batches) - 1
-            if step >= total_steps:
-                break
-            # Every N steps, except at an epoch's end: that checkpoint follows in a moment.
-            every = checkpoint.every_steps if saving else 0
-            if every and step % every == 0 and not last_of_epoch:
-                running = [loss_sum.item(), float(correct.item()), float(count)]
-                save(Progress(epoch, batch + 1, step, running, history))
-        train_seconds = time.perf_counter() - epoch_started
-        loop_seconds += train_seconds
-
-        # Ranks without the last stage add zeros: the sum counts each sample once.
-        sums = torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(float(count))])
-        dist.all_reduce(sums)
-        if pipe is not None:
-            val = _evaluate_pipeline(
-                pipe, store.val, batch_size=per_rank_batch, device=device, precision=precision
-            )
-        else:
-            val = _evaluate(
-                model,
-                eval_batches(
-                    store.val, rank=rank, world_size=world_size, batch_size=per_rank_batch
-                ),
-                device=device,
-                precision=precision,
-            )
-        if heartbeat:
-            heartbeat(step)  # validation is progress too
-        loss_sum, correct, count = sums.tolist()
-        record = {
-            "kind": "epoch",
-            "epoch": epoch + 1,
-            "epochs": config.epochs,
-            "step": step,
-            "loss": loss_sum / count,
-            "accuracy": correct / count,
-            "val_loss": val["loss"],
-            "val_accuracy": val["accuracy"],
-            "samples_per_s": (count - counted_before) / train_seconds,
-            "lr": schedule.get_last_lr()[0],
-        }
-        history.append(record)
-        if report and reporter:
-            report(record)
-        if saving and (checkpoint.at_epoch_end or step >= total_steps):
-            save(Progress(epoch + 1, 0, step, [0.0, 0.0, 0.0], history))
-
-    # Close: one throughput figure for the whole run, and the parameters for the client: rank
-    # 0's whole model, or each stage's from its first replica.
-    # A run resumed from its final checkpoint has nothing left to train: it hands back the
-    # checkpoint's parameters and history.
-    overall = samples_seen / loop_seconds if loop_seconds else 0.0
-    steady = (samples_seen - warm_samples) / (loop_seconds - warm_seconds) if warm_step else overall
-    state_dict = None
-    if pipe is not None:
-        stage_state = full_state_dict(pipe)  # gathers FSDP shards: every replica takes part
-        state_dict = stage_state if pipe.dp_rank == 0 else None
-    elif rank == 0:
-        state_dict = {k: v.detach().cpu().clone() for k, v in _unwrap(model).state_dict().items()}
-    return RankResult(
+    return Trainer(
+        config=config,
+        layout=layout,
         rank=rank,
-        history=history,
-        steps=step,
-        samples_per_s=overall,
-        steady_samples_per_s=steady,
-        first_step_at=first_step_at,
+        device=device,
+        strategy=strategy,
+        precision=precision,
+        batches=batches,
+        val=store.val,
+        optimizer=optimizer,
+        schedule=schedule,
+        total_steps=total_steps,
+        start=start,
+        step=start.step,
+        history=list(start.history),
+        throughput=Throughput(warm_step=min(3, (total_steps - start.step) // 4)),
+    )
+
+
+def train_step(
+    trainer: Trainer, x: torch.Tensor, y: torch.Tensor, *, sums: EpochSums
+) -> torch.Tensor | None:
+    """One optimizer step on this rank's batch; the loss where this rank knows it."""
+    config, precision, optimizer = trainer.config, trainer.precision, trainer.optimizer
+    x, y = x.to(trainer.device, non_blocking=True), y.to(trainer.device, non_blocking=True)
+    optimizer.zero_grad(set_to_none=True)
+    loss = trainer.strategy.forward_backward(x, y, precision=precision, sums=sums)
+    if config.grad_clip_norm is not None:
+        precision.unscale(optimizer)
+        trainer.strategy.clip_grad_norm(config.grad_clip_norm)
+    precision.step(optimizer)
+    trainer.schedule.step()
+    trainer.step += 1
+    return loss
+
+
+def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
+    """Train ``epoch`` (its rest, in the epoch a checkpoint left off), then validate; returns
+    the epoch's record, also appended to the history."""
+    config, start, checkpoints = trainer.config, trainer.start, hooks.checkpoints
+    resumed = epoch == start.epoch
+    start_batch = start.batch if resumed else 0
+    sums = EpochSums(start.sums if resumed else [0.0, 0.0, 0.0], device=trainer.device)
+    counted_before = sums.count
+    trainer.strategy.train()
+    epoch_started = time.perf_counter()
+    batches = trainer.batches.epoch(epoch, start_batch=start_batch)
+    for batch, (x, y) in enumerate(batches, start_batch):
+        loss = train_step(trainer, x, y, sums=sums)
+        if hooks.heartbeat:
+            hooks.heartbeat(trainer.step)
+        trainer.throughput.step_done(len(y) * trainer.layout.dp, epoch_started=epoch_started)
+        if hooks.report and config.log_every_steps and trainer.step % config.log_every_steps == 0:
+            assert loss is not None  # the reporting rank holds the last stage
+            at_step = {"kind": "step", "epoch": epoch + 1, "step": trainer.step}
+            hooks.report(at_step | {"loss": loss.item()})
+        if trainer.step >= trainer.total_steps:
+            break
+        # Every N steps, except at an epoch's end: that checkpoint follows in a moment.
+        last_of_epoch = batch == len(trainer.batches) - 1
+        every = checkpoints.every_steps if checkpoints else 0
+        if every and trainer.step % every == 0 and not last_of_epoch:
+            at = Progress(epoch, batch + 1, trainer.step, sums.tolist(), trainer.history)
+            _save(trainer, at, hooks=hooks)
+    train_seconds = time.perf_counter() - epoch_started
+    trainer.throughput.seconds += train_seconds
+
+    loss_sum, correct, count = sums.all_reduced()
+    val = evaluate(trainer)
+    if hooks.heartbeat:
+        hooks.heartbeat(trainer.step)  # validation is progress too
+    record = {
+        "kind": "epoch",
+        "epoch": epoch + 1,
+        "epochs": config.epochs,
+        "step": trainer.step,
+        "loss": loss_sum / count,
+        "accuracy": correct / count,
+        "val_loss": val["loss"],
+        "val_accuracy": val["accuracy"],
+        "samples_per_s": (count - counted_before) / train_seconds,
+        "lr": trainer.schedule.get_last_lr()[0],
+    }
+    trainer.history.append(record)
+    if hooks.report:
+        hooks.report(record)
+    if checkpoints and (checkpoints.at_epoch_end or trainer.step >= trainer.total_steps):
+        _save(
+            trainer,
+            Progress(epoch + 1, 0, trainer.step, [0.0, 0.0, 0.0], trainer.history),
+            hooks=hooks,
+        )
+    return record
+
+
+def evaluate(trainer: Trainer) -> dict[str, float]:
+    """Validation loss and accuracy over the whole split, on every rank (collective)."""
+    return trainer.strategy.evaluate(
+        trainer.val, batch_size=trainer.layout.per_rank_batch, precision=trainer.precision
+    )
+
+
+def close(trainer: Trainer) -> RankResult:
+    """One throughput figure for the whole run, and the parameters for the client: rank 0's
+    whole model, or each stage's from its first replica.
+
+    A run resumed from its final checkpoint has nothing left to train: it hands back the
+    checkpoint's parameters and history.
+    """
+    state_dict = trainer.strategy.full_state_dict()  # collective
+    return RankResult(
+        rank=trainer.rank,
+        history=trainer.history,
+        steps=trainer.step,
+        samples_per_s=trainer.throughput.overall,
+        steady_samples_per_s=trainer.throughput.steady,
+        first_step_at=trainer.throughput.first_step_at,
         state_dict=state_dict,
     )
 
 
-@torch.no_grad()
-def _evaluate(
-    model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    device: torch.device,
-    precision: "_Precision",
-) -> dict[str, float]:
-    model.eval()
-    # The plain module: DDP's forward would try to sync buffers in the middle of uneven shards.
-    module = _unwrap(model)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with precision.autocast():
-            logits = module(x)
-        sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
-        sums[1] += (logits.argmax(1) == y).sum().double()
-        sums[2] += len(y)
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-    loss_sum, correct, count = sums.tolist()
-    return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
-
-
-@torch.no_grad()
-def _evaluate_pipeline(
-    pipe: Pipeline,
-    split: StoreSplit,
-    *,
-    batch_size: int,
-    device: torch.device,
-    precision: "_Precision",
-) -> dict[str, float]:
-    pipe.train(False)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for x, y, real in fixed_shape_eval_batches(
-        split, rank=pipe.dp_rank, world_size=pipe.dp_size, batch_size=batch_size
-    ):
-        with precision.autocast():
-            # Forward only: no activations are kept for a backward that never comes.
-            # The schedule computes its loss_fn on the last stage too; padded rows make that
-            # loss wrong, so the sums below come from the real rows of the logits instead.
-            logits = pipe.schedule.eval(
-                *([x.to(device)] if pipe.is_first else []),
-                target=y.to(device) if pipe.is_last else None,
-            )
-        if pipe.is_last:
-            logits, y = logits[:real].float(), y[:real].to(device)
-            sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
-            sums[1] += (logits.argmax(1) == y).sum().double()
-            sums[2] += real
-    dist.all_reduce(sums)
-    loss_sum, correct, count = sums.tolist()
-    return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
-
-
-def _apply_strategy(strategy: str, model: nn.Module, *, device: torch.device) -> nn.Module:
-    if strategy == "ddp":
-        return apply_ddp(model, device=device)
-    if strategy == "data_parallel":
-        return apply_data_parallel(model, device=device)
-    raise ValueError(
-        f"training.strategy: unknown strategy {strategy!r}; choose one of {STRATEGIES}"
-    )
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") else model
+def _save(trainer: Trainer, progress: Progress, *, hooks: Hooks) -> None:
+    assert hooks.checkpoints is not None
+    hooks.checkpoints.save(trainer.checkpoint_state, progress)
+    if hooks.heartbeat:
+        hooks.heartbeat(trainer.step)
 
 
 def _lr_factor(config: TrainingConfig, total_steps: int) -> Callable[[int], float]:
@@ -460,32 +463,3 @@ def _lr_factor(config: TrainingConfig, total_steps: int) -> Callable[[int], floa
         return 1.0
 
     return factor
-
-
-class _Precision:
-    """Autocast and loss scaling for one precision setting on one device."""
-
-    def __init__(self, precision: str, device: torch.device) -> None:
-        if precision == "fp16" and device.type != "cuda":
-            raise ValueError(
-                "training.precision: fp16 needs a CUDA device (it uses a GradScaler); "
-                "use 'bf16' on CPU"
-            )
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        self.device = device
-        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-
-    def autocast(self):  # type: ignore[no-untyped-def]
-        if self.dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss)
-
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.step(optimizer)
-        self.scaler.update()

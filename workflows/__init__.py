@@ -11,12 +11,11 @@ The public API is small::
                          cluster=cluster)
 """
 
-from workers.rank_context import RankContext
+import importlib
+from typing import Any
+
 from workflows.cluster import ClusterConfig, TrainingCluster, start_cluster
-from workflows.code_shipping import CodeNotShippable
 from workflows.config import ConfigError, RunConfig, load_config
-from workflows.driver import TrainResult, train
-from workflows.launch import LaunchResult, TrainingFailed, launch
 from workflows.launcher import (
     LaunchConfig,
     LaunchError,
@@ -26,6 +25,25 @@ from workflows.launcher import (
 )
 from workflows.predict import PredictConfig, PredictResult, predict
 from workflows.security import SecurityConfig
+
+# The driver is imported on first use: the scheduler imports workflows.dashboard and
+# workflows.monitoring, and the driver (which imports them) must not come along.
+_LAZY = {
+    "CodeNotShippable": "workflows.code_shipping",
+    "TrainResult": "workflows.driver",
+    "train": "workflows.driver",
+    "LaunchResult": "workflows.launch",
+    "TrainingFailed": "workflows.launch",
+    "launch": "workflows.launch",
+    "RankContext": "workers.rank_context",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ClusterConfig",

@@ -13,9 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from workers.checkpoint import CheckpointConfig
 from workers.data import DataConfig
+from workers.layout import Layout
 from workers.models import ModelConfig, layer_names
+from workers.strategies import STAGED
 from workers.strategies.pipeline import PipelineConfig
-from workers.train import STAGED, TrainingConfig
+from workers.train import TrainingConfig
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 
@@ -70,15 +72,15 @@ class RunConfig(BaseModel):
                 f"data.image_size: {self.model.name} pools twice, so the size must be a "
                 f"multiple of 4 (got {self.data.image_size})"
             )
-        if self.training.strategy in STAGED:
-            self._check_staged()
         ranks = 1 if self.training.strategy == "data_parallel" else (world or workers)
-        # An unknown world is checked again by the driver, once the cluster's size is known.
-        if ranks is not None or self.training.strategy not in STAGED:
-            self.check_batch(ranks or 1)
+        if self.training.strategy in STAGED:
+            # An unknown world is checked again by the driver, once the cluster's size is known.
+            self._check_staged(ranks)
+        else:
+            self.layout(ranks or 1)
         return self
 
-    def _check_staged(self) -> None:
+    def _check_staged(self, world_size: int | None) -> None:
         t, p, strategy = self.training, self.pipeline, self.training.strategy
         if not self.data.drop_last:
             raise ValueError(
@@ -107,38 +109,14 @@ class RunConfig(BaseModel):
                     f"pipeline.split_points: {unknown} name no top-level module of "
                     f"{self.model.name}; its modules are {names}"
                 )
-        pp = self._pipeline_ranks(self.world_size or self.cluster.n_workers)
-        stages = None if pp is None else pp * p.stages_per_rank
-        if stages is not None and stages > len(names):
+        if world_size is None:
+            return
+        stages = self.layout(world_size).n_stages
+        if stages > len(names):
             raise ValueError(
                 f"pipeline: {stages} stages need at least {stages} layers, and "
                 f"{self.model.name} has {len(names)}; use fewer workers or stages_per_rank"
             )
-
-    def _pipeline_ranks(self, world_size: int | None) -> int | None:
-        """Ranks per pipeline (pp) for a world size, or None while the world is unknown."""
-        if world_size is None:
-            return None
-        p = self.pipeline
-        if world_size % p.dp:
-            raise ConfigError(
-                f"pipeline.dp: {world_size} workers do not split into replicas of {p.dp}; "
-                f"pp x dp must equal the worker count (set launch.world_size to a multiple "
-                f"of {p.dp})"
-            )
-        pp = world_size // p.dp
-        if self.training.strategy == "model_parallel" and pp < 2:
-            raise ConfigError(
-                "launch.world_size: model_parallel needs at least 2 workers to hold 2 stages"
-            )
-        if p.split_points is not None and len(p.split_points) + 1 != pp * p.stages_per_rank:
-            raise ConfigError(
-                f"pipeline.split_points: {len(p.split_points)} points make "
-                f"{len(p.split_points) + 1} stages, but {world_size} workers as pp={pp} x "
-                f"dp={p.dp} with {p.stages_per_rank} stage(s) per rank hold "
-                f"{pp * p.stages_per_rank}; change split_points or launch.world_size"
-            )
-        return pp
 
     @property
     def world_size(self) -> int | None:
@@ -146,30 +124,27 @@ class RunConfig(BaseModel):
             return 1
         return self.launch.world_size
 
+    def layout(self, world_size: int) -> Layout:
+        """How ``world_size`` ranks share this run's model and batch; a :class:`ConfigError`
+        naming the field where they cannot."""
+        try:
+            layout = Layout.of(self.training, self.pipeline, world_size=world_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        points = self.pipeline.split_points
+        staged = self.training.strategy in STAGED
+        if staged and points is not None and len(points) + 1 != layout.n_stages:
+            raise ConfigError(
+                f"pipeline.split_points: {len(points)} points make {len(points) + 1} stages, "
+                f"but {world_size} workers as pp={layout.pp} x dp={layout.dp} with "
+                f"{layout.stages_per_rank} stage(s) per rank hold {layout.n_stages}; "
+                "change split_points or launch.world_size"
+            )
+        return layout
+
     def check_batch(self, world_size: int) -> None:
         """The global batch must split evenly into ranks and accumulation micro-batches."""
-        t = self.training
-        if t.strategy in STAGED:
-            self._pipeline_ranks(world_size)
-            p = self.pipeline
-            m = p.n_microbatches if t.strategy == "pipeline" else 1
-            if t.batch_size % (p.dp * m):
-                raise ConfigError(
-                    f"training.batch_size: {t.batch_size} must be a multiple of pipeline.dp x "
-                    f"pipeline.n_microbatches = {p.dp} x {m}, so every micro-batch has the "
-                    "same shape"
-                )
-            return
-        if t.batch_size < world_size:
-            raise ConfigError(
-                f"training.batch_size: {t.batch_size} is smaller than the world size "
-                f"{world_size}; every rank needs at least one sample per step"
-            )
-        if t.batch_size % (world_size * t.grad_accum_steps):
-            raise ConfigError(
-                f"training.batch_size: {t.batch_size} must be a multiple of world size x "
-                f"grad_accum_steps = {world_size} x {t.grad_accum_steps}"
-            )
+        self.layout(world_size)
 
 
 def load_config(

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from distributed import Client
 
-from workers.train import STAGED, RankResult, TrainJob, run_rank
+from workers.strategies import STAGED
+from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.events import EventHandler
@@ -95,7 +96,7 @@ def _train_on(
     world_size = config.world_size or max(
         1, len(select_workers(live_workers(client), config.launch.workers))
     )
-    config.check_batch(world_size)
+    layout = config.layout(world_size)
     # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()
     manifest = prepare_store(client, data, seed=config.training.seed)
@@ -103,7 +104,7 @@ def _train_on(
     if config.training.strategy in STAGED:
         # Cut once on the client, so every rank holds the same stages.
         points = resolve_split_points(
-            client, config, world_size=world_size, num_classes=manifest.num_classes
+            client, config, layout=layout, num_classes=manifest.num_classes
         )
         pipeline = config.pipeline.model_copy(update={"split_points": points})
     # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
@@ -114,6 +115,7 @@ def _train_on(
         data=data,
         model=config.model,
         training=config.training,
+        layout=layout,
         pipeline=pipeline,
         checkpoint=config.checkpoint.model_copy(update={"directory": checkpoints})
         if checkpoints

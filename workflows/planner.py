@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 from distributed import Client
 
+from workers.layout import Layout
 from workers.models import layer_names
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
+from workers.strategies import STAGED
 from workers.strategies.pipeline import even_split
 from workflows.cluster import live_workers
 from workflows.config import RunConfig
@@ -130,16 +132,11 @@ def balanced_split(
 
 def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int) -> Plan:
     """Profile the model on the first worker and plan its stages for ``world_size`` ranks."""
-    t, p = config.training, config.pipeline
-    # A DDP config is planned as the pipeline its [pipeline] section describes, to compare.
-    pipelined = t.strategy != "model_parallel"
-    dp = p.dp if pipelined else 1
-    stages_per_rank = p.stages_per_rank if pipelined else 1
-    n_stages = max(2, world_size // dp) * stages_per_rank
-    m = p.n_microbatches if pipelined else 1
+    p = config.pipeline
+    layout = planned_layout(config, world_size)
+    n_stages, m = layout.n_stages, layout.n_microbatches
     # What the schedule keeps alive per stage: GPipe every micro-batch, 1F1B at most p.
-    in_flight = m if p.schedule == "gpipe" or not pipelined else min(m, n_stages)
-    micro_batch = max(1, t.batch_size // (dp * m))
+    in_flight = m if p.schedule == "gpipe" else min(m, n_stages)
     workers = sorted(live_workers(client))
     profile: DeviceProfile = client.submit(
         profile_model,
@@ -147,7 +144,7 @@ def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int
         num_classes=num_classes,
         image_size=config.data.image_size,
         in_channels=3,
-        micro_batch=micro_batch,
+        micro_batch=layout.micro_batch,
         key=f"profile-{config.model.name}",
         workers=workers[:1],
         pure=False,
@@ -177,8 +174,19 @@ def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int
         points=points,
         world_size=world_size,
         n_microbatches=m,
-        dp=dp,
+        dp=layout.dp,
     )
+
+
+def planned_layout(config: RunConfig, world_size: int) -> Layout:
+    """The layout a plan is for: the run's own for a staged strategy. Any other config is
+    planned as the pipeline its [pipeline] section describes, on at least 2 stages, to compare.
+    """
+    if config.training.strategy in STAGED:
+        return config.layout(world_size)
+    dp = config.pipeline.dp
+    as_pipeline = config.training.model_copy(update={"strategy": "pipeline"})
+    return Layout.of(as_pipeline, config.pipeline, world_size=dp * max(2, world_size // dp))
 
 
 def _recommend(
@@ -246,17 +254,22 @@ def _recommend(
 
 
 def resolve_split_points(
-    client: Client, config: RunConfig, *, world_size: int, num_classes: int
+    client: Client, config: RunConfig, *, layout: Layout, num_classes: int
 ) -> tuple[str, ...]:
     """The cut every rank will use: the configured one, an even one, or a planned one."""
     p = config.pipeline
     if p.split_points is not None:
         return p.split_points
     if p.balance == "layers":
-        n_stages = world_size // p.dp if config.training.strategy == "pipeline" else world_size
-        n_stages *= p.stages_per_rank
-        return tuple(even_split(layer_names(config.model.name), n_stages))
-    return plan(client, config, world_size=world_size, num_classes=num_classes).split_points
+        return tuple(even_split(layer_names(config.model.name), layout.n_stages))
+    return plan(client, config, world_size=layout.world_size, num_classes=num_classes).split_points
 
 
-__all__ = ["Plan", "balanced_split", "plan", "resolve_split_points", "stage_memory"]
+__all__ = [
+    "Plan",
+    "balanced_split",
+    "plan",
+    "planned_layout",
+    "resolve_split_points",
+    "stage_memory",
+]

@@ -1,1 +1,10 @@
-"""One module per parallelism, each with one keyword-only entry function that wraps a model."""
+"""One module per parallelism, each registering one :class:`~workers.strategies.base.Strategy`.
+
+This file imports nothing, so that a config validates without torch: it only names the
+strategies. Adding one means adding its module ``workers/strategies/<name>.py`` (the registry
+imports a strategy's module by its name) and its name below; a test checks they agree.
+"""
+
+STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline")
+# Strategies that cut the model into stages on several ranks.
+STAGED = ("model_parallel", "pipeline")

@@ -1,8 +1,16 @@
 """Data parallelism across ranks with DistributedDataParallel."""
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from workers.layout import Layout
+from workers.strategies.base import WholeModel, register
+
+if TYPE_CHECKING:
+    from workers.strategies.pipeline import PipelineConfig
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
@@ -15,3 +23,22 @@ def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParal
     if device.type == "cuda":
         return DistributedDataParallel(model, device_ids=[device.index])
     return DistributedDataParallel(model)
+
+
+@register
+class DDP(WholeModel):
+    """Every rank trains the whole model on its share of the batch; DDP averages gradients."""
+
+    name = "ddp"
+
+    @classmethod
+    def prepare(
+        cls,
+        model: nn.Module,
+        *,
+        layout: Layout,
+        rank: int,
+        device: torch.device,
+        pipeline: "PipelineConfig | None" = None,
+    ) -> "DDP":
+        return cls(apply_ddp(model, device=device), layout=layout, rank=rank, device=device)

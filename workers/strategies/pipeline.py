@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -24,6 +25,11 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+
+from workers.data import StoreSplit, fixed_shape_eval_batches
+from workers.layout import Layout
+from workers.precision import Precision
+from workers.strategies.base import EpochSums, Strategy, register
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -157,33 +163,36 @@ def apply_pipeline(
     model: nn.Module,
     *,
     config: PipelineConfig,
-    split_points: Sequence[str],
-    n_microbatches: int,
+    layout: Layout,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
 ) -> Pipeline:
     """Keep this rank's stages of ``model`` and build the schedule that runs them.
 
-    The default process group must be initialized; its world is laid out as a ``(pp, dp)``
-    mesh with ``dp = config.dp``. ``n_microbatches = 1`` with GPipe is plain model parallelism.
+    The default process group must be initialized with ``layout.world_size`` ranks, which form
+    the layout's ``(pp, dp)`` mesh. ``config.split_points`` must be resolved. One micro-batch is
+    plain model parallelism.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp = config.dp
-    if world % dp:
-        raise ValueError(f"pipeline.dp: {dp} does not divide the world size {world}")
-    pp = world // dp
-    n_stages = pp * config.stages_per_rank
-    stages = cut_into_stages(model, split_points)
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(
+            f"pipeline: the layout is for {layout.world_size} ranks, the process group has "
+            f"{dist.get_world_size()}"
+        )
+    if config.split_points is None:
+        raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
+    pp, dp, n_stages = layout.pp, layout.dp, layout.n_stages
+    stages = cut_into_stages(model, config.split_points)
     if len(stages) != n_stages:
         raise ValueError(
-            f"pipeline.split_points: {len(split_points)} points make {len(stages)} stages, but "
-            f"{pp} pipeline ranks x {config.stages_per_rank} stages per rank need {n_stages}"
+            f"pipeline.split_points: {len(config.split_points)} points make {len(stages)} "
+            f"stages, but {pp} pipeline ranks x {layout.stages_per_rank} stages per rank need "
+            f"{n_stages}"
         )
     mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     pp_group = mesh.get_group("pp")
     dp_group = mesh.get_group("dp") if dp > 1 else None
-    assert rank == pp_rank * dp + dp_rank
+    assert dist.get_rank() == pp_rank * dp + dp_rank
 
     # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
     mine = list(range(pp_rank, n_stages, pp))
@@ -192,6 +201,7 @@ def apply_pipeline(
         module = _replicate(stages[index].to(device), config=config, mesh=mesh, device=device)
         modules.append(module)
         pipeline_stages.append(PipelineStage(module, index, n_stages, device, group=pp_group))
+    n_microbatches = layout.n_microbatches
     schedule_class = ScheduleGPipe if n_microbatches == 1 else SCHEDULES[config.schedule]
     if schedule_class is ScheduleInterleaved1F1B:
         schedule = schedule_class(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
@@ -264,3 +274,88 @@ def clip_grad_norm(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
     for g in grads:
         g.mul_(coefficient)
     return total
+
+
+@register
+class PipelineStrategy(Strategy):
+    """Each rank holds its stages; the schedule runs micro-batches through them."""
+
+    name = "pipeline"
+
+    def __init__(self, pipe: Pipeline, *, layout: Layout, device: torch.device) -> None:
+        self.pipe, self.layout, self.device = pipe, layout, device
+
+    @classmethod
+    def prepare(
+        cls,
+        model: nn.Module,
+        *,
+        layout: Layout,
+        rank: int,
+        device: torch.device,
+        pipeline: PipelineConfig | None = None,
+    ) -> "PipelineStrategy":
+        if pipeline is None:
+            raise ValueError(f"{cls.name}: needs the [pipeline] section, split points resolved")
+        pipe = apply_pipeline(
+            model, config=pipeline, layout=layout, loss_fn=F.cross_entropy, device=device
+        )
+        return cls(pipe, layout=layout, device=device)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return self.pipe.stages
+
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, *, precision: Precision, sums: EpochSums
+    ) -> torch.Tensor | None:
+        pipe = self.pipe
+        # The schedule cuts the batch into micro-batches, runs forward and backward through
+        # every stage and averages the gradients over micro-batches.
+        losses: list[torch.Tensor] = []
+        with precision.autocast():
+            logits = pipe.schedule.step(
+                *([x] if pipe.is_first else []),
+                target=y if pipe.is_last else None,
+                losses=losses if pipe.is_last else None,
+            )
+        if not pipe.is_last:
+            return None
+        # Micro-batches are equal in size, so their mean loss is the batch's.
+        loss = torch.stack(losses).detach().mean()
+        sums.add(loss, logits, y)
+        return loss
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        clip_grad_norm(self.pipe, max_norm)
+
+    @torch.no_grad()
+    def evaluate(
+        self, split: StoreSplit, *, batch_size: int, precision: Precision
+    ) -> dict[str, float]:
+        pipe, device = self.pipe, self.device
+        pipe.train(False)
+        sums = torch.zeros(3, dtype=torch.float64, device=device)
+        for x, y, real in fixed_shape_eval_batches(
+            split, rank=pipe.dp_rank, world_size=pipe.dp_size, batch_size=batch_size
+        ):
+            with precision.autocast():
+                # Forward only: no activations are kept for a backward that never comes.
+                # The schedule computes its loss_fn on the last stage too; padded rows make that
+                # loss wrong, so the sums below come from the real rows of the logits instead.
+                logits = pipe.schedule.eval(
+                    *([x.to(device)] if pipe.is_first else []),
+                    target=y.to(device) if pipe.is_last else None,
+                )
+            if pipe.is_last:
+                logits, y = logits[:real].float(), y[:real].to(device)
+                sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
+                sums[1] += (logits.argmax(1) == y).sum().double()
+                sums[2] += real
+        dist.all_reduce(sums)
+        loss_sum, correct, count = sums.tolist()
+        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        state = full_state_dict(self.pipe)  # gathers FSDP shards: every replica takes part
+        return state if self.pipe.dp_rank == 0 else None

@@ -23,7 +23,8 @@ def main() -> None:
         backend="gloo",
         device=torch.device("cpu"),
     )
-    result = train(config.data, config.model, config.training, membership=membership)
+    layout = config.layout(membership.world_size)
+    result = train(config.data, config.model, config.training, membership=membership, layout=layout)
     if membership.rank == 0:
         print(
             "RESULT "

@@ -1,0 +1,71 @@
+"""The strategy registry and the layout every rank receives (no cluster needed)."""
+
+import importlib
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import workers.strategies
+from workers.layout import Layout
+from workers.strategies import STAGED, STRATEGIES
+from workers.strategies.base import get_strategy, registered
+from workers.strategies.pipeline import PipelineStrategy
+from workflows.config import load_config
+
+
+def test_the_registry_and_the_torch_free_names_agree():
+    for module in pkgutil.iter_modules(workers.strategies.__path__):
+        importlib.import_module(f"workers.strategies.{module.name}")
+    assert sorted(registered()) == sorted(STRATEGIES)
+    for name in STRATEGIES:
+        assert get_strategy(name).name == name
+    assert {n for n in STRATEGIES if issubclass(get_strategy(n), PipelineStrategy)} == set(STAGED)
+    with pytest.raises(ValueError, match="unknown strategy 'zero3'"):
+        get_strategy("zero3")
+
+
+def test_the_names_and_the_layout_import_without_torch():
+    code = "import sys, workers.layout, workers.strategies; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def _layout(world_size: int, **raw) -> Layout:
+    return load_config(raw).layout(world_size)
+
+
+def test_ddp_ranks_are_all_replicas():
+    layout = _layout(2, training={"batch_size": 32, "grad_accum_steps": 2})
+    assert (layout.pp, layout.dp, layout.n_microbatches) == (1, 2, 2)
+    assert (layout.per_rank_batch, layout.micro_batch, layout.reporting_rank) == (16, 8, 0)
+    assert [layout.dp_rank(rank) for rank in range(2)] == [0, 1]
+
+
+def test_a_pipeline_times_data_parallel_is_a_pp_by_dp_mesh():
+    layout = _layout(
+        4,
+        training={"strategy": "pipeline", "batch_size": 32},
+        pipeline={"dp": 2, "n_microbatches": 4},
+    )
+    assert (layout.pp, layout.dp, layout.n_stages) == (2, 2, 2)
+    # Each replica's pipeline takes half the batch, in micro-batches of 4.
+    assert (layout.per_rank_batch, layout.micro_batch) == (16, 4)
+    # Ranks 2 and 3 hold the last stage; the first of them reports.
+    assert layout.reporting_rank == 2
+    assert [layout.dp_rank(rank) for rank in range(4)] == [0, 1, 0, 1]
+
+
+def test_model_parallel_is_a_pipeline_of_one_micro_batch():
+    layout = _layout(2, training={"strategy": "model_parallel", "batch_size": 32})
+    assert (layout.pp, layout.dp, layout.n_microbatches, layout.micro_batch) == (2, 1, 1, 32)
+    assert layout.reporting_rank == 1
+
+
+def test_a_layout_checks_itself():
+    with pytest.raises(ValueError, match=r"pp x dp = 2 x 2 must equal the world size 2"):
+        Layout(world_size=2, pp=2, dp=2, batch_size=32)
+    with pytest.raises(ValueError, match="does not split into 2 replicas x 4 micro-batches"):
+        Layout(world_size=2, pp=1, dp=2, batch_size=12, n_microbatches=4)

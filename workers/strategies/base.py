@@ -1,0 +1,208 @@
+"""The one interface every strategy implements, and the registry that finds one by name.
+
+The training loop (``workers/train.py``) only talks to a :class:`Strategy`: it prepares the
+model, runs one step's forward and backward, clips, evaluates, and names the modules a
+checkpoint holds. A strategy's module registers its class with :func:`register`;
+:func:`get_strategy` imports ``workers.strategies.<name>`` on first use.
+"""
+
+import importlib
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from workers.data import StoreSplit, eval_batches
+from workers.layout import Layout
+from workers.precision import Precision
+from workers.strategies import STRATEGIES
+
+if TYPE_CHECKING:
+    from workers.strategies.pipeline import PipelineConfig
+
+
+class EpochSums:
+    """Loss, correct predictions and samples of the epoch so far on this rank.
+
+    The sums stay on the device: adding to them needs no host sync inside the step.
+    """
+
+    def __init__(self, sums: list[float], *, device: torch.device) -> None:
+        self.loss = torch.tensor(sums[0], dtype=torch.float64, device=device)
+        self.correct = torch.tensor(int(sums[1]), dtype=torch.int64, device=device)
+        self.count = int(sums[2])
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
+        """``loss`` is the mean over the rows of ``y``."""
+        self.loss += loss.detach().double() * len(y)
+        self.correct += (logits.argmax(1) == y).sum()
+        self.count += len(y)
+
+    def tolist(self) -> list[float]:
+        """This rank's sums, as a checkpoint keeps them."""
+        return [self.loss.item(), float(self.correct.item()), float(self.count)]
+
+    def all_reduced(self) -> list[float]:
+        """The sums over every rank (collective). Ranks without the loss add zeros."""
+        sums = torch.stack(
+            [self.loss, self.correct.double(), self.loss.new_tensor(float(self.count))]
+        )
+        dist.all_reduce(sums)
+        return sums.tolist()
+
+
+class Strategy(ABC):
+    """How one parallelism lays the model over the ranks and runs one step on it."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def prepare(
+        cls,
+        model: nn.Module,
+        *,
+        layout: Layout,
+        rank: int,
+        device: torch.device,
+        pipeline: "PipelineConfig | None" = None,
+    ) -> "Strategy":
+        """Wrap or cut ``model`` for this rank; every rank of the job calls it."""
+
+    @property
+    @abstractmethod
+    def modules(self) -> list[nn.Module]:
+        """This rank's modules: what the optimizer trains and a checkpoint saves and loads."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules for p in module.parameters()]
+
+    def train(self, mode: bool = True) -> None:
+        for module in self.modules:
+            module.train(mode)
+
+    @abstractmethod
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, *, precision: Precision, sums: EpochSums
+    ) -> torch.Tensor | None:
+        """Gradients of this rank's batch, averaged as one batch of the whole job; adds the
+        batch's loss to ``sums`` and returns the loss (None on ranks that never see it)."""
+
+    @abstractmethod
+    def clip_grad_norm(self, max_norm: float) -> None:
+        """Clip by the norm of the whole model's gradient."""
+
+    @abstractmethod
+    def evaluate(
+        self, split: StoreSplit, *, batch_size: int, precision: Precision
+    ) -> dict[str, float]:
+        """Loss and accuracy over the whole ``split`` (collective): every rank gets them."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Plain CPU parameters under the full model's names for the client, from the ranks
+        that hand them over (None on the others). Collective: every rank calls it."""
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make ``cls`` the strategy called ``cls.name``."""
+    if cls.name not in STRATEGIES:
+        raise ValueError(
+            f"strategy {cls.name!r}: add its name to STRATEGIES in workers/strategies/__init__.py"
+        )
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"training.strategy: unknown strategy {name!r}; choose one of {STRATEGIES}"
+        )
+    if name not in _REGISTRY:
+        importlib.import_module(f"{__package__}.{name}")
+    return _REGISTRY[name]
+
+
+def registered() -> dict[str, type[Strategy]]:
+    """The strategies registered so far, by name."""
+    return dict(_REGISTRY)
+
+
+class WholeModel(Strategy):
+    """The base of strategies whose every rank holds the whole model and a share of the batch.
+
+    ``wrapped`` is what the strategy made of the model (a DDP module, a DataParallel module,
+    the model itself); gradients of micro-batches accumulate locally until the last one.
+    """
+
+    def __init__(
+        self, wrapped: nn.Module, *, layout: Layout, rank: int, device: torch.device
+    ) -> None:
+        self.wrapped, self.layout, self.rank, self.device = wrapped, layout, rank, device
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [self.wrapped]
+
+    @property
+    def plain(self) -> nn.Module:
+        """The model without its wrapper."""
+        return self.wrapped.module if hasattr(self.wrapped, "module") else self.wrapped
+
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, *, precision: Precision, sums: EpochSums
+    ) -> torch.Tensor:
+        size = self.layout.micro_batch
+        micro_batches = list(zip(x.split(size), y.split(size), strict=True))
+        for i, (mx, my) in enumerate(micro_batches):
+            # Only the last micro-batch all-reduces; the others accumulate locally.
+            last = i == len(micro_batches) - 1
+            sync = nullcontext() if last else getattr(self.wrapped, "no_sync", nullcontext)()
+            with sync:
+                with precision.autocast():
+                    logits = self.wrapped(mx)
+                    loss = F.cross_entropy(logits, my)
+                # Weight by share of the rank's batch: accumulation equals one batch.
+                precision.scale(loss * (len(my) / len(y))).backward()
+            sums.add(loss, logits, my)
+        return loss
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        nn.utils.clip_grad_norm_(self.wrapped.parameters(), max_norm)
+
+    @torch.no_grad()
+    def evaluate(
+        self, split: StoreSplit, *, batch_size: int, precision: Precision
+    ) -> dict[str, float]:
+        self.wrapped.eval()
+        # The plain module: DDP's forward would try to sync buffers in the middle of uneven
+        # shards.
+        module = self.plain
+        batches = eval_batches(
+            split, rank=self.rank, world_size=self.layout.world_size, batch_size=batch_size
+        )
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            with precision.autocast():
+                logits = module(x)
+            sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+            sums[1] += (logits.argmax(1) == y).sum().double()
+            sums[2] += len(y)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        loss_sum, correct, count = sums.tolist()
+        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in self.plain.state_dict().items()}
