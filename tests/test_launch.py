@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workflows import CodeNotShippable, launch
-from workflows.launch import TrainingFailed
+from workflows.jobs import TrainingFailed
 
 GLOBAL_BATCH, FEATURES, CLASSES = 32, 12, 4
 

@@ -32,9 +32,9 @@ _LAZY = {
     "CodeNotShippable": "workflows.code_shipping",
     "TrainResult": "workflows.driver",
     "train": "workflows.driver",
-    "LaunchResult": "workflows.launch",
-    "TrainingFailed": "workflows.launch",
-    "launch": "workflows.launch",
+    "LaunchResult": "workflows.jobs",
+    "TrainingFailed": "workflows.jobs",
+    "launch": "workflows.jobs",
     "RankContext": "workers.rank_context",
 }
 

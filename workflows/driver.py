@@ -18,7 +18,7 @@ from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.events import EventHandler
-from workflows.launch import TrainingFailed, launch_on
+from workflows.jobs import TrainingFailed, launch_on
 from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store

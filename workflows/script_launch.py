@@ -18,7 +18,7 @@ from typing import Any
 from workers.script_runner import ScriptResult, ScriptSpec, run_script
 from workflows.cluster import ClusterConfig, start_cluster
 from workflows.code_shipping import ship_modules
-from workflows.launch import LaunchResult, launch_on
+from workflows.jobs import LaunchResult, launch_on
 from workflows.launcher import LaunchConfig
 
 

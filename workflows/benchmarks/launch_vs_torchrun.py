@@ -34,7 +34,7 @@ from workers.script_runner import ScriptSpec, run_script
 from workflows.benchmarks.ddp_vs_torchrun import benchmark_config
 from workflows.cluster import TUNED_MALLOC, start_cluster
 from workflows.driver import train
-from workflows.launch import launch, launch_on
+from workflows.jobs import launch, launch_on
 from workflows.launcher import LaunchConfig
 
 SCRIPT = "workflows.benchmarks.torchrun_rank"

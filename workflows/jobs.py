@@ -1,4 +1,4 @@
-"""Run your own training function on every rank: ``launch(fn, *args, **kwargs)``.
+"""Jobs of your own training function on every rank: ``launch(fn, *args, **kwargs)``.
 
 >>> from workflows import launch
 >>> def loop(ctx, lr):
