@@ -197,3 +197,48 @@ def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
     screen = b"".join(chunks).decode()
     assert "\r[" in screen and "step 5/" in screen  # the bar, rewritten in place
     assert "Epoch [1/1]" in screen
+
+
+def _unreadable(path: Path) -> list[str]:
+    """Make ``path`` unreadable to the command, and the prefix that runs it so.
+
+    Tests run as root here, and root reads any file whatever its mode: dropping the two
+    capabilities that let it (from the bounding set, so the exec'd process never gains them)
+    makes root as bound by the mode as anyone.
+    """
+    path.chmod(0)
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+@pytest.mark.parametrize("case", ["directory", "unreadable", "not utf-8", "broken link", "fifo"])
+def test_a_config_path_that_is_no_readable_toml_file_exits_2_with_one_line(tmp_path, case):
+    config = tmp_path / "config.toml"
+    prefix: list[str] = []
+    message = {
+        "directory": "a directory, not a config file",
+        "unreadable": "cannot read the config file (Permission denied)",
+        "not utf-8": "not UTF-8 text (byte 9)",
+        "broken link": "a symbolic link to a missing file",
+        "fifo": "not a regular file",
+    }[case]
+    if case == "directory":
+        config.mkdir()
+    elif case == "unreadable":
+        config.write_text('name = "x"\n')
+        prefix = _unreadable(config)
+    elif case == "not utf-8":
+        config.write_bytes(b'name = "x\xff\xfe"\n')
+    elif case == "broken link":
+        config.symlink_to(tmp_path / "gone.toml")
+    else:
+        os.mkfifo(config)  # opening it for reading would wait for a writer forever
+    for command in ("validate", "run"):
+        done = subprocess.run(
+            [*prefix, *_command(command, str(config))], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, done.stderr
+        line = done.stderr.strip()
+        assert line.startswith(f"dask-train: invalid config: {config}: {message}"), line
+        assert "\n" not in line

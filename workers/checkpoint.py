@@ -24,36 +24,21 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+# Re-exported: the section's model lives in a torch-free module, for config checks.
+from workers.config_models import CheckpointConfig as CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
-
-
-class CheckpointConfig(BaseModel):
-    """When to checkpoint, how many to keep, and whether to continue from one."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    directory: str | None = Field(
-        default=None,
-        description="a folder every worker can reach; `dask-train run` uses <run dir>/checkpoints",
-    )
-    every_steps: int = Field(default=0, ge=0, description="0: at epoch ends only")
-    at_epoch_end: bool = True
-    keep: int = Field(default=3, ge=1, description="newest checkpoints kept")
-    resume: Literal["auto", "never"] = Field(
-        default="auto", description="auto: continue from the newest good checkpoint"
-    )
 
 
 class CheckpointDamaged(ValueError):

@@ -9,15 +9,15 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from workers.checkpoint import CheckpointConfig, Progress, load_checkpoint, save_checkpoint
+from workers.config_models import STAGED, STRATEGIES, TrainingConfig
 from workers.data import (
     DataConfig,
     RankBatches,
@@ -37,40 +37,6 @@ from workers.strategies.pipeline import (
     clip_grad_norm,
     full_state_dict,
 )
-
-STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline")
-# Strategies that cut the model into stages on several ranks.
-STAGED = ("model_parallel", "pipeline")
-
-
-class TrainingConfig(BaseModel):
-    """How to train: strategy, optimizer, schedule, precision."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    strategy: Literal["ddp", "data_parallel", "model_parallel", "pipeline"] = "ddp"
-    epochs: int = Field(default=3, ge=1)
-    max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
-    batch_size: int = Field(default=64, ge=1, description="global batch per optimizer step")
-    grad_accum_steps: int = Field(default=1, ge=1)
-    lr: float = Field(default=0.05, gt=0)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    grad_clip_norm: float | None = Field(default=None, gt=0)
-    seed: int = 0
-    log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
-
-    @model_validator(mode="after")
-    def _accumulation_fits(self) -> "TrainingConfig":
-        if self.batch_size % self.grad_accum_steps:
-            raise ValueError(
-                f"training.batch_size ({self.batch_size}) must be a multiple of "
-                f"training.grad_accum_steps ({self.grad_accum_steps})"
-            )
-        return self
 
 
 @dataclass(frozen=True)

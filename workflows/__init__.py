@@ -10,18 +10,42 @@ The public API is small::
                          cluster=cluster)
 """
 
-from workflows.cluster import ClusterConfig, TrainingCluster, start_cluster
-from workflows.config import ConfigError, RunConfig, load_config
-from workflows.driver import TrainResult, train
-from workflows.launcher import (
-    LaunchConfig,
-    LaunchError,
-    ProcessGroup,
-    RankFailed,
-    WorkerSelection,
-)
-from workflows.predict import PredictConfig, PredictResult, predict
-from workflows.security import SecurityConfig
+import importlib
+from typing import Any
+
+# Each name is imported on first use, from its module: importing any part of the package (the
+# CLI, the config) runs this file, and ``dask-train validate`` must not pay for torch, which the
+# driver and batch inference import.
+_HOMES = {
+    "ClusterConfig": "workflows.cluster",
+    "TrainingCluster": "workflows.cluster",
+    "start_cluster": "workflows.cluster",
+    "ConfigError": "workflows.config",
+    "RunConfig": "workflows.config",
+    "load_config": "workflows.config",
+    "TrainResult": "workflows.driver",
+    "train": "workflows.driver",
+    "LaunchConfig": "workflows.launcher",
+    "LaunchError": "workflows.launcher",
+    "ProcessGroup": "workflows.launcher",
+    "RankFailed": "workflows.launcher",
+    "WorkerSelection": "workflows.launcher",
+    "PredictConfig": "workflows.predict",
+    "PredictResult": "workflows.predict",
+    "predict": "workflows.predict",
+    "SecurityConfig": "workflows.security",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'workflows' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
+
 
 __all__ = [
     "ClusterConfig",

@@ -16,7 +16,6 @@ import click
 
 from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
-from workflows.driver import format_epoch
 from workflows.launcher import LaunchError
 
 EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
@@ -35,7 +34,8 @@ def main(verbose: bool) -> None:
         handler.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
-config_argument = click.argument("config", type=click.Path(path_type=Path))
+# The config reader checks the file itself, so every problem with it is one line naming it.
+config_argument = click.argument("config", type=click.Path(path_type=Path, readable=False))
 set_option = click.option(
     "--set",
     "overrides",
@@ -118,6 +118,8 @@ class _TerminalProgress:
                 nl=False,
             )
         elif kind == "epoch":
+            from workflows.driver import format_epoch
+
             click.echo("\r\033[K" + format_epoch(record))
 
 
