@@ -174,7 +174,11 @@ def train(
     progress = Progress()
     if resume_from is not None:
         progress = load_checkpoint(
-            resume_from, modules=modules, optimizer=optimizer, scaler=precision.scaler
+            resume_from,
+            modules=modules,
+            optimizer=optimizer,
+            scaler=precision.scaler,
+            signing_key_file=getattr(checkpoint, "signing_key_file", None),
         )
     # last_epoch puts the schedule at the resumed step; it scales each group's initial_lr.
     for group in optimizer.param_groups:
@@ -196,6 +200,7 @@ def train(
             scaler=precision.scaler,
             progress=at,
             keep=checkpoint.keep,
+            signing_key_file=checkpoint.signing_key_file,
         )
         if heartbeat:
             heartbeat(step)

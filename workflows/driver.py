@@ -190,7 +190,7 @@ def _train_on(client: Client, config: RunConfig, on_event: EventHandler | None) 
         while True:
             resume = None
             if checkpoints and config.checkpoint.resume == "auto":
-                resume = latest_good_checkpoint(checkpoints)
+                resume = latest_good_checkpoint(checkpoints, config.checkpoint.signing_key_file)
             if resume:
                 # Epochs the checkpoint already holds were delivered by the run that wrote it.
                 events.skip(resume[1]["history"])
