@@ -15,8 +15,9 @@ _BEFORE = pytest.StashKey[set[str] | None]()
 
 
 def repo_entries(repo: Path = REPO) -> set[str] | None:
-    """git's view of what is in the checkout beyond its commit (new, changed, ignored), caches
-    aside; None outside a git checkout, where there is nothing to compare."""
+    """The files and folders in the checkout that git does not track (new or ignored), caches
+    aside; None outside a git checkout, where there is nothing to compare. (Edits to tracked
+    files are left out: someone may be editing while the tests run.)"""
     try:
         done = subprocess.run(
             ["git", "status", "--porcelain", "--ignored"],
@@ -31,7 +32,9 @@ def repo_entries(repo: Path = REPO) -> set[str] | None:
         return None
     entries = set()
     for line in done.stdout.splitlines():
-        if any(cache in line for cache in _CACHES) or line[3:] == ".venv/":
+        if not line.startswith(("??", "!!")) or line[3:] == ".venv/":
+            continue
+        if any(cache in line for cache in _CACHES):
             continue
         entries.add(line)
         # git shows an untracked or ignored folder as one line; its children too, so a new run

@@ -1,10 +1,12 @@
 """The batch CLI end to end, as a scheduler would call it: real processes, real files."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -242,3 +244,79 @@ def test_a_config_path_that_is_no_readable_toml_file_exits_2_with_one_line(tmp_p
         line = done.stderr.strip()
         assert line.startswith(f"dask-train: invalid config: {config}: {message}"), line
         assert "\n" not in line
+
+
+def _session_leftovers(session: int) -> list[psutil.Process]:
+    alive = []
+    for candidate in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(candidate.pid) == session:
+                alive.append(candidate)
+    return alive
+
+
+# Each moment: what shows that the run has reached it, checked every 20 ms.
+MOMENTS = {
+    "cluster start": lambda out, run: any(line.startswith("run directory:") for line in out),
+    "preprocessing": lambda out, run: (run.parent / "fresh-store").exists(),
+    "bootstrap": lambda out, run: any(line.startswith("dashboard:") for line in out),
+    "mid-epoch": lambda out, run: '"kind": "step"' in _text(run / "metrics.jsonl"),
+    "checkpoint": lambda out, run: any((run / "checkpoints").glob(".step-*.partial")),
+    "shutdown": lambda out, run: (run / "summary.json").exists(),
+}
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path, store_dir, moment):
+    from workflows.cli import INTERRUPT_EXIT_BOUND_S
+
+    output = tmp_path / "run"
+    arguments = _digits_run(store_dir, output, epochs=1 if moment == "shutdown" else 40)
+    arguments += ["--set", "training.log_every_steps=1", "--set", "checkpoint.every_steps=2"]
+    if moment == "preprocessing":
+        arguments += ["--set", f"data.store='{tmp_path / 'fresh-store'}'"]
+    process = subprocess.Popen(
+        _command(*arguments),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its workers too: all of them must be gone at the end
+    )
+    lines: list[str] = []
+    errors: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True),
+        threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 300  # a bound on reaching the moment, not a measurement
+        while not MOMENTS[moment](list(lines), output):
+            assert process.poll() is None, f"exited {process.returncode} before the {moment}"
+            assert time.monotonic() < deadline, f"the {moment} never came"
+            time.sleep(0.02)
+        assert process.poll() is None, f"exited {process.returncode} at the {moment}"
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        # The CLI bounds its own shutdown; this wait only keeps a broken one from hanging here.
+        process.wait(timeout=INTERRUPT_EXIT_BOUND_S + 60)
+        for reader in readers:
+            reader.join(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    stderr = "".join(errors)
+    assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
+    assert "interrupted" in stderr.splitlines()[-1]
+    _, alive = psutil.wait_procs(_session_leftovers(process.pid), timeout=60)
+    assert alive == [], f"{moment}: processes left behind: {alive}"
