@@ -317,6 +317,7 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
             process.wait(timeout=30)
     stderr = "".join(errors)
     assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
-    assert "interrupted" in stderr.splitlines()[-1]
+    # Dask may still log while the interrupted cluster closes at exit: any line, not the last.
+    assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines()), stderr
     _, alive = psutil.wait_procs(_session_leftovers(process.pid), timeout=60)
     assert alive == [], f"{moment}: processes left behind: {alive}"
