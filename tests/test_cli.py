@@ -321,3 +321,28 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
     assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines()), stderr
     _, alive = psutil.wait_procs(_session_leftovers(process.pid), timeout=60)
     assert alive == [], f"{moment}: processes left behind: {alive}"
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_is_not_lost():
+    # Python drops an exception raised inside __del__ ("Exception ignored in ..."): a Ctrl-C
+    # arriving while the garbage collector runs one would let the run go on.
+    code = """
+import signal, time
+from workflows.cli import _Interrupts
+
+_Interrupts().install()
+
+class Finalized:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C, while a finalizer runs
+
+try:
+    Finalized()
+    for _ in range(6000):  # a bound (60 s) on its arrival, not a measurement
+        time.sleep(0.01)
+    print("lost")
+except KeyboardInterrupt:
+    print("delivered")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "delivered", done.stderr

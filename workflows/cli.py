@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -43,6 +44,7 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.received = threading.Event()
+        self._dropped = threading.Event()
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
@@ -51,7 +53,7 @@ class _Interrupts:
 
         def hook(unraisable: Any) -> None:
             if self.received.is_set() and issubclass(unraisable.exc_type, KeyboardInterrupt):
-                _thread.interrupt_main(signal.SIGINT)  # raised again, outside the finalizer
+                self._dropped.set()  # raised again by the thread below
                 return
             previous(unraisable)
 
@@ -60,13 +62,18 @@ class _Interrupts:
     def _handle(self, signum: int, frame: object) -> None:
         if not self.received.is_set():
             self.received.set()
-            threading.Thread(
-                target=self._exit_when_stuck, name="dask-train-exit", daemon=True
-            ).start()
+            threading.Thread(target=self._after, name="dask-train-interrupt", daemon=True).start()
         raise KeyboardInterrupt
 
-    def _exit_when_stuck(self) -> None:
-        threading.Event().wait(INTERRUPT_EXIT_BOUND_S)
+    def _after(self) -> None:
+        deadline = time.monotonic() + INTERRUPT_EXIT_BOUND_S
+        while (left := deadline - time.monotonic()) > 0:
+            if self._dropped.wait(left):
+                self._dropped.clear()
+                # Let the main thread leave the finalizer and the hook first (both drop what is
+                # raised in them); should it land in another finalizer, it comes back here.
+                time.sleep(0.1)
+                _thread.interrupt_main(signal.SIGINT)
         os.write(
             2,
             f"dask-train: interrupted; shutting down took over {INTERRUPT_EXIT_BOUND_S:g} s, "
