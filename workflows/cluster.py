@@ -9,6 +9,7 @@ reuse instead.
 """
 
 import ast
+import asyncio
 import contextlib
 import json
 import logging
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
 from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -181,6 +182,13 @@ class TrainingCluster:
         if client is not None:
             client.close()
         if self.cluster is not None:
+            # Dask closes each nanny within 5 s: 4 s for the worker to stop, then a SIGKILL and
+            # what is left of the 5 s to reap it. On a loaded machine that last second is not
+            # always enough, and the close raised TimeoutError after a finished run. The nannies
+            # are closed first here, with a longer bound; the cluster's close then finds them
+            # closed.
+            nannies = [w for w in self.cluster.workers.values() if isinstance(w, Nanny)]
+            self.cluster.sync(_close_nannies, nannies, NANNY_CLOSE_TIMEOUT_S)
             self.cluster.close()
             self.cluster = None
         if self._config_scope is not None:
@@ -195,6 +203,13 @@ class TrainingCluster:
 
     def __repr__(self) -> str:
         return f"TrainingCluster(kind={self.kind!r}, dashboard={self.dashboard_link!r})"
+
+
+NANNY_CLOSE_TIMEOUT_S = 30.0
+
+
+async def _close_nannies(nannies: list[Nanny], timeout_s: float) -> None:
+    await asyncio.gather(*(nanny.close(timeout=timeout_s) for nanny in nannies))
 
 
 def start_cluster(config: ClusterConfig | None = None, **overrides: object) -> TrainingCluster:
