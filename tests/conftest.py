@@ -1,8 +1,75 @@
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
 from workflows.cluster import start_cluster
 from workflows.config import RunConfig, load_config
+
+REPO = Path(__file__).parents[1]
+# What running the tests legitimately leaves in the checkout.
+_CACHES = ("__pycache__", ".pytest_cache", ".ruff_cache", ".egg-info")
+_BEFORE = pytest.StashKey[set[str] | None]()
+
+
+def repo_entries(repo: Path = REPO) -> set[str] | None:
+    """The files and folders in the checkout that git does not track (new or ignored), caches
+    aside; None outside a git checkout, where there is nothing to compare. (Edits to tracked
+    files are left out: someone may be editing while the tests run.)"""
+    try:
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    entries = set()
+    for line in done.stdout.splitlines():
+        if not line.startswith(("??", "!!")) or line[3:] == ".venv/":
+            continue
+        if any(cache in line for cache in _CACHES):
+            continue
+        entries.add(line)
+        # git shows an untracked or ignored folder as one line; its children too, so a new run
+        # in a runs/ folder that was there before is seen.
+        if line.endswith("/"):
+            entries.update(f"{line}{child.name}" for child in (repo / line[3:]).iterdir())
+    return entries
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_BEFORE] = repo_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = session.config.stash.get(_BEFORE, None)
+    after = repo_entries()
+    if before is None or after is None or after <= before:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    left = ", ".join(sorted(line[3:] for line in after - before))
+    message = f"tests left files in the repository {REPO}: {left} (write under tmp_path instead)"
+    if reporter is not None:
+        reporter.write_sep("=", message, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _in_a_temporary_folder(tmp_path, monkeypatch):
+    """Every test, and every process it starts, works in its own temporary folder: a run
+    directory (runs/<name>-<time>) or a store with a relative default lands there, not in the
+    checkout. Subprocesses still import the code under test, not an installed copy."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,12 @@
 """The batch CLI end to end, as a scheduler would call it: real processes, real files."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -197,3 +199,150 @@ def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
     screen = b"".join(chunks).decode()
     assert "\r[" in screen and "step 5/" in screen  # the bar, rewritten in place
     assert "Epoch [1/1]" in screen
+
+
+def _unreadable(path: Path) -> list[str]:
+    """Make ``path`` unreadable to the command, and the prefix that runs it so.
+
+    Tests run as root here, and root reads any file whatever its mode: dropping the two
+    capabilities that let it (from the bounding set, so the exec'd process never gains them)
+    makes root as bound by the mode as anyone.
+    """
+    path.chmod(0)
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+@pytest.mark.parametrize("case", ["directory", "unreadable", "not utf-8", "broken link", "fifo"])
+def test_a_config_path_that_is_no_readable_toml_file_exits_2_with_one_line(tmp_path, case):
+    config = tmp_path / "config.toml"
+    prefix: list[str] = []
+    message = {
+        "directory": "a directory, not a config file",
+        "unreadable": "cannot read the config file (Permission denied)",
+        "not utf-8": "not UTF-8 text (byte 9)",
+        "broken link": "a symbolic link to a missing file",
+        "fifo": "not a regular file",
+    }[case]
+    if case == "directory":
+        config.mkdir()
+    elif case == "unreadable":
+        config.write_text('name = "x"\n')
+        prefix = _unreadable(config)
+    elif case == "not utf-8":
+        config.write_bytes(b'name = "x\xff\xfe"\n')
+    elif case == "broken link":
+        config.symlink_to(tmp_path / "gone.toml")
+    else:
+        os.mkfifo(config)  # opening it for reading would wait for a writer forever
+    for command in ("validate", "run"):
+        done = subprocess.run(
+            [*prefix, *_command(command, str(config))], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, done.stderr
+        line = done.stderr.strip()
+        assert line.startswith(f"dask-train: invalid config: {config}: {message}"), line
+        assert "\n" not in line
+
+
+def _session_leftovers(session: int) -> list[psutil.Process]:
+    alive = []
+    for candidate in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(candidate.pid) == session:
+                alive.append(candidate)
+    return alive
+
+
+# Each moment: what shows that the run has reached it, checked every 20 ms.
+MOMENTS = {
+    "cluster start": lambda out, run: any(line.startswith("run directory:") for line in out),
+    "preprocessing": lambda out, run: (run.parent / "fresh-store").exists(),
+    "bootstrap": lambda out, run: any(line.startswith("dashboard:") for line in out),
+    "mid-epoch": lambda out, run: '"kind": "step"' in _text(run / "metrics.jsonl"),
+    "checkpoint": lambda out, run: any((run / "checkpoints").glob(".step-*.partial")),
+    "shutdown": lambda out, run: (run / "summary.json").exists(),
+}
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path, store_dir, moment):
+    from workflows.cli import INTERRUPT_EXIT_BOUND_S
+
+    output = tmp_path / "run"
+    arguments = _digits_run(store_dir, output, epochs=1 if moment == "shutdown" else 40)
+    arguments += ["--set", "training.log_every_steps=1", "--set", "checkpoint.every_steps=2"]
+    if moment == "preprocessing":
+        arguments += ["--set", f"data.store='{tmp_path / 'fresh-store'}'"]
+    process = subprocess.Popen(
+        _command(*arguments),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its workers too: all of them must be gone at the end
+    )
+    lines: list[str] = []
+    errors: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True),
+        threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 300  # a bound on reaching the moment, not a measurement
+        while not MOMENTS[moment](list(lines), output):
+            assert process.poll() is None, f"exited {process.returncode} before the {moment}"
+            assert time.monotonic() < deadline, f"the {moment} never came"
+            time.sleep(0.02)
+        assert process.poll() is None, f"exited {process.returncode} at the {moment}"
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        # The CLI bounds its own shutdown; this wait only keeps a broken one from hanging here.
+        process.wait(timeout=INTERRUPT_EXIT_BOUND_S + 60)
+        for reader in readers:
+            reader.join(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    stderr = "".join(errors)
+    assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
+    # Dask may still log while the interrupted cluster closes at exit: any line, not the last.
+    assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines()), stderr
+    _, alive = psutil.wait_procs(_session_leftovers(process.pid), timeout=60)
+    assert alive == [], f"{moment}: processes left behind: {alive}"
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_is_not_lost():
+    # Python drops an exception raised inside __del__ ("Exception ignored in ..."): a Ctrl-C
+    # arriving while the garbage collector runs one would let the run go on.
+    code = """
+import signal, time
+from workflows.cli import _Interrupts
+
+_Interrupts().install()
+
+class Finalized:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C, while a finalizer runs
+
+try:
+    Finalized()
+    for _ in range(6000):  # a bound (60 s) on its arrival, not a measurement
+        time.sleep(0.01)
+    print("lost")
+except KeyboardInterrupt:
+    print("delivered")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "delivered", done.stderr

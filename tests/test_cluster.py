@@ -1,11 +1,16 @@
 """The cluster factory starts real worker processes fit for training."""
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
 import dask
+import psutil
 import pytest
 import torch
 from distributed import Client
@@ -121,3 +126,96 @@ def test_one_cuda_worker_per_gpu_each_sees_its_own_gpu_as_cuda0():
         first_devices = {visible.split(",")[0] for visible, _ in seen.values()}
         assert len(first_devices) == len(seen)
         assert all(current == 0 for _, current in seen.values())
+
+
+UNGUARDED = """\
+from workflows import start_cluster
+
+with start_cluster(n_workers=2, dashboard_port=0) as cluster:
+    print("started", cluster.dashboard_link, flush=True)
+"""
+
+
+def _run_in_own_session(args: list[str], cwd) -> subprocess.CompletedProcess:
+    """Run ``args`` in a session of its own; afterwards no process of that session may live."""
+    process = subprocess.Popen(
+        args,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+    def leftovers() -> list[psutil.Process]:
+        alive = []
+        for candidate in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getsid(candidate.pid) == process.pid:
+                    alive.append(candidate)
+        return alive
+
+    _, alive = psutil.wait_procs(leftovers(), timeout=30)
+    assert alive == [], f"processes left behind: {alive}"
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+def test_a_script_that_starts_a_cluster_without_the_main_guard_fails_at_once(tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(UNGUARDED)
+    done = _run_in_own_session([sys.executable, str(script)], tmp_path)
+    assert done.returncode == 1
+    assert "started" not in done.stdout  # no cluster, so no workers that re-import the script
+    assert done.stderr.splitlines()[-1] == (
+        f"workflows.cluster.ScriptWithoutMainGuard: {script}, line 3: the cluster is started at "
+        "the script's top level; put the code that starts the cluster under "
+        'if __name__ == "__main__": (Dask\'s worker processes import the main script again)'
+    )
+
+
+def test_a_worker_importing_an_unguarded_script_stops_at_the_cluster_start(tmp_path):
+    # What multiprocessing's spawn does in each new worker process: run the parent's main
+    # script under the name __mp_main__.
+    script = tmp_path / "example.py"
+    script.write_text(UNGUARDED)
+    code = f"import runpy; runpy.run_path({str(script)!r}, run_name='__mp_main__')"
+    done = _run_in_own_session([sys.executable, "-c", code], tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].endswith(
+        f"start_cluster() was called while a worker process imported {script}: put the code "
+        'that starts the cluster under if __name__ == "__main__": (Dask\'s worker processes '
+        "import the main script again)"
+    )
+
+
+def test_a_guarded_script_starts_its_cluster(tmp_path):
+    script = tmp_path / "example.py"
+    body = "".join(f"    {line}\n" for line in UNGUARDED.splitlines()[2:])
+    script.write_text(
+        "from workflows import start_cluster\n\nif __name__ == '__main__':\n"
+        + body.replace("n_workers=2", "n_workers=1")
+    )
+    done = _run_in_own_session([sys.executable, str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "started http://127.0.0.1:" in done.stdout
+
+
+def test_a_local_cluster_start_is_bounded_and_what_it_started_is_closed(tmp_path):
+    # A bound no start can meet, so the timeout path runs whatever the machine's load.
+    code = (
+        "from workflows import start_cluster\n"
+        "if __name__ == '__main__':\n"
+        "    start_cluster(n_workers=1, dashboard_port=0, start_timeout_s=0.001)\n"
+    )
+    (tmp_path / "start.py").write_text(code)
+    done = _run_in_own_session([sys.executable, "start.py"], tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith(
+        "TimeoutError: cluster.start_timeout_s: the local cluster did not start within 0.001 s"
+    )

@@ -1,5 +1,7 @@
 """Bad configuration is refused before anything starts, with one message naming the field."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,40 @@ def test_overrides_are_typed_and_checked():
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_example_configs_are_valid(path):
     assert load_config(path).name
+
+
+def test_validate_never_imports_torch_dcp_or_pipelining():
+    # The CLI's own entry, in a fresh interpreter: torch's import alone takes seconds.
+    pipeline_dp = str(CONFIGS / "cifar10_pipeline_dp.toml")
+    code = (
+        "import sys\n"
+        "from workflows.cli import main\n"
+        f"main(['validate', {pipeline_dp!r}], standalone_mode=False)\n"
+        "from workflows.config import load_config\n"
+        f"load_config({str(CONFIGS / 'digits_pipeline.toml')!r})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert '"schedule": "1f1b"' in done.stdout  # validate printed the resolved config
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_torch_free_layer_table_matches_the_models():
+    from workers.config_models import MODEL_LAYERS
+    from workers.models import MODELS, layer_names
+
+    assert set(MODEL_LAYERS) == set(MODELS)
+    for name in MODELS:
+        assert list(MODEL_LAYERS[name]) == layer_names(name), name
+
+
+def test_an_unreadable_signing_key_file_is_one_line_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"^checkpoint\.signing_key_file: .*absent.*cannot read"):
+        load_config({"checkpoint": {"signing_key_file": str(tmp_path / "absent")}})
+    (tmp_path / "empty").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^checkpoint\.signing_key_file: .*empty: the file is"):
+        load_config({"checkpoint": {"signing_key_file": str(tmp_path / "empty")}})
+    (tmp_path / "key").write_bytes(b"secret\n")
+    config = load_config({"checkpoint": {"signing_key_file": str(tmp_path / "key")}})
+    assert config.checkpoint.signing_key_file == str(tmp_path / "key")

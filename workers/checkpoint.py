@@ -11,49 +11,44 @@ Every rank writes into ``.step-<n>.partial``; once all have finished, rank 0 wri
 manifest and renames the folder, so a checkpoint is visible only when complete. A damaged one
 (missing manifest, a file whose hash differs) is skipped. DCP's ``.metadata`` is a pickle,
 which ``torch.distributed.checkpoint`` would load with plain ``pickle.load``: here it is read
-with an unpickler that admits only DCP's own metadata classes, so a planted payload never runs.
+with an unpickler that admits only DCP's own metadata classes, so a planted payload never runs;
+and items that are not tensors, which DCP would unpickle freely, are refused.
+
+The hashes catch accidental damage only: whoever can write the folder can rewrite them. With
+``checkpoint.signing_key_file`` the manifest also carries an HMAC-SHA256 of its content, and a
+checkpoint without the right one is refused.
 """
 
+import collections
+import dataclasses
 import hashlib
+import hmac
 import io
 import json
 import logging
 import os
+import pathlib
 import pickle
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+# Re-exported: the section's model lives in a torch-free module, for config checks.
+from workers.config_models import CheckpointConfig as CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+SIGNATURE = "signature"
 PREFIX = "step-"
-
-
-class CheckpointConfig(BaseModel):
-    """When to checkpoint, how many to keep, and whether to continue from one."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    directory: str | None = Field(
-        default=None,
-        description="a folder every worker can reach; `dask-train run` uses <run dir>/checkpoints",
-    )
-    every_steps: int = Field(default=0, ge=0, description="0: at epoch ends only")
-    at_epoch_end: bool = True
-    keep: int = Field(default=3, ge=1, description="newest checkpoints kept")
-    resume: Literal["auto", "never"] = Field(
-        default="auto", description="auto: continue from the newest good checkpoint"
-    )
 
 
 class CheckpointDamaged(ValueError):
@@ -93,6 +88,7 @@ def save_checkpoint(
     progress: Progress,
     keep: int,
     commit: bool = True,
+    signing_key_file: str | None = None,
 ) -> Path | None:
     """Write this rank's part of the built-in trainer's checkpoint; every rank of the default
     group must call it.
@@ -108,7 +104,13 @@ def save_checkpoint(
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     fields = {"epoch": progress.epoch, "batch": progress.batch, "history": progress.history}
     return write_checkpoint(
-        directory, state, step=progress.step, keep=keep, fields=fields, commit=commit
+        directory,
+        state,
+        step=progress.step,
+        keep=keep,
+        fields=fields,
+        commit=commit,
+        signing_key_file=signing_key_file,
     )
 
 
@@ -120,10 +122,12 @@ def write_checkpoint(
     keep: int,
     fields: dict[str, Any],
     commit: bool = True,
+    signing_key_file: str | None = None,
 ) -> Path | None:
     """The one way a checkpoint is written (collective): each rank's ``tensors`` through DCP
     into ``.step-<n>.partial``, then rank 0 adds the manifest (``fields`` plus the hash of
-    every file) and renames the folder, so it is visible only when complete."""
+    every file, signed with the key in ``signing_key_file`` if given) and renames the folder,
+    so it is visible only when complete."""
     rank = dist.get_rank()
     root = Path(directory)
     name = f"{PREFIX}{step:09d}"
@@ -143,6 +147,8 @@ def write_checkpoint(
             "written_at": time.time(),
             "files": {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.name != MANIFEST},
         }
+        if signing_key_file is not None:
+            manifest[SIGNATURE] = _signature(manifest, _read_key(signing_key_file))
         _write_durably(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
         final = root / name
         shutil.rmtree(final, ignore_errors=True)  # a stale one from before a restart
@@ -162,14 +168,29 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The manifest of an intact checkpoint; raises :class:`CheckpointDamaged` otherwise."""
+def verify_checkpoint(path: str | Path, signing_key_file: str | None = None) -> dict[str, Any]:
+    """The manifest of an intact checkpoint (signed with the key in ``signing_key_file``, when
+    given); raises :class:`CheckpointDamaged` otherwise."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointDamaged(f"{path}: no readable {MANIFEST} ({error})") from None
+    if not isinstance(manifest, dict) or not isinstance(files, dict):
+        raise CheckpointDamaged(f"{path}: {MANIFEST} is malformed")
+    if signing_key_file is not None:
+        signature = manifest.get(SIGNATURE)
+        if not isinstance(signature, str):
+            raise CheckpointDamaged(
+                f"{path}: {MANIFEST} is not signed, and checkpoint.signing_key_file is set"
+            )
+        expected = _signature(manifest, _read_key(signing_key_file))
+        if not hmac.compare_digest(signature, expected):
+            raise CheckpointDamaged(
+                f"{path}: {MANIFEST}'s signature does not match the key in "
+                "checkpoint.signing_key_file"
+            )
     present = {p.name for p in path.iterdir() if p.name != MANIFEST}
     if present != set(files):
         raise CheckpointDamaged(
@@ -178,15 +199,17 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     for name, digest in files.items():
         if _sha256(path / name) != digest:
             raise CheckpointDamaged(f"{path / name}: checksum differs from the manifest")
-    _read_metadata(path)  # refuses foreign pickles before DCP would load them
+    read_metadata(path)  # refuses foreign pickles before DCP would load them
     return manifest
 
 
-def latest_good_checkpoint(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+def latest_good_checkpoint(
+    directory: str | Path, signing_key_file: str | None = None
+) -> tuple[Path, dict[str, Any]] | None:
     """The newest intact checkpoint, warning about each damaged one passed over."""
     for path in list_checkpoints(directory):
         try:
-            return path, verify_checkpoint(path)
+            return path, verify_checkpoint(path, signing_key_file)
         except CheckpointDamaged as error:
             logger.warning("skipping damaged checkpoint: %s", error)
     return None
@@ -198,6 +221,7 @@ def load_checkpoint(
     modules: list[nn.Module],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
+    signing_key_file: str | None = None,
 ) -> Progress:
     """Load a verified checkpoint into this rank's modules and optimizer (collective).
 
@@ -205,8 +229,9 @@ def load_checkpoint(
     restored where this rank's was saved.
     """
     path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
-    metadata = _read_metadata(path)
+    # Verified again where it is loaded: the folder may have changed since the client looked.
+    manifest = verify_checkpoint(path, signing_key_file)
+    metadata = read_metadata(path)
     rank = dist.get_rank()
     state = _state(modules, optimizer, scaler)
     state["progress"] = torch.zeros(3, dtype=torch.int64)
@@ -216,7 +241,7 @@ def load_checkpoint(
         state[sums_key] = torch.zeros(3, dtype=torch.float64)
     if rng_key in metadata.state_dict_metadata:
         state[rng_key] = torch.get_rng_state()
-    dcp.load(state, storage_reader=_SafeReader(path))
+    dcp.load(state, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner())
     _, current = get_state_dict(_whole(modules), optimizer)
     set_state_dict(
         _whole(modules),
@@ -258,54 +283,184 @@ def _whole(modules: list[nn.Module]) -> nn.Module:
 
 
 # -- reading DCP's metadata without running foreign code ------------------------------------
+#
+# torch's own restricted unpickler (torch.load(weights_only=True)) reads only the pickle
+# protocol torch.save writes (2): DCP writes .metadata with protocol 4+, whose STACK_GLOBAL,
+# MEMOIZE and FRAME it refuses. So this one is built on Python's pickle._Unpickler, which runs
+# each opcode through a table we can narrow: every global is an exact (module, name) pair from
+# the list below (a dotted name, which protocol 4 resolves as an attribute chain, is never one),
+# and only the listed classes may be called, created or have state set. Opcodes that name
+# objects another way (INST, OBJ, NEWOBJ_EX, EXT1/2/4 via copyreg, persistent ids, buffers)
+# are refused.
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits the classes DCP's metadata is made of, nothing that could run code."""
+def _metadata_classes() -> dict[tuple[str, str], Any]:
+    from torch.distributed.checkpoint import filesystem, metadata
 
-    _MODULES = ("torch.distributed.checkpoint.",)
-    _NAMES = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "Path"),
-        ("collections", "OrderedDict"),
-    }
+    return {
+        (metadata.__name__, name): getattr(metadata, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {(filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo}
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Admits what DCP's metadata of a tensors-only checkpoint is made of, nothing else.
+
+    BytesStorageMetadata is left out on purpose: DCP loads a bytes item with
+    ``torch.load(weights_only=False)``, and this project only ever saves tensors.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def _refuse(self) -> None:
+        raise CheckpointDamaged("checkpoint metadata uses a pickle opcode it never needs, refused")
+
+    for _opcode in (
+        pickle.INST,
+        pickle.OBJ,
+        pickle.NEWOBJ_EX,
+        pickle.EXT1,
+        pickle.EXT2,
+        pickle.EXT4,
+        pickle.PERSID,
+        pickle.BINPERSID,
+        pickle.NEXT_BUFFER,
+        pickle.READONLY_BUFFER,
+    ):
+        dispatch[_opcode[0]] = _refuse
+    del _opcode
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self._classes = _metadata_classes()
+        self._plain_classes = set(self._classes.values())
+        self._globals = {
+            **self._classes,
+            ("torch", "Size"): torch.Size,
+            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+            ("pathlib", "PosixPath"): pathlib.PosixPath,
+            ("pathlib", "Path"): pathlib.Path,
+            ("collections", "OrderedDict"): collections.OrderedDict,
+        }
+        # What REDUCE may call: constructors of plain values, and torch's layout lookup.
+        self._callables = {
+            torch.Size,
+            torch.serialization._get_layout,
+            pathlib.PosixPath,
+            pathlib.Path,
+            collections.OrderedDict,
+            self._classes[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")],
+        }
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module.startswith(self._MODULES):
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # a dataclass or enum, not a function to call
-                return found
+        found = self._globals.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and name.isidentifier():
+            dtype = vars(torch).get(name)  # a module attribute, never a chain
+            if isinstance(dtype, torch.dtype):
+                return dtype
         raise CheckpointDamaged(f"checkpoint metadata refers to {module}.{name}, refused")
 
+    def load_reduce(self) -> None:
+        if self.stack[-2] not in self._callables:
+            raise CheckpointDamaged(f"checkpoint metadata calls {self.stack[-2]!r}, refused")
+        super().load_reduce()
 
-def _read_metadata(path: Path) -> Any:
+    def load_newobj(self) -> None:
+        if self.stack[-2] not in self._plain_classes:
+            raise CheckpointDamaged(f"checkpoint metadata creates {self.stack[-2]!r}, refused")
+        super().load_newobj()
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        # type(), not isinstance: a class object itself (whose attributes BUILD would set) or
+        # a subclass never passes.
+        if type(inst) not in self._plain_classes:
+            raise CheckpointDamaged(f"checkpoint metadata sets the state of {inst!r}, refused")
+        if "__setstate__" in vars(type(inst)):
+            if not isinstance(state, tuple):  # TensorProperties: a tuple of plain values
+                raise CheckpointDamaged("checkpoint metadata: malformed TensorProperties")
+        else:
+            fields = {f.name for f in dataclasses.fields(inst)}
+            if not isinstance(state, dict) or not set(state) <= fields:
+                raise CheckpointDamaged(
+                    f"checkpoint metadata: malformed {type(inst).__name__} state"
+                )
+        super().load_build()
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def read_metadata(path: Path) -> Any:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
     try:
         data = (path / ".metadata").read_bytes()
     except OSError as error:
         raise CheckpointDamaged(f"{path}: no DCP metadata ({error})") from None
     try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointDamaged as error:
         raise CheckpointDamaged(f"{path / '.metadata'}: {error}") from None
     except Exception as error:
         raise CheckpointDamaged(f"{path / '.metadata'}: unreadable ({error})") from None
+    if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointDamaged(f"{path / '.metadata'}: not DCP metadata")
+    for key, item in metadata.state_dict_metadata.items():
+        if type(item) is not TensorStorageMetadata:
+            raise CheckpointDamaged(f"{path / '.metadata'}: {key!r} is not a tensor, refused")
+    return metadata
 
 
-class _SafeReader(dcp.FileSystemReader):
+class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        metadata = _read_metadata(Path(self.path))
+        metadata = read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class TensorsOnlyPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner, less its bytes path, which unpickles with ``weights_only=False``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointDamaged(
+            f"checkpoint item {read_item.dest_index.fqn!r} is not a tensor; refused unread"
+        )
+
+
+def _read_key(signing_key_file: str) -> bytes:
+    try:
+        key = Path(signing_key_file).read_bytes().strip()
+    except OSError as error:
+        raise ValueError(
+            f"checkpoint.signing_key_file: {signing_key_file}: cannot read it "
+            f"({error.strerror or error})"
+        ) from None
+    if not key:
+        raise ValueError(f"checkpoint.signing_key_file: {signing_key_file}: the file is empty")
+    return key
+
+
+def _signature(manifest: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 over the manifest's canonical JSON, its signature left out."""
+    content = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return "hmac-sha256:" + hmac.new(key, canonical.encode(), hashlib.sha256).hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -321,8 +476,3 @@ def _write_durably(path: Path, data: bytes) -> None:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
-
-
-# What the user-state checkpoints (workers.training_state) read with.
-SafeReader = _SafeReader
-read_metadata = _read_metadata

@@ -14,64 +14,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import zarr
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
-class DataConfig(BaseModel):
-    """Where the images come from, where the preprocessed store lives, how ranks read it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic"] = "digits"
-    root: str | None = Field(
-        default=None,
-        description="cifar10: folder holding cifar-10-batches-py; imagefolder: "
-        "class-per-folder tree (local path or fsspec URL)",
-    )
-    download: bool = Field(default=False, description="cifar10: fetch the archive into root")
-    store: str | None = Field(
-        default=None, description="zarr store (path or URL); default data/stores/<dataset>"
-    )
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="for fsspec URLs")
-    image_size: int = Field(default=32, ge=8, le=1024)
-    val_fraction: float = Field(default=0.2, gt=0.0, lt=1.0, description="without a val split")
-    synthetic_samples: int = Field(default=4096, ge=16, description="synthetic: total samples")
-    on_bad: Literal["fail", "skip"] = Field(
-        default="fail", description="a corrupt image or batch file: fail naming it, or skip it"
-    )
-    chunk_size: int = Field(default=1024, ge=1, description="samples per store chunk")
-    shuffle_window: int = Field(default=4, ge=1, description="chunks shuffled together")
-    in_memory: bool = Field(
-        default=False, description="read the whole training split into memory once per rank"
-    )
-    prefetch_batches: int = Field(default=4, ge=0, description="batches read ahead in a thread")
-    augment: bool = Field(default=False, description="random crop (pad 4) and horizontal flip")
-    drop_last: bool = Field(default=False, description="drop the samples that do not fill ranks")
-
-    @model_validator(mode="after")
-    def _root_where_needed(self) -> "DataConfig":
-        if self.dataset in ("cifar10", "imagefolder") and self.root is None:
-            raise ValueError(f"data.root: the {self.dataset} dataset needs a root folder or URL")
-        return self
-
-    @property
-    def store_url(self) -> str:
-        store = self.store or f"data/stores/{self.dataset}"
-        # A relative path means the client's working directory, wherever the worker runs.
-        return store if "://" in store else str(Path(store).expanduser().resolve())
-
-    def resolved(self) -> "DataConfig":
-        """A copy with local paths made absolute on the client, for workers to use."""
-        root = self.root
-        if root is not None and "://" not in root:
-            root = str(Path(root).expanduser().resolve())
-        return self.model_copy(update={"root": root, "store": self.store_url})
+from workers.config_models import DataConfig
 
 
 def rank_epoch_indices(

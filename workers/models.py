@@ -4,8 +4,10 @@ the same class trains in one process, under DDP, or split into stages."""
 from collections.abc import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
+
+# Re-exported: the section's model lives in a torch-free module, for config checks.
+from workers.config_models import ModelConfig as ModelConfig
 
 
 class CifarCNN(nn.Sequential):
@@ -91,18 +93,3 @@ def layer_names(name: str) -> list[str]:
         raise ValueError(f"model.name: unknown model {name!r}; choose one of {sorted(MODELS)}")
     with torch.device("meta"):
         return [child for child, _ in MODELS[name]().named_children()]
-
-
-class ModelConfig(BaseModel):
-    """Which registered model to train."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = "cifar_cnn"
-
-    @field_validator("name")
-    @classmethod
-    def _registered(cls, name: str) -> str:
-        if name not in MODELS:
-            raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-        return name

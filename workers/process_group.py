@@ -15,11 +15,15 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
-import torch.distributed as dist
 from distributed import Worker, WorkerPlugin, get_worker
+
+# torch is imported where it is used: the client imports this module (through the launcher and
+# the config) to check a config, and that must not cost torch's seconds-long import.
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +87,7 @@ class Membership:
     local_rank: int
     world_size: int
     backend: str
-    device: torch.device
+    device: "torch.device"
     local_world_size: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -136,6 +140,9 @@ class ProcessGroupPlugin(WorkerPlugin):
             raise RendezvousTimeout(self._timeout_message(self.spec.ranks[address])) from error
 
     def _join(self, address: str) -> None:
+        import torch
+        import torch.distributed as dist
+
         spec = self.spec
         rank = spec.ranks[address]
         if dist.is_initialized():
@@ -224,11 +231,15 @@ class ProcessGroupPlugin(WorkerPlugin):
 
 
 def _leave() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _local_device() -> torch.device:
+def _local_device() -> "torch.device":
+    import torch
+
     # dask-cuda rotates CUDA_VISIBLE_DEVICES so that each worker's own GPU is its cuda:0.
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -251,6 +262,8 @@ def describe_worker(socket_ifname: str | None = None, *, dask_worker: Worker) ->
     """What the launcher needs to know about a worker before assigning it a rank (run with
     ``Client.run``, which passes the worker in): its interfaces, and with ``socket_ifname`` the
     IPv4 address of the first named one, where its peers reach it when it is rank 0."""
+    import torch
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
         free_port = probe.getsockname()[1]

@@ -35,6 +35,7 @@ class RankJob:
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 3
     resume_from: str | None = None  # the newest good checkpoint when the attempt started
+    signing_key_file: str | None = None  # checkpoints signed and verified with this key
 
 
 @dataclass
@@ -67,6 +68,7 @@ class RankContext:
         self.max_failures = job.max_failures
         self.job_name = job.name
         self.checkpoint_dir = job.checkpoint_dir
+        self.signing_key_file = job.signing_key_file
         self.membership = membership
         self._job = job
         self._worker = get_worker()
@@ -152,7 +154,11 @@ class RankContext:
         from workers.training_state import save_state
 
         save_state(
-            self._require_directory("save"), state, step=step, keep=self._job.keep_checkpoints
+            self._require_directory("save"),
+            state,
+            step=step,
+            keep=self._job.keep_checkpoints,
+            signing_key_file=self.signing_key_file,
         )
         self.heartbeat()  # a long save is progress too
 
@@ -164,7 +170,7 @@ class RankContext:
         self._require_directory("restore")
         if self._resume_from is None:
             return None
-        return load_state(self._resume_from, state)
+        return load_state(self._resume_from, state, signing_key_file=self.signing_key_file)
 
     def _require_directory(self, action: str) -> str:
         if self.checkpoint_dir is None:

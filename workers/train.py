@@ -13,52 +13,21 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from workers.checkpoint import CheckpointConfig, Progress, load_checkpoint, save_checkpoint
+from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store
 from workers.layout import Layout
 from workers.models import ModelConfig, build_model
 from workers.precision import Precision
 from workers.process_group import Membership
 from workers.rank_context import RankContext
-from workers.strategies import STRATEGIES
 from workers.strategies.base import EpochSums, Strategy, get_strategy
 from workers.strategies.pipeline import PipelineConfig
-
-
-class TrainingConfig(BaseModel):
-    """How to train: strategy, optimizer, schedule, precision."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    strategy: Literal[STRATEGIES] = "ddp"  # type: ignore[valid-type]
-    epochs: int = Field(default=3, ge=1)
-    max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
-    batch_size: int = Field(default=64, ge=1, description="global batch per optimizer step")
-    grad_accum_steps: int = Field(default=1, ge=1)
-    lr: float = Field(default=0.05, gt=0)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    grad_clip_norm: float | None = Field(default=None, gt=0)
-    seed: int = 0
-    log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
-
-    @model_validator(mode="after")
-    def _accumulation_fits(self) -> "TrainingConfig":
-        if self.batch_size % self.grad_accum_steps:
-            raise ValueError(
-                f"training.batch_size ({self.batch_size}) must be a multiple of "
-                f"training.grad_accum_steps ({self.grad_accum_steps})"
-            )
-        return self
 
 
 @dataclass(frozen=True)
@@ -121,17 +90,22 @@ class Checkpoints:
                 scaler=state.scaler,
                 progress=progress,
                 keep=config.keep,
+                signing_key_file=config.signing_key_file,
             )
 
         return cls(save=save, every_steps=config.every_steps, at_epoch_end=config.at_epoch_end)
 
 
-def restore_from(path: str) -> Restore:
+def restore_from(path: str, *, signing_key_file: str | None = None) -> Restore:
     """Load the verified checkpoint at ``path``: parameters, optimizer, scaler, RNG, progress."""
 
     def restore(state: CheckpointState) -> Progress:
         return load_checkpoint(
-            path, modules=state.modules, optimizer=state.optimizer, scaler=state.scaler
+            path,
+            modules=state.modules,
+            optimizer=state.optimizer,
+            scaler=state.scaler,
+            signing_key_file=signing_key_file,
         )
 
     return restore
@@ -228,7 +202,9 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         layout=job.layout,
         pipeline=job.pipeline,
         hooks=Hooks(report=ctx.emit, heartbeat=heartbeat, checkpoints=checkpoints),
-        restore=None if ctx.resume_from is None else restore_from(ctx.resume_from),
+        restore=None
+        if ctx.resume_from is None
+        else restore_from(ctx.resume_from, signing_key_file=ctx.signing_key_file),
     )
 
 

@@ -12,7 +12,6 @@ Keys under which every rank stores a tensor mean one replicated value (rank 0's 
 store per-rank tensors under per-rank keys. Non-tensor values are rank 0's.
 """
 
-import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,27 +29,51 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from workers.checkpoint import MANIFEST, SafeReader, read_metadata, write_checkpoint
+from workers.checkpoint import (
+    SafeReader,
+    TensorsOnlyPlanner,
+    read_metadata,
+    verify_checkpoint,
+    write_checkpoint,
+)
 
 RNG_KEY = "_rng"
 _TENSOR = "__tensor__"  # where a tensor stood in a value stored as JSON
 
 
-def save_state(directory: str | Path, state: Mapping[str, Any], *, step: int, keep: int) -> None:
+def save_state(
+    directory: str | Path,
+    state: Mapping[str, Any],
+    *,
+    step: int,
+    keep: int,
+    signing_key_file: str | None = None,
+) -> None:
     """Write ``state`` as the checkpoint of ``step`` (collective: every rank calls it)."""
     tensors, values = _capture(state)
     tensors[RNG_KEY] = {f"rank{dist.get_rank()}": _rng_state()}
-    write_checkpoint(directory, tensors, step=step, keep=keep, fields={"values": values})
+    write_checkpoint(
+        directory,
+        tensors,
+        step=step,
+        keep=keep,
+        fields={"values": values},
+        signing_key_file=signing_key_file,
+    )
 
 
-def load_state(path: str | Path, state: dict[str, Any]) -> int:
+def load_state(
+    path: str | Path, state: dict[str, Any], *, signing_key_file: str | None = None
+) -> int:
     """Load the verified checkpoint at ``path`` into ``state`` (collective) and return its step.
 
     Modules, optimizers and stateful objects are loaded in place; tensors are copied into the
     ones in ``state``; other values are replaced in the dict.
     """
     path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
+    # Verified again here, on the rank that loads it: the folder may have changed since the
+    # client chose it.
+    manifest = verify_checkpoint(path, signing_key_file)
     saved = set(read_metadata(path).state_dict_metadata)
     template, _ = _capture(state)
     rank = f"rank{dist.get_rank()}"
@@ -63,7 +86,7 @@ def load_state(path: str | Path, state: dict[str, Any]) -> int:
         raise KeyError(
             f"{path}: the checkpoint has no {missing}; it holds {sorted(manifest['values'])}"
         )
-    dcp.load(template, storage_reader=SafeReader(path))
+    dcp.load(template, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner())
     model = _optimizer_model(state)
     for key, value in state.items():
         stored = manifest["values"][key]

@@ -14,24 +14,28 @@ The public API is small::
 import importlib
 from typing import Any
 
-from workflows.cluster import ClusterConfig, TrainingCluster, start_cluster
-from workflows.config import ConfigError, RunConfig, load_config
-from workflows.launcher import (
-    LaunchConfig,
-    LaunchError,
-    ProcessGroup,
-    RankFailed,
-    WorkerSelection,
-)
-from workflows.predict import PredictConfig, PredictResult, predict
-from workflows.security import SecurityConfig
-
-# The driver is imported on first use: the scheduler imports workflows.dashboard and
-# workflows.monitoring, and the driver (which imports them) must not come along.
-_LAZY = {
-    "CodeNotShippable": "workflows.code_shipping",
+# Each name is imported on first use, from its module: importing any part of the package (the
+# CLI, the config) runs this file, and ``dask-train validate`` must not pay for torch, which the
+# driver and batch inference import.
+_HOMES = {
+    "ClusterConfig": "workflows.cluster",
+    "TrainingCluster": "workflows.cluster",
+    "start_cluster": "workflows.cluster",
+    "ConfigError": "workflows.config",
+    "RunConfig": "workflows.config",
+    "load_config": "workflows.config",
     "TrainResult": "workflows.driver",
     "train": "workflows.driver",
+    "LaunchConfig": "workflows.launcher",
+    "LaunchError": "workflows.launcher",
+    "ProcessGroup": "workflows.launcher",
+    "RankFailed": "workflows.launcher",
+    "WorkerSelection": "workflows.launcher",
+    "PredictConfig": "workflows.predict",
+    "PredictResult": "workflows.predict",
+    "predict": "workflows.predict",
+    "SecurityConfig": "workflows.security",
+    "CodeNotShippable": "workflows.code_shipping",
     "LaunchResult": "workflows.jobs",
     "TrainingFailed": "workflows.jobs",
     "launch": "workflows.jobs",
@@ -40,9 +44,13 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'workflows' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
 
 
 __all__ = [

@@ -4,25 +4,119 @@ Exit codes a scheduler can act on: 0 success, 2 invalid config or arguments (one
 traceback), 1 training (or prediction) failure, 130 interrupted.
 """
 
+import _thread
 import contextlib
+import errno
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
 from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
-from workflows.driver import format_epoch
 from workflows.launcher import LaunchError
 
 EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
+# After Ctrl-C (or SIGTERM), the run stops its ranks and closes the cluster; should that take
+# longer than this (a wait that cannot be interrupted, a worker that does not answer), the
+# process exits anyway. The longest bounded cleanup waits are 120 s (letting a store's
+# partitions settle) and 60 s (restarting rank workers).
+INTERRUPT_EXIT_BOUND_S = 180.0
 
 
-@click.group()
+class _Interrupts:
+    """Ctrl-C and SIGTERM (a scheduler's kill, handled alike: stop the ranks, close the
+    cluster) become a KeyboardInterrupt in the main thread, and are never lost.
+
+    Python raises the KeyboardInterrupt at whatever the main thread executes when the signal
+    arrives. Inside a finalizer (a ``__del__``, a coroutine that the garbage collector closes:
+    Dask and tornado leave many) Python reports it as "Exception ignored" and drops it, and the
+    run would go on as if nothing happened. Such a dropped interrupt is delivered again; and
+    whatever else might still hold the process, it exits 130 once the bound has passed.
+    """
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self._dropped = threading.Event()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            if self.received.is_set() and issubclass(unraisable.exc_type, KeyboardInterrupt):
+                self._dropped.set()  # raised again by the thread below
+                return
+            previous(unraisable)
+
+        sys.unraisablehook = hook
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if not self.received.is_set():
+            self.received.set()
+            threading.Thread(target=self._after, name="dask-train-interrupt", daemon=True).start()
+        raise KeyboardInterrupt
+
+    def _after(self) -> None:
+        deadline = time.monotonic() + INTERRUPT_EXIT_BOUND_S
+        while (left := deadline - time.monotonic()) > 0:
+            if self._dropped.wait(left):
+                self._dropped.clear()
+                # Let the main thread leave the finalizer and the hook first (both drop what is
+                # raised in them); should it land in another finalizer, it comes back here.
+                time.sleep(0.1)
+                _thread.interrupt_main(signal.SIGINT)
+        os.write(
+            2,
+            f"dask-train: interrupted; shutting down took over {INTERRUPT_EXIT_BOUND_S:g} s, "
+            "exiting now\n".encode(),
+        )
+        os._exit(EXIT_INTERRUPTED)
+
+
+class _Command(click.Group):
+    """The group, run so that Ctrl-C anywhere (argument parsing included, where click would
+    make it exit 1) exits 130."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: list[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:  # called from Python: the caller owns signals and errors
+            return super().main(args, prog_name, complete_var, False, **extra)
+        _Interrupts().install()
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.ClickException as error:
+            error.show()
+            sys.exit(error.exit_code)
+        except click.Abort as error:
+            if isinstance(error.__cause__, KeyboardInterrupt):
+                _fail(EXIT_INTERRUPTED, "interrupted")
+            click.echo("Aborted!", err=True)
+            sys.exit(EXIT_FAILED)
+        except KeyboardInterrupt:
+            _fail(EXIT_INTERRUPTED, "interrupted")
+        except OSError as error:
+            if error.errno != errno.EPIPE:
+                raise
+            sys.exit(EXIT_FAILED)  # the reader of our output went away
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_Command)
 @click.option("-v", "--verbose", is_flag=True, help="log the launcher's steps")
 def main(verbose: bool) -> None:
     """Train PyTorch models on a Dask cluster."""
@@ -35,7 +129,8 @@ def main(verbose: bool) -> None:
         handler.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
-config_argument = click.argument("config", type=click.Path(path_type=Path))
+# The config reader checks the file itself, so every problem with it is one line naming it.
+config_argument = click.argument("config", type=click.Path(path_type=Path, readable=False))
 set_option = click.option(
     "--set",
     "overrides",
@@ -118,6 +213,8 @@ class _TerminalProgress:
                 nl=False,
             )
         elif kind == "epoch":
+            from workflows.driver import format_epoch
+
             click.echo("\r\033[K" + format_epoch(record))
 
 
@@ -234,8 +331,6 @@ def run(
         resolved = load_config(raw)
         run_directory.config = resolved
     click.echo(f"run directory: {run_directory.path}")
-    # A scheduler's kill (SIGTERM) is handled like Ctrl-C: stop the ranks, close the cluster.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     progress = _TerminalProgress() if sys.stdout.isatty() else None
     if progress and not resolved.training.log_every_steps:
@@ -322,7 +417,6 @@ def predict(
         )
     except (ConfigError, CheckpointError, SourceError) as error:
         _fail(EXIT_INVALID, str(error))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     plan = prepared.plan
     interrupted = f"interrupted; partial output in {prepared.output}"
     with (

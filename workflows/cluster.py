@@ -8,22 +8,28 @@ torch's CPU training throughput); by default they get malloc settings that keep 
 reuse instead.
 """
 
+import ast
+import asyncio
 import contextlib
 import json
 import logging
 import os
+import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Literal, Self
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Literal, Self, TypeVar
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
 from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workflows.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # glibc returns freed blocks above the mmap threshold to the OS at once, and trims the heap top
 # above the trim threshold; torch's CPU allocator has no cache, so every step's activations
@@ -130,6 +136,9 @@ class ClusterConfig(BaseModel):
         description="start local workers from a fork server that has imported torch: a lost "
         "worker is back in about 1 s instead of 4-5 s",
     )
+    start_timeout_s: float = Field(
+        default=60.0, gt=0, description="a local cluster's start, its workers included"
+    )
     tune_malloc: bool = Field(
         default=True, description="keep freed memory in local workers for reuse (faster on CPU)"
     )
@@ -188,6 +197,7 @@ class TrainingCluster:
         self._config_scope: dask.config.set | None = None
         self.cluster: LocalCluster | None = None
         self.kind = "remote"
+        _refuse_an_unguarded_script(local=not config.existing)
         security = config.security.build()
         try:
             if not config.existing:
@@ -202,7 +212,9 @@ class TrainingCluster:
                 # The nanny copies its pre-spawn environment into *this* process's os.environ;
                 # undo that, so it neither leaks into our subprocesses nor into later clusters.
                 with _environ_restored(TUNED_MALLOC):
-                    self.cluster, self.kind = _start_local(config, security)
+                    self.cluster, self.kind = _bounded(
+                        lambda: _start_local(config, security), config.start_timeout_s
+                    )
                 self.client = Client(
                     self.cluster, timeout=config.connect_timeout_s, security=security
                 )
@@ -228,6 +240,13 @@ class TrainingCluster:
         if client is not None:
             client.close()
         if self.cluster is not None:
+            # Dask closes each nanny within 5 s: 4 s for the worker to stop, then a SIGKILL and
+            # what is left of the 5 s to reap it. On a loaded machine that last second is not
+            # always enough, and the close raised TimeoutError after a finished run. The nannies
+            # are closed first here, with a longer bound; the cluster's close then finds them
+            # closed.
+            nannies = [w for w in self.cluster.workers.values() if isinstance(w, Nanny)]
+            self.cluster.sync(_close_nannies, nannies, NANNY_CLOSE_TIMEOUT_S)
             self.cluster.close()
             self.cluster = None
         if self._config_scope is not None:
@@ -244,6 +263,13 @@ class TrainingCluster:
         return f"TrainingCluster(kind={self.kind!r}, dashboard={self.dashboard_link!r})"
 
 
+NANNY_CLOSE_TIMEOUT_S = 30.0
+
+
+async def _close_nannies(nannies: list[Nanny], timeout_s: float) -> None:
+    await asyncio.gather(*(nanny.close(timeout=timeout_s) for nanny in nannies))
+
+
 def start_cluster(config: ClusterConfig | None = None, **overrides: object) -> TrainingCluster:
     """Start (or connect to) the cluster described by ``config``; keyword overrides win.
 
@@ -253,6 +279,115 @@ def start_cluster(config: ClusterConfig | None = None, **overrides: object) -> T
     # Validated again as a whole, so overrides are checked (and nested sections may be dicts).
     config = ClusterConfig.model_validate({**(config or ClusterConfig()).model_dump(), **overrides})
     return TrainingCluster(config)
+
+
+class ScriptWithoutMainGuard(RuntimeError):
+    """start_cluster() ran while a worker process imported the user's script."""
+
+
+GUARD_FIX = (
+    'put the code that starts the cluster under if __name__ == "__main__": (Dask\'s worker '
+    "processes import the main script again)"
+)
+
+
+def _refuse_an_unguarded_script(local: bool) -> None:
+    """Fail at once when a script starts a cluster outside ``if __name__ == "__main__":``.
+
+    Dask starts worker processes with multiprocessing's spawn, which runs the parent's main
+    script again in each of them under the name ``__mp_main__``. Unguarded, every worker would
+    start a cluster of its own while the parent waits minutes for workers that never come.
+    Seen from a worker (the script's top level running as ``__mp_main__``), and, so that the
+    parent stops at once too, from the parent: a call from the main script's top level that
+    no ``__name__`` test encloses.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            if name == "__mp_main__":
+                raise ScriptWithoutMainGuard(
+                    f"start_cluster() was called while a worker process imported "
+                    f"{frame.f_code.co_filename}: {GUARD_FIX}"
+                )
+            spawns = dask.config.get("distributed.worker.multiprocessing-method") == "spawn"
+            if name == "__main__" and local and spawns:
+                path = frame.f_globals.get("__file__")
+                if path and _unguarded(path, frame.f_lineno):
+                    raise ScriptWithoutMainGuard(
+                        f"{path}, line {frame.f_lineno}: the cluster is started at the script's "
+                        f"top level; {GUARD_FIX}"
+                    )
+        frame = frame.f_back
+
+
+def _unguarded(path: str, line: int) -> bool:
+    """Whether ``line`` of the script lies outside every ``if __name__ == "__main__":``."""
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False  # not a readable script (a zipapp, a frozen binary): nothing to say
+    for node in ast.walk(tree):
+        inside = isinstance(node, ast.If) and (
+            node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
+        )
+        if inside and _tests_main(node.test):
+            return False
+    return True
+
+
+def _tests_main(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    constants = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and constants == ["__main__"]
+
+
+def _bounded(start: Callable[[], T], timeout_s: float) -> T:
+    """``start()`` within ``timeout_s``, waited for in slices so Ctrl-C lands at once.
+
+    LocalCluster's constructor has no timeout of its own, and a KeyboardInterrupt inside it
+    would leave a half-started cluster that nothing holds. It runs in a thread here; when the
+    wait ends early (timeout, Ctrl-C), whatever that thread still makes is closed by it.
+    """
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+    abandoned = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = start()
+        except BaseException as error:
+            outcome["error"] = error
+        done.set()
+        if abandoned.is_set() and "value" in outcome:
+            _close_quietly(outcome["value"])
+
+    thread = threading.Thread(target=run, name="dask-train-cluster-start", daemon=True)
+    thread.start()
+    try:
+        if not done.wait(timeout_s):
+            raise TimeoutError(
+                f"cluster.start_timeout_s: the local cluster did not start within "
+                f"{timeout_s:g} s (a loaded machine may need more; see the log for the workers' "
+                "errors)"
+            )
+    except BaseException:
+        abandoned.set()
+        if done.is_set() and "value" in outcome:
+            _close_quietly(outcome["value"])
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _close_quietly(started: Any) -> None:
+    cluster = started[0] if isinstance(started, tuple) else started
+    with contextlib.suppress(Exception):
+        cluster.close(timeout=10)
 
 
 @contextlib.contextmanager

@@ -11,13 +11,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from workers.checkpoint import CheckpointConfig
-from workers.data import DataConfig
+from workers.config_models import (
+    MODEL_LAYERS,
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    PipelineConfig,
+    TrainingConfig,
+)
 from workers.layout import Layout
-from workers.models import ModelConfig, layer_names
 from workers.strategies import STAGED
-from workers.strategies.pipeline import PipelineConfig
-from workers.train import TrainingConfig
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 
@@ -101,7 +104,7 @@ class RunConfig(BaseModel):
                 "pipeline.dp: model_parallel runs one copy of the model, one stage per rank; "
                 "for replicas or interleaving use strategy = 'pipeline'"
             )
-        names = layer_names(self.model.name)
+        names = list(MODEL_LAYERS[self.model.name])
         if p.split_points is not None:
             unknown = [point for point in p.split_points if point not in names]
             if unknown:
@@ -168,12 +171,31 @@ def read_raw_config(
     else:
         path = Path(source)
         try:
-            raw = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
+            raw = tomllib.loads(_read_config_text(path))
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{path}: not valid TOML: {error}") from None
     return _apply_overrides(raw, overrides)
+
+
+def _read_config_text(path: Path) -> str:
+    try:
+        if path.is_symlink() and not path.exists():
+            raise ConfigError(f"{path}: a symbolic link to a missing file, not a config file")
+        if path.exists() and not path.is_file():
+            # A directory fails to open, but a FIFO or a device would block or stream forever.
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            raise ConfigError(f"{path}: {kind}, not a config file")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config file ({error.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {error.start}); a config file is TOML, which is UTF-8"
+        ) from None
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

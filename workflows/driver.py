@@ -136,6 +136,7 @@ def _train_on(
         # Epoch records whose events were still in flight when the job returned.
         final_records=lambda results: list(results[0].history),
         task_prefix="train",
+        signing_key_file=config.checkpoint.signing_key_file,
     )
     results: list[RankResult] = launched.results
     rank0 = results[0]

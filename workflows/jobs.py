@@ -192,6 +192,7 @@ def launch_on(
     final_records: Callable[[list[Any]], list[dict[str, Any]]] | None = None,
     retry_code_errors: bool = False,
     task_prefix: str = "launch",
+    signing_key_file: str | None = None,
 ) -> LaunchResult:
     """The attempts of one launch on a connected client (``launch`` and ``train`` use it).
 
@@ -211,7 +212,7 @@ def launch_on(
     failure: Failure | None = None
     with events:
         for attempt in range(settings.max_failures + 1):
-            resume = latest_good_checkpoint(directory) if directory else None
+            resume = latest_good_checkpoint(directory, signing_key_file) if directory else None
             if resume:
                 # Records the checkpoint already holds were delivered by the run that wrote it.
                 events.skip(resume[1].get("history", []))
@@ -242,6 +243,7 @@ def launch_on(
                         checkpoint_dir=directory,
                         keep_checkpoints=keep_checkpoints,
                         resume_from=str(resume[0]) if resume else None,
+                        signing_key_file=signing_key_file,
                     )
                     payload = cloudpickle.dumps(job)
                     if attempt == 0:

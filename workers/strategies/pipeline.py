@@ -11,12 +11,10 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
@@ -26,6 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from workers.config_models import PipelineConfig
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.layout import Layout
 from workers.precision import Precision
@@ -36,56 +35,6 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
-
-
-class PipelineConfig(BaseModel):
-    """How the model is cut into stages and how the stages are scheduled.
-
-    ``model_parallel`` uses the cut (``split_points`` / ``balance``) and ignores the schedule.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    n_microbatches: int = Field(default=8, ge=1)
-    stages_per_rank: int = Field(default=1, ge=1, description="more than 1: interleaved only")
-    split_points: tuple[str, ...] | None = Field(
-        default=None,
-        description="names of the top-level modules that start stage 2, 3, …; unset: planned",
-    )
-    balance: Literal["profile", "layers"] = Field(
-        default="profile",
-        description="without split_points: profile each layer on a worker and balance time, "
-        "or give each stage an equal number of layers",
-    )
-    dp: int = Field(default=1, ge=1, description="data-parallel replicas of every stage")
-    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
-
-    @model_validator(mode="after")
-    def _schedule_fits(self) -> "PipelineConfig":
-        interleaved = self.schedule == "interleaved_1f1b"
-        if interleaved and self.stages_per_rank < 2:
-            raise ValueError(
-                "pipeline.stages_per_rank: interleaved_1f1b runs several stages per rank; "
-                "set stages_per_rank = 2 or more, or use schedule = '1f1b'"
-            )
-        if not interleaved and self.stages_per_rank > 1:
-            raise ValueError(
-                f"pipeline.stages_per_rank: {self.schedule} runs one stage per rank; "
-                "set stages_per_rank = 1, or use schedule = 'interleaved_1f1b'"
-            )
-        # Measured with torch 2.14 on gloo: GPipe over DDP-wrapped stages trips the reducer's
-        # "rebuilt params size" assert on the second step, because every micro-batch's
-        # backward runs before DDP's bucket rebuild; 1F1B interleaves them and stays correct.
-        if self.dp > 1 and self.dp_mode == "ddp" and self.schedule != "1f1b":
-            raise ValueError(
-                f"pipeline.dp_mode: DDP-wrapped stages only work with the 1f1b schedule "
-                f"(with {self.schedule} DDP's reducer fails); use dp_mode = 'fsdp', "
-                "or schedule = '1f1b'"
-            )
-        if self.split_points is not None and len(set(self.split_points)) != len(self.split_points):
-            raise ValueError(f"pipeline.split_points: names repeat in {list(self.split_points)}")
-        return self
 
 
 def cut_into_stages(model: nn.Module, split_points: Sequence[str]) -> list[nn.Sequential]:

@@ -1,0 +1,214 @@
+"""The config sections of the worker-side components: checkpoint, data, model, training,
+pipeline.
+
+They live here, apart from the code that uses them, because this module must not import torch:
+``dask-train validate`` and every config check import it, and torch alone takes seconds to
+import. The components re-export their own section (``workers.data.DataConfig`` and so on).
+"""
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from workers.strategies import STRATEGIES
+
+# The top-level modules of each registered model (workers/models.py): where a model can be cut
+# into stages. Written out so that checking split points needs no torch; a test compares them
+# with the modules the models really have.
+# fmt: off
+MODEL_LAYERS: dict[str, tuple[str, ...]] = {
+    "cifar_cnn": (
+        "conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc1", "relu3", "fc2",
+    ),
+    "small_resnet": (
+        "stem", "block1", "block2", "block3", "block4", "down1", "block5", "down2", "block6",
+        "pool", "flatten", "fc",
+    ),
+}
+# fmt: on
+
+
+class CheckpointConfig(BaseModel):
+    """When to checkpoint, how many to keep, and whether to continue from one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    directory: str | None = Field(
+        default=None,
+        description="a folder every worker can reach; `dask-train run` uses <run dir>/checkpoints",
+    )
+    every_steps: int = Field(default=0, ge=0, description="0: at epoch ends only")
+    at_epoch_end: bool = True
+    keep: int = Field(default=3, ge=1, description="newest checkpoints kept")
+    resume: Literal["auto", "never"] = Field(
+        default="auto", description="auto: continue from the newest good checkpoint"
+    )
+    signing_key_file: str | None = Field(
+        default=None,
+        description="a secret key file: manifests carry an HMAC-SHA256 made with it, and a "
+        "checkpoint without a valid one is refused (every worker must read the same file)",
+    )
+
+    @field_validator("signing_key_file")
+    @classmethod
+    def _key_readable(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser().resolve()
+        try:
+            key = path.read_bytes()
+        except OSError as error:
+            raise ValueError(
+                f"checkpoint.signing_key_file: {value}: cannot read it ({error.strerror or error})"
+            ) from None
+        if not key.strip():
+            raise ValueError(f"checkpoint.signing_key_file: {value}: the file is empty")
+        # Absolute, so workers started elsewhere read the same path.
+        return str(path)
+
+
+class DataConfig(BaseModel):
+    """Where the images come from, where the preprocessed store lives, how ranks read it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic"] = "digits"
+    root: str | None = Field(
+        default=None,
+        description="cifar10: folder holding cifar-10-batches-py; imagefolder: "
+        "class-per-folder tree (local path or fsspec URL)",
+    )
+    download: bool = Field(default=False, description="cifar10: fetch the archive into root")
+    store: str | None = Field(
+        default=None, description="zarr store (path or URL); default data/stores/<dataset>"
+    )
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="for fsspec URLs")
+    image_size: int = Field(default=32, ge=8, le=1024)
+    val_fraction: float = Field(default=0.2, gt=0.0, lt=1.0, description="without a val split")
+    synthetic_samples: int = Field(default=4096, ge=16, description="synthetic: total samples")
+    on_bad: Literal["fail", "skip"] = Field(
+        default="fail", description="a corrupt image or batch file: fail naming it, or skip it"
+    )
+    chunk_size: int = Field(default=1024, ge=1, description="samples per store chunk")
+    shuffle_window: int = Field(default=4, ge=1, description="chunks shuffled together")
+    in_memory: bool = Field(
+        default=False, description="read the whole training split into memory once per rank"
+    )
+    prefetch_batches: int = Field(default=4, ge=0, description="batches read ahead in a thread")
+    augment: bool = Field(default=False, description="random crop (pad 4) and horizontal flip")
+    drop_last: bool = Field(default=False, description="drop the samples that do not fill ranks")
+
+    @model_validator(mode="after")
+    def _root_where_needed(self) -> "DataConfig":
+        if self.dataset in ("cifar10", "imagefolder") and self.root is None:
+            raise ValueError(f"data.root: the {self.dataset} dataset needs a root folder or URL")
+        return self
+
+    @property
+    def store_url(self) -> str:
+        store = self.store or f"data/stores/{self.dataset}"
+        # A relative path means the client's working directory, wherever the worker runs.
+        return store if "://" in store else str(Path(store).expanduser().resolve())
+
+    def resolved(self) -> "DataConfig":
+        """A copy with local paths made absolute on the client, for workers to use."""
+        root = self.root
+        if root is not None and "://" not in root:
+            root = str(Path(root).expanduser().resolve())
+        return self.model_copy(update={"root": root, "store": self.store_url})
+
+
+class ModelConfig(BaseModel):
+    """Which registered model to train."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "cifar_cnn"
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in MODEL_LAYERS:
+            raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODEL_LAYERS)}")
+        return name
+
+
+class TrainingConfig(BaseModel):
+    """How to train: strategy, optimizer, schedule, precision."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal[STRATEGIES] = "ddp"  # type: ignore[valid-type]
+    epochs: int = Field(default=3, ge=1)
+    max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
+    batch_size: int = Field(default=64, ge=1, description="global batch per optimizer step")
+    grad_accum_steps: int = Field(default=1, ge=1)
+    lr: float = Field(default=0.05, gt=0)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip_norm: float | None = Field(default=None, gt=0)
+    seed: int = 0
+    log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
+
+    @model_validator(mode="after")
+    def _accumulation_fits(self) -> "TrainingConfig":
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(
+                f"training.batch_size ({self.batch_size}) must be a multiple of "
+                f"training.grad_accum_steps ({self.grad_accum_steps})"
+            )
+        return self
+
+
+class PipelineConfig(BaseModel):
+    """How the model is cut into stages and how the stages are scheduled.
+
+    ``model_parallel`` uses the cut (``split_points`` / ``balance``) and ignores the schedule.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    n_microbatches: int = Field(default=8, ge=1)
+    stages_per_rank: int = Field(default=1, ge=1, description="more than 1: interleaved only")
+    split_points: tuple[str, ...] | None = Field(
+        default=None,
+        description="names of the top-level modules that start stage 2, 3, …; unset: planned",
+    )
+    balance: Literal["profile", "layers"] = Field(
+        default="profile",
+        description="without split_points: profile each layer on a worker and balance time, "
+        "or give each stage an equal number of layers",
+    )
+    dp: int = Field(default=1, ge=1, description="data-parallel replicas of every stage")
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> "PipelineConfig":
+        interleaved = self.schedule == "interleaved_1f1b"
+        if interleaved and self.stages_per_rank < 2:
+            raise ValueError(
+                "pipeline.stages_per_rank: interleaved_1f1b runs several stages per rank; "
+                "set stages_per_rank = 2 or more, or use schedule = '1f1b'"
+            )
+        if not interleaved and self.stages_per_rank > 1:
+            raise ValueError(
+                f"pipeline.stages_per_rank: {self.schedule} runs one stage per rank; "
+                "set stages_per_rank = 1, or use schedule = 'interleaved_1f1b'"
+            )
+        # Measured with torch 2.14 on gloo: GPipe over DDP-wrapped stages trips the reducer's
+        # "rebuilt params size" assert on the second step, because every micro-batch's
+        # backward runs before DDP's bucket rebuild; 1F1B interleaves them and stays correct.
+        if self.dp > 1 and self.dp_mode == "ddp" and self.schedule != "1f1b":
+            raise ValueError(
+                f"pipeline.dp_mode: DDP-wrapped stages only work with the 1f1b schedule "
+                f"(with {self.schedule} DDP's reducer fails); use dp_mode = 'fsdp', "
+                "or schedule = '1f1b'"
+            )
+        if self.split_points is not None and len(set(self.split_points)) != len(self.split_points):
+            raise ValueError(f"pipeline.split_points: names repeat in {list(self.split_points)}")
+        return self
