@@ -468,12 +468,16 @@ def _refused(address: str, security: Security | None) -> Exception | None:
         return error
 
 
-def _handshake_without_a_certificate(address: str, ca_file: str) -> Exception | None:
-    """A TLS client that trusts the cluster's CA but has no certificate of its own: the
-    scheduler must refuse it (TLS 1.3 reports that on the first read)."""
+def _handshake_without_a_certificate(
+    address: str, ca_file: str, *, cert: str | None = None, key: str | None = None
+) -> Exception | None:
+    """A TLS client that trusts the cluster's CA but has no certificate of its own (or
+    presents ``cert``): the scheduler must refuse it (TLS 1.3 reports that on the first read)."""
     host, port = address.removeprefix("tls://").rsplit(":", 1)
     context = ssl.create_default_context(cafile=ca_file)
     context.check_hostname = False  # Dask's certificates name roles, not hosts
+    if cert is not None:
+        context.load_cert_chain(cert, key)
     try:
         with (
             socket.create_connection((host, int(port)), timeout=5) as raw,
@@ -508,6 +512,36 @@ def test_training_over_tls_and_clients_without_the_certificate_are_refused(
             # A certificate the cluster's CA never signed, and no TLS at all.
             assert _refused(address, Security.temporary()) is not None
             assert _refused(address.replace("tls://", "tcp://"), None) is not None
+
+
+def test_the_scheduler_refuses_a_client_certificate_from_another_ca(certificates, tmp_path):
+    # The client trusts the cluster's CA, so its own side of the handshake succeeds: any refusal
+    # is the scheduler's verdict on the certificate, signed by a CA the cluster never trusted.
+    foreign = {k: str(v) for k, v in write_pem_files(Security.temporary(), tmp_path).items()}
+    cluster_config = {"n_workers": 1, "dashboard_port": 0, "security": certificates}
+    with start_cluster(**cluster_config) as cluster:
+        address = cluster.cluster.scheduler_address
+        scheduler = cluster.cluster.scheduler
+        clients_before = set(scheduler.clients)
+
+        refusal = _handshake_without_a_certificate(
+            address, certificates["tls_ca_file"], cert=foreign["tls_cert"], key=foreign["tls_key"]
+        )
+        # An alert is what the peer sent: the scheduler named the certificate's CA unknown.
+        assert isinstance(refusal, ssl.SSLError), refusal
+        assert refusal.reason == "TLSV1_ALERT_UNKNOWN_CA", refusal
+
+        mixed = Security(
+            tls_ca_file=certificates["tls_ca_file"],
+            tls_client_cert=foreign["tls_cert"],
+            tls_client_key=foreign["tls_key"],
+            require_encryption=True,
+        )
+        with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
+            assert _refused(address, mixed) is not None
+        # The scheduler never registered it; its own certificate still gets in.
+        assert set(scheduler.clients) == clients_before
+        assert _refused(address, cluster.client.security) is None
 
 
 def test_a_temporary_certificate_set_secures_a_local_cluster():

@@ -12,12 +12,14 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Literal, Self
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
+from distributed.core import Status
 from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -30,6 +32,20 @@ logger = logging.getLogger(__name__)
 # then page-fault in again. Measured here on the seed CNN (2 ranks, batch 128): ~2,500 samples/s
 # with glibc's defaults, ~3,400 with these, ~1,400 with Dask's MALLOC_TRIM_THRESHOLD_=65536 alone.
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 256 * 2**20}
+
+# A local cluster closes the nanny of a worker that has been gone this long
+# (distributed.deploy.lost-worker-timeout, 15 s by default), and nothing starts it again. A
+# restart (Client.restart, or the launcher releasing the ranks of a failed job) takes the
+# nanny's 4 s grace for the old process to exit plus a fresh process importing torch: over 15 s
+# on a loaded machine, and then the restart never ends. Our nannies always restart their
+# worker, so this only bounds a restart that is stuck anyway.
+RESTART_GRACE = "10 minutes"
+# Dask's nanny gives a worker process 4 s (0.8 of 5) to exit before SIGKILL, then the rest of
+# the 5 s to be reaped, and a kill not done by then fails the whole restart ("did not shut
+# down"). A worker that has trained exits slowly on a loaded machine (the interpreter's shutdown
+# with torch loaded, then the kernel freeing a large heap): measured here, over 5 s at a load
+# of 15 on 2 cores. The grace is a bound, not a wait: a process that exits sooner is done sooner.
+WORKER_EXIT_GRACE_S = 20.0
 
 
 def malloc_settings(memory_limit: int | None) -> dict[str, int]:
@@ -50,6 +66,7 @@ def worker_process_config(*, malloc: dict[str, int] | None) -> dict[str, object]
     environ = malloc if malloc else dict.fromkeys(TUNED_MALLOC)  # None unsets
     return {
         "distributed.worker.daemon": False,
+        "distributed.deploy.lost-worker-timeout": RESTART_GRACE,
         **{f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in environ.items()},
     }
 
@@ -113,17 +130,42 @@ class ClusterConfig(BaseModel):
 
 
 def count_gpus() -> int:
-    """GPUs NVML can see; 0 on a machine without the NVIDIA driver (never raises)."""
+    """GPUs NVML can see: 0 on a machine without the NVIDIA driver's library (or without
+    pynvml). Any other NVML failure (a driver that is not loaded, no permission, a GPU lost)
+    raises :class:`NvmlError`: a GPU host that cannot be read must not quietly become a CPU
+    cluster."""
     try:
         import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ImportError, ...
+    except ImportError:
         return 0
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return no_gpus_or_raise(error)
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError as error:
+        return no_gpus_or_raise(error)
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+class NvmlError(RuntimeError):
+    """NVML is installed but failed: the GPUs of this host cannot be counted."""
+
+
+def no_gpus_or_raise(error: Exception) -> int:
+    """0 when ``error`` says the NVIDIA driver's library is missing (a machine without NVIDIA
+    GPUs); otherwise raise an :class:`NvmlError` that names NVML's error."""
+    import pynvml
+
+    if isinstance(error, pynvml.NVMLError_LibraryNotFound):
+        return 0
+    raise NvmlError(
+        f"cluster.kind: NVML could not count the GPUs: {type(error).__name__}: {error}; fix the "
+        "NVIDIA driver, or set cluster.kind = 'cpu' to train without GPUs"
+    ) from error
 
 
 class TrainingCluster:
@@ -141,10 +183,7 @@ class TrainingCluster:
                 if config.tune_malloc:
                     malloc = malloc_settings(_worker_memory_bytes(config))
                 self._config_scope = dask.config.set(worker_process_config(malloc=malloc))
-                # The nanny copies its pre-spawn environment into *this* process's os.environ;
-                # undo that, so it neither leaks into our subprocesses nor into later clusters.
-                with _environ_restored(TUNED_MALLOC):
-                    self.cluster, self.kind = _start_local(config, security)
+                self.cluster, self.kind = _start_local(config, security)
                 self.client = Client(
                     self.cluster, timeout=config.connect_timeout_s, security=security
                 )
@@ -197,23 +236,62 @@ def start_cluster(config: ClusterConfig | None = None, **overrides: object) -> T
     return TrainingCluster(config)
 
 
-@contextlib.contextmanager
-def _environ_restored(keys: Iterable[str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in keys}
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+class _SpawnEnviron:
+    """Undo what a nanny writes into this process's ``os.environ`` to spawn a worker.
+
+    Dask's nanny copies its pre-spawn environment (our malloc settings, its PYTHONHASHSEED) into
+    the environment of the process that holds it, here the client's, on every spawn: the first
+    one and every restart. Left there, the values reach the client's own subprocesses and
+    override the settings of any cluster started later in this process (``os.environ`` wins
+    over the config). Several nannies spawn at once on one event loop, in any order, so the
+    values from before the first of them are kept and put back when the last one is done.
+    """
+
+    _lock = threading.Lock()
+    _spawning = 0
+    _saved: dict[str, str | None] = {}
+
+    @classmethod
+    @contextlib.contextmanager
+    def around(cls, keys: Iterable[str]) -> Iterator[None]:
+        with cls._lock:
+            for key in keys:
+                cls._saved.setdefault(key, os.environ.get(key))
+            cls._spawning += 1
+        try:
+            yield
+        finally:
+            with cls._lock:
+                cls._spawning -= 1
+                if cls._spawning == 0:
+                    saved, cls._saved = cls._saved, {}
+                    for key, value in saved.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
+
+
+class _Nanny(Nanny):
+    """Dask's nanny, minus the environment it leaves behind in this process, and with time for
+    a worker that trained to exit."""
+
+    async def kill(self, timeout: float = 5, reason: str = "nanny-kill") -> None:
+        # Restarts (Client.restart, the launcher releasing a failed job's ranks) call this with
+        # Dask's default of 5 s.
+        await super().kill(timeout=max(timeout, WORKER_EXIT_GRACE_S), reason=reason)
+
+    async def instantiate(self) -> Status:
+        # Every start and restart of the worker process goes through here.
+        with _SpawnEnviron.around([*self.pre_spawn_env, *TUNED_MALLOC]):
+            return await super().instantiate()
 
 
 def _worker_memory_bytes(config: ClusterConfig) -> int | None:
     from distributed.worker_memory import parse_memory_limit
 
-    workers = config.n_workers or count_gpus() or 2
+    gpus = count_gpus() if config.kind in ("auto", "cuda") else 0
+    workers = config.n_workers or gpus or 2
     return parse_memory_limit(config.memory_limit, nthreads=1, total_cores=workers, logger=logger)
 
 
@@ -229,6 +307,7 @@ def _start_local(config: ClusterConfig, security: Security | None) -> tuple[Loca
 
         cluster = LocalCUDACluster(
             n_workers=config.n_workers or gpus,
+            worker_class=_Nanny,
             threads_per_worker=1,
             memory_limit=config.memory_limit,
             dashboard_address=dashboard,
@@ -239,6 +318,7 @@ def _start_local(config: ClusterConfig, security: Security | None) -> tuple[Loca
         n_workers=config.n_workers or 2,
         threads_per_worker=1,
         processes=True,
+        worker_class=_Nanny,
         memory_limit=config.memory_limit,
         dashboard_address=dashboard,
         **secured,
