@@ -40,12 +40,13 @@ TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 
 # on a loaded machine, and then the restart never ends. Our nannies always restart their
 # worker, so this only bounds a restart that is stuck anyway.
 RESTART_GRACE = "10 minutes"
-# Dask's nanny gives a worker process 4 s (0.8 of 5) to exit before SIGKILL, then the rest of
-# the 5 s to be reaped, and a kill not done by then fails the whole restart ("did not shut
-# down"). A worker that has trained exits slowly on a loaded machine (the interpreter's shutdown
-# with torch loaded, then the kernel freeing a large heap): measured here, over 5 s at a load
-# of 15 on 2 cores. The grace is a bound, not a wait: a process that exits sooner is done sooner.
-WORKER_EXIT_GRACE_S = 20.0
+# Dask's nanny gives a worker process 4 s (0.8 of 5) to exit, then sends SIGKILL and allows
+# what is left of the 5 s for the process to be reaped; a kill not reaped by then fails the
+# whole restart ("did not shut down"). A worker that has trained exits slowly on a loaded
+# machine, and after SIGKILL the kernel still has to free its heap: seen here at a load of 15
+# on 2 cores, not reaped within that last second. SIGKILL stays at 4 s (a rank stuck in a
+# collective never exits by itself); only the reaping gets this bound.
+REAP_GRACE_S = 30.0
 
 
 def malloc_settings(memory_limit: int | None) -> dict[str, int]:
@@ -273,13 +274,25 @@ class _SpawnEnviron:
 
 
 class _Nanny(Nanny):
-    """Dask's nanny, minus the environment it leaves behind in this process, and with time for
-    a worker that trained to exit."""
+    """Dask's nanny, minus the environment it leaves behind in this process, and with time to
+    reap a killed worker process."""
 
     async def kill(self, timeout: float = 5, reason: str = "nanny-kill") -> None:
         # Restarts (Client.restart, the launcher releasing a failed job's ranks) call this with
         # Dask's default of 5 s.
-        await super().kill(timeout=max(timeout, WORKER_EXIT_GRACE_S), reason=reason)
+        worker_process = self.process
+        try:
+            await super().kill(timeout=timeout, reason=reason)
+        except TimeoutError:
+            # Dask raises this only once SIGKILL was sent and the process is still not reaped.
+            process = getattr(worker_process, "process", None)
+            if process is None:  # reaped and released meanwhile
+                return
+            try:
+                await process.join(REAP_GRACE_S)  # raises TimeoutError past the bound
+            except ValueError as error:  # reaped and closed meanwhile
+                if "closed" not in str(error):
+                    raise
 
     async def instantiate(self) -> Status:
         # Every start and restart of the worker process goes through here.
