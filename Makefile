@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict clean
+.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict gpu-check clean
 
 install: $(STAMP)
 
@@ -52,6 +52,19 @@ screenshot: $(STAMP) browser
 
 bench-predict: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.inference
+
+# The GPU checks (.ci/gpu-check): the gpu tests and a short DDP benchmark on nccl, within
+# 10 minutes on one GPU. In this project's .venv by default; `make gpu-check PYTHON_ENV=system`
+# uses python3 from PATH as it is (a machine with torch preinstalled), creating and installing
+# nothing.
+PYTHON_ENV ?= venv
+ifeq ($(PYTHON_ENV),system)
+gpu-check:
+	PYTHON=python3 .ci/gpu-check
+else
+gpu-check: $(STAMP)
+	PYTHON=$(BIN)/python .ci/gpu-check
+endif
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

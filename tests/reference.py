@@ -9,17 +9,20 @@ from workers.models import build_model
 from workflows.config import RunConfig
 
 
-def train_in_one_process(config: RunConfig, *, world_size: int, steps: int) -> dict:
-    """``steps`` SGD steps on the full global batches that ``world_size`` ranks would see.
+def train_in_one_process(
+    config: RunConfig, *, world_size: int, steps: int, device: str = "cpu"
+) -> dict:
+    """``steps`` SGD steps on the full global batches that ``world_size`` ranks would see, on
+    ``device``; the parameters come back on the CPU.
 
     Each global batch is the concatenation of the ranks' batches at that step; the mean loss over
     it equals the mean of the ranks' mean losses, which is what DDP optimizes.
     """
     t, d = config.training, config.data.resolved()
     store = open_store(d.store_url)
-    images = torch.from_numpy(np.asarray(store.train.images[:]))
-    labels = torch.from_numpy(store.train.labels)
-    model = build_model(config.model.name, num_classes=store.num_classes, seed=t.seed)
+    images = torch.from_numpy(np.asarray(store.train.images[:])).to(device)
+    labels = torch.from_numpy(store.train.labels).to(device)
+    model = build_model(config.model.name, num_classes=store.num_classes, seed=t.seed).to(device)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
@@ -43,6 +46,7 @@ def train_in_one_process(config: RunConfig, *, world_size: int, steps: int) -> d
             if done == steps or (d.drop_last and start + per_rank > len(shards[0])):
                 break
             index = torch.from_numpy(np.concatenate([s[start : start + per_rank] for s in shards]))
+            index = index.to(device)
             optimizer.zero_grad()
             F.cross_entropy(model(images[index]), labels[index]).backward()
             if t.grad_clip_norm is not None:
@@ -50,4 +54,4 @@ def train_in_one_process(config: RunConfig, *, world_size: int, steps: int) -> d
             optimizer.step()
             done += 1
         epoch += 1
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -76,28 +76,61 @@ def test_bf16_autocast_and_clipping_and_cosine_schedule_train(cluster, config_of
     assert result.final["lr"] < 0.1 / 10  # annealed towards zero by the end
 
 
+WARM_UP_JOBS = 3
+JOBS = 50
+# A rank that kept one copy of the seed CNN's parameters per job (535 KiB: a model, its
+# momentum buffers, a state dict) would grow its resident set at least that much each time. Below
+# this least-squares slope over the second half of the jobs, memory counts as flat: measured
+# here, +170 KiB/job (1052 → 1072 MiB over 50 jobs) on a machine at load 12, not yet attributed
+# (Dask's per-worker logs and profiler history grow up to their bounds).
+FLAT_BYTES_PER_JOB = 384 * 2**10
+
+
 @pytest.mark.slow
-def test_fifty_jobs_in_a_row_on_one_warm_cluster(cluster, config_of):
+def test_fifty_jobs_in_a_row_on_one_warm_cluster_leak_nothing(cluster, config_of):
     config = config_of(max_steps=1)
+    # Warm: imports, first allocations, the thread pools' threads, the store's handles.
+    for _ in range(WARM_UP_JOBS):
+        train(config, cluster=cluster, on_event=None)
+    warm = cluster.client.run(_process_resources)
+    seen: dict[str, list[dict[str, int]]] = {worker: [] for worker in warm}
     first_steps = []
-    train(config, cluster=cluster, on_event=None)  # warm: imports, first allocations
-    before = cluster.client.run(_process_resources)
-    for _ in range(50):
+    for _ in range(JOBS):
         result = train(config, cluster=cluster, on_event=None)
         assert result.history[-1]["step"] == 1
         first_steps.append(result.first_step_s)
-    after = cluster.client.run(_process_resources)
-    print(f"submit → first step over 50 warm jobs: median {sorted(first_steps)[25]:.3f} s")
-    for worker in sorted(after):
-        was, now = before[worker], after[worker]
+        for worker, resources in cluster.client.run(_process_resources).items():
+            seen[worker].append(resources)
+    print(
+        f"submit → first step over {JOBS} warm jobs: median {sorted(first_steps)[JOBS // 2]:.3f} s"
+    )
+    flat = {}
+    for worker in sorted(seen):
+        fds = [r["fds"] for r in seen[worker]]
+        threads = [r["threads"] for r in seen[worker]]
+        rss = [r["rss"] for r in seen[worker]]
+        slope = _least_squares_slope(rss[JOBS // 2 :])
         print(
-            f"{worker}: open fds {was['fds']} → {now['fds']}, threads {was['threads']} → "
-            f"{now['threads']}, resident {was['rss'] / 2**20:.0f} → {now['rss'] / 2**20:.0f} MiB"
+            f"{worker}: open fds {warm[worker]['fds']} → {sorted(set(fds))}, threads "
+            f"{warm[worker]['threads']} → {sorted(set(threads))}, resident "
+            f"{warm[worker]['rss'] / 2**20:.0f} → {rss[-1] / 2**20:.0f} MiB, second-half slope "
+            f"{slope / 2**10:+.1f} KiB/job"
         )
-        # Bounded: each job's process group, threads and sockets are released.
-        assert now["fds"] - was["fds"] <= 16
-        assert now["threads"] - was["threads"] <= 8
-        assert now["rss"] - was["rss"] <= 256 * 2**20
+        # Each job's process group, sockets, threads and files are released: after every job
+        # the worker holds exactly what it held after warming up.
+        flat[worker] = (
+            fds == [warm[worker]["fds"]] * JOBS,
+            threads == [warm[worker]["threads"]] * JOBS,
+            slope < FLAT_BYTES_PER_JOB,
+        )
+    assert flat == dict.fromkeys(seen, (True, True, True))
+
+
+def _least_squares_slope(values: list[int]) -> float:
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    covariance = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
+    return covariance / sum((x - mean_x) ** 2 for x in range(n))
 
 
 def _process_resources() -> dict[str, int]:

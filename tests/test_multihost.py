@@ -3,6 +3,7 @@ workers in two network namespaces standing in for two hosts, and TLS. Real proce
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -471,12 +472,16 @@ def _refused(address: str, security: Security | None) -> Exception | None:
         return error
 
 
-def _handshake_without_a_certificate(address: str, ca_file: str) -> Exception | None:
-    """A TLS client that trusts the cluster's CA but has no certificate of its own: the
-    scheduler must refuse it (TLS 1.3 reports that on the first read)."""
+def _handshake_without_a_certificate(
+    address: str, ca_file: str, *, cert: str | None = None, key: str | None = None
+) -> Exception | None:
+    """A TLS client that trusts the cluster's CA but has no certificate of its own (or
+    presents ``cert``): the scheduler must refuse it (TLS 1.3 reports that on the first read)."""
     host, port = address.removeprefix("tls://").rsplit(":", 1)
     context = ssl.create_default_context(cafile=ca_file)
     context.check_hostname = False  # Dask's certificates name roles, not hosts
+    if cert is not None:
+        context.load_cert_chain(cert, key)
     try:
         with (
             socket.create_connection((host, int(port)), timeout=5) as raw,
@@ -511,6 +516,49 @@ def test_training_over_tls_and_clients_without_the_certificate_are_refused(
             # A certificate the cluster's CA never signed, and no TLS at all.
             assert _refused(address, Security.temporary()) is not None
             assert _refused(address.replace("tls://", "tcp://"), None) is not None
+
+
+def test_the_scheduler_refuses_a_client_certificate_from_another_ca(certificates, tmp_path, caplog):
+    # The client trusts the cluster's CA, so its own side of the handshake succeeds: a refusal
+    # is the scheduler's verdict on the certificate, signed by a CA the cluster never trusted.
+    foreign = {k: str(v) for k, v in write_pem_files(Security.temporary(), tmp_path).items()}
+    caplog.set_level(logging.WARNING, logger="distributed.comm.tcp")
+    cluster_config = {"n_workers": 1, "dashboard_port": 0, "security": certificates}
+    with start_cluster(**cluster_config) as cluster:
+        address = cluster.cluster.scheduler_address
+        scheduler = cluster.cluster.scheduler
+        clients_before = set(scheduler.clients)
+
+        refusal = _handshake_without_a_certificate(
+            address, certificates["tls_ca_file"], cert=foreign["tls_cert"], key=foreign["tls_key"]
+        )
+        assert isinstance(refusal, OSError), refusal  # ssl.SSLError is one
+        mixed = Security(
+            tls_ca_file=certificates["tls_ca_file"],
+            tls_client_cert=foreign["tls_cert"],
+            tls_client_key=foreign["tls_key"],
+            require_encryption=True,
+        )
+        with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
+            assert _refused(address, mixed) is not None
+        # The scheduler's listener (in this process) says why it dropped the connections; it
+        # logs from its event loop, so the record may trail the client's error a little.
+        deadline = time.monotonic() + 30
+        while not _verify_failures(caplog) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _verify_failures(caplog), caplog.text
+        # It never registered either client; its own certificate still gets in.
+        assert set(scheduler.clients) == clients_before
+        assert _refused(address, cluster.client.security) is None
+
+
+def _verify_failures(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "TLS handshake failed" in r.getMessage()
+        and "CERTIFICATE_VERIFY_FAILED" in r.getMessage()
+    ]
 
 
 def test_a_temporary_certificate_set_secures_a_local_cluster():

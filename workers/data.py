@@ -133,9 +133,15 @@ class RankBatches:
         world_size: int,
         batch_size: int,
         seed: int,
+        pin_memory: bool | None = None,
     ) -> None:
+        """``pin_memory``: hand out batches in page-locked memory, so that
+        ``.to(device, non_blocking=True)`` copies them to the GPU asynchronously (from pageable
+        memory that copy is synchronous). None: when CUDA is available, which is exactly when a
+        rank's device is a GPU (``workers/devices.py``)."""
         self.split, self.config = split, config
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         if config.in_memory:
             # Read once every chunk this rank could ever need: with shuffled chunks, that is all.
             self.split = StoreSplit(np.asarray(split.images[:]), split.labels, split.chunk_size)
@@ -173,7 +179,11 @@ class RankBatches:
             index = order[start : start + self.batch_size]
             x = torch.from_numpy(self._cache.take(index))
             y = torch.from_numpy(self.split.labels[index])
-            return (augment(x, batch) if augment else x), y
+            x = augment(x, batch) if augment else x
+            if self.pin_memory:
+                # In the prefetch thread, while the current batch trains.
+                x, y = x.pin_memory(), y.pin_memory()
+            return x, y
 
         batches = (read(batch, start) for batch, start in enumerate(starts) if batch >= start_batch)
         if self.config.prefetch_batches:

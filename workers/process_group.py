@@ -143,13 +143,15 @@ class ProcessGroupPlugin(WorkerPlugin):
         import torch
         import torch.distributed as dist
 
+        from workers.devices import local_device
+
         spec = self.spec
         rank = spec.ranks[address]
         if dist.is_initialized():
             # A previous generation whose teardown never ran (its worker plugin was replaced
             # while a job still held it): leave it before joining the new one.
             dist.destroy_process_group()
-        device = _local_device()
+        device = local_device(spec.local_ranks.get(address, 0))
         if spec.backend == "nccl":
             if device.type != "cuda":
                 raise RuntimeError(
@@ -235,13 +237,6 @@ def _leave() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _local_device() -> "torch.device":
-    import torch
-
-    # dask-cuda rotates CUDA_VISIBLE_DEVICES so that each worker's own GPU is its cuda:0.
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def current_membership(generation: str) -> Membership:

@@ -23,6 +23,7 @@ from typing import Any, Literal, Self, TypeVar
 
 import dask
 from distributed import Client, LocalCluster, Nanny
+from distributed.core import Status
 from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,6 +37,21 @@ T = TypeVar("T")
 # then page-fault in again. Measured here on the seed CNN (2 ranks, batch 128): ~2,500 samples/s
 # with glibc's defaults, ~3,400 with these, ~1,400 with Dask's MALLOC_TRIM_THRESHOLD_=65536 alone.
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 256 * 2**20}
+
+# A local cluster closes the nanny of a worker that has been gone this long
+# (distributed.deploy.lost-worker-timeout, 15 s by default), and nothing starts it again. A
+# restart (Client.restart, or the launcher releasing the ranks of a failed job) takes the
+# nanny's 4 s grace for the old process to exit plus a fresh process importing torch: over 15 s
+# on a loaded machine, and then the restart never ends. Our nannies always restart their
+# worker, so this only bounds a restart that is stuck anyway.
+RESTART_GRACE = "10 minutes"
+# Dask's nanny gives a worker process 4 s (0.8 of 5) to exit, then sends SIGKILL and allows
+# what is left of the 5 s for the process to be reaped; a kill not reaped by then fails the
+# whole restart ("did not shut down"). A worker that has trained exits slowly on a loaded
+# machine, and after SIGKILL the kernel still has to free its heap: seen here at a load of 15
+# on 2 cores, not reaped within that last second. SIGKILL stays at 4 s (a rank stuck in a
+# collective never exits by itself); only the reaping gets this bound.
+REAP_GRACE_S = 30.0
 
 
 def malloc_settings(memory_limit: int | None) -> dict[str, int]:
@@ -59,6 +75,7 @@ def worker_process_config(
     environ = malloc if malloc else dict.fromkeys(TUNED_MALLOC)  # None unsets
     config: dict[str, object] = {
         "distributed.worker.daemon": False,
+        "distributed.deploy.lost-worker-timeout": RESTART_GRACE,
         **{f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in environ.items()},
     }
     if fork:
@@ -176,17 +193,42 @@ class ClusterConfig(BaseModel):
 
 
 def count_gpus() -> int:
-    """GPUs NVML can see; 0 on a machine without the NVIDIA driver (never raises)."""
+    """GPUs NVML can see: 0 on a machine without the NVIDIA driver's library (or without
+    pynvml). Any other NVML failure (a driver that is not loaded, no permission, a GPU lost)
+    raises :class:`NvmlError`: a GPU host that cannot be read must not quietly become a CPU
+    cluster."""
     try:
         import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ImportError, ...
+    except ImportError:
         return 0
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return no_gpus_or_raise(error)
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError as error:
+        return no_gpus_or_raise(error)
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+class NvmlError(RuntimeError):
+    """NVML is installed but failed: the GPUs of this host cannot be counted."""
+
+
+def no_gpus_or_raise(error: Exception) -> int:
+    """0 when ``error`` says the NVIDIA driver's library is missing (a machine without NVIDIA
+    GPUs); otherwise raise an :class:`NvmlError` that names NVML's error."""
+    import pynvml
+
+    if isinstance(error, pynvml.NVMLError_LibraryNotFound):
+        return 0
+    raise NvmlError(
+        f"cluster.kind: NVML could not count the GPUs: {type(error).__name__}: {error}; fix the "
+        "NVIDIA driver, or set cluster.kind = 'cpu' to train without GPUs"
+    ) from error
 
 
 class TrainingCluster:
@@ -209,12 +251,10 @@ class TrainingCluster:
                 )
                 if config.fork_workers:
                     _ensure_fork_server()
-                # The nanny copies its pre-spawn environment into *this* process's os.environ;
-                # undo that, so it neither leaks into our subprocesses nor into later clusters.
-                with _environ_restored(TUNED_MALLOC):
-                    self.cluster, self.kind = _bounded(
-                        lambda: _start_local(config, security), config.start_timeout_s
-                    )
+                # The nanny's own environment stays out of this process (_Nanny.instantiate).
+                self.cluster, self.kind = _bounded(
+                    lambda: _start_local(config, security), config.start_timeout_s
+                )
                 self.client = Client(
                     self.cluster, timeout=config.connect_timeout_s, security=security
                 )
@@ -310,7 +350,8 @@ def _refuse_an_unguarded_script(local: bool) -> None:
                     f"start_cluster() was called while a worker process imported "
                     f"{frame.f_code.co_filename}: {GUARD_FIX}"
                 )
-            spawns = dask.config.get("distributed.worker.multiprocessing-method") == "spawn"
+            # spawn and forkserver both run the main script again in each worker process.
+            spawns = dask.config.get("distributed.worker.multiprocessing-method") != "fork"
             if name == "__main__" and local and spawns:
                 path = frame.f_globals.get("__file__")
                 if path and _unguarded(path, frame.f_lineno):
@@ -403,10 +444,74 @@ def _environ_restored(keys: Iterable[str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+class _SpawnEnviron:
+    """Undo what a nanny writes into this process's ``os.environ`` to spawn a worker.
+
+    Dask's nanny copies its pre-spawn environment (our malloc settings, its PYTHONHASHSEED) into
+    the environment of the process that holds it, here the client's, on every spawn: the first
+    one and every restart. Left there, the values reach the client's own subprocesses and
+    override the settings of any cluster started later in this process (``os.environ`` wins
+    over the config). Several nannies spawn at once on one event loop, in any order, so the
+    values from before the first of them are kept and put back when the last one is done.
+    """
+
+    _lock = threading.Lock()
+    _spawning = 0
+    _saved: dict[str, str | None] = {}
+
+    @classmethod
+    @contextlib.contextmanager
+    def around(cls, keys: Iterable[str]) -> Iterator[None]:
+        with cls._lock:
+            for key in keys:
+                cls._saved.setdefault(key, os.environ.get(key))
+            cls._spawning += 1
+        try:
+            yield
+        finally:
+            with cls._lock:
+                cls._spawning -= 1
+                if cls._spawning == 0:
+                    saved, cls._saved = cls._saved, {}
+                    for key, value in saved.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
+
+
+class _Nanny(Nanny):
+    """Dask's nanny, minus the environment it leaves behind in this process, and with time to
+    reap a killed worker process."""
+
+    async def kill(self, timeout: float = 5, reason: str = "nanny-kill") -> None:
+        # Restarts (Client.restart, the launcher releasing a failed job's ranks) call this with
+        # Dask's default of 5 s.
+        worker_process = self.process
+        try:
+            await super().kill(timeout=timeout, reason=reason)
+        except TimeoutError:
+            # Dask raises this only once SIGKILL was sent and the process is still not reaped.
+            process = getattr(worker_process, "process", None)
+            if process is None:  # reaped and released meanwhile
+                return
+            try:
+                await process.join(REAP_GRACE_S)  # raises TimeoutError past the bound
+            except ValueError as error:  # reaped and closed meanwhile
+                if "closed" not in str(error):
+                    raise
+
+    async def instantiate(self) -> Status:
+        # Every start and restart of the worker process goes through here.
+        with _SpawnEnviron.around([*self.pre_spawn_env, *TUNED_MALLOC]):
+            return await super().instantiate()
+
+
 def _worker_memory_bytes(config: ClusterConfig) -> int | None:
     from distributed.worker_memory import parse_memory_limit
 
-    workers = config.n_workers or count_gpus() or 2
+    gpus = count_gpus() if config.kind in ("auto", "cuda") else 0
+    workers = config.n_workers or gpus or 2
     return parse_memory_limit(config.memory_limit, nthreads=1, total_cores=workers, logger=logger)
 
 
@@ -422,6 +527,7 @@ def _start_local(config: ClusterConfig, security: Security | None) -> tuple[Loca
 
         cluster = LocalCUDACluster(
             n_workers=config.n_workers or gpus,
+            worker_class=_Nanny,
             threads_per_worker=1,
             memory_limit=config.memory_limit,
             dashboard_address=dashboard,
@@ -432,6 +538,7 @@ def _start_local(config: ClusterConfig, security: Security | None) -> tuple[Loca
         n_workers=config.n_workers or 2,
         threads_per_worker=1,
         processes=True,
+        worker_class=_Nanny,
         memory_limit=config.memory_limit,
         dashboard_address=dashboard,
         **secured,

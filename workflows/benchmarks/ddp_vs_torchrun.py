@@ -1,6 +1,7 @@
 """dask-train DDP vs plain ``torchrun`` on the same model, data, global batch and process count.
 
     python -m workflows.benchmarks.ddp_vs_torchrun [--workers 2] [--steps 150] [--repeats 3]
+        [--device cpu|cuda]
 
 Both sides run :func:`workers.train.train`, so the only difference is what launched the ranks:
 torchrun's processes, or Dask worker processes bootstrapped by dask-train. torchrun runs twice
@@ -8,6 +9,10 @@ per repeat: as a user gets it (glibc's malloc defaults) and with the malloc sett
 gives its workers, which separates the launcher's cost from the allocator's gain. Runs alternate
 so that machine noise hits all alike; ratios are of the medians of steady-state samples/s.
 Also prints the time from submit to the first finished step for short jobs on a warm cluster.
+
+``--device cpu`` (the default) compares on gloo and hides any GPU from both sides, so the
+figures mean the same on every machine; ``--device cuda`` compares on nccl, one process per
+GPU (at most ``--workers``), dask-train on a one-worker-per-GPU cluster.
 """
 
 import argparse
@@ -18,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from workflows.cluster import TUNED_MALLOC, start_cluster
+from workflows.cluster import TUNED_MALLOC, count_gpus, start_cluster
 from workflows.config import RunConfig, load_config
 from workflows.driver import train
 
@@ -39,7 +44,9 @@ def benchmark_config(steps: int, batch_size: int) -> RunConfig:
     )
 
 
-def run_torchrun(config: RunConfig, workers: int, *, tuned_malloc: bool) -> float:
+def run_torchrun(
+    config: RunConfig, workers: int, *, tuned_malloc: bool, device: str = "cpu"
+) -> float:
     command = [
         sys.executable,
         "-m",
@@ -49,6 +56,7 @@ def run_torchrun(config: RunConfig, workers: int, *, tuned_malloc: bool) -> floa
         "-m",
         "workflows.benchmarks.torchrun_rank",
         config.model_dump_json(),
+        device,
     ]
     # torchrun would set OMP_NUM_THREADS itself (with a warning) for several processes per node.
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
@@ -69,18 +77,30 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-jobs", type=int, default=10)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
 
+    if args.device == "cpu":
+        # Before anything asks CUDA: the workers and torchrun's ranks inherit it.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        gpus = count_gpus()
+        if not gpus:
+            raise SystemExit("--device cuda: NVML sees no GPU on this machine")
+        args.workers = min(args.workers, gpus)
     config = benchmark_config(args.steps, args.batch_size)
     rates: dict[str, list[float]] = {"plain": [], "tuned": [], "dask": []}
-    with start_cluster(n_workers=args.workers, dashboard_port=0) as cluster:
+    kind = "cuda" if args.device == "cuda" else "cpu"
+    with start_cluster(n_workers=args.workers, kind=kind, dashboard_port=0) as cluster:
         warmup = config.model_copy(
             update={"training": config.training.model_copy(update={"max_steps": 5})}
         )
         train(warmup, cluster=cluster, on_event=None)  # imports and first-touch, both paid once
         for repeat in range(args.repeats):
-            rates["plain"].append(run_torchrun(config, args.workers, tuned_malloc=False))
-            rates["tuned"].append(run_torchrun(config, args.workers, tuned_malloc=True))
+            for name, tuned in (("plain", False), ("tuned", True)):
+                rates[name].append(
+                    run_torchrun(config, args.workers, tuned_malloc=tuned, device=args.device)
+                )
             rates["dask"].append(train(config, cluster=cluster, on_event=None).steady_samples_per_s)
             print(
                 f"repeat {repeat + 1}: torchrun {rates['plain'][-1]:.0f}, torchrun with our malloc "
@@ -101,7 +121,7 @@ def main() -> None:
     plain, tuned, dask = (statistics.median(rates[k]) for k in ("plain", "tuned", "dask"))
     print()
     print(
-        f"seed CNN, {args.workers} processes, global batch {args.batch_size}, "
+        f"seed CNN, {args.workers} processes on {args.device}, global batch {args.batch_size}, "
         f"{args.steps} steps, median of {args.repeats}:"
     )
     print(f"  torchrun --standalone (glibc malloc defaults)  {plain:8.0f} samples/s")

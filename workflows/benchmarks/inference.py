@@ -8,7 +8,9 @@ store's training split four times, alternating:
 
 - one process: the same task function (``workers.inference.score``) called in a plain loop over
   the same partitions, each written to its own Parquet file, torch at its default threads, in a
-  fresh Python process with glibc's malloc defaults (what a user's script gets);
+  fresh Python process with glibc's malloc defaults (what a user's script gets), warmed like
+  the workers before the clock starts: one partition scored and written first, so that neither
+  side pays imports, first allocations or pyarrow's start in the figure;
 - the same, given the malloc settings our workers get (``workflows.cluster.TUNED_MALLOC``);
 - two such processes side by side (no Dask), each scoring every other partition: what this
   machine's cores give two processes at all, the ceiling for any 2-worker scheme;
@@ -40,10 +42,22 @@ from workflows.preprocess import prepare_store
 
 
 def score_in_one_process(
-    prepared: PreparedPrediction, output: Path, share: tuple[int, int] = (0, 1)
+    prepared: PreparedPrediction,
+    output: Path,
+    share: tuple[int, int] = (0, 1),
+    *,
+    warm_up: bool = True,
 ) -> dict[str, float]:
     """Score and write partitions ``share[0]::share[1]`` in a plain loop in this process;
-    returns the count and the wall-clock start and stop (comparable across processes)."""
+    returns the count and the wall-clock start and stop (comparable across processes).
+
+    ``warm_up`` first scores and writes this share's first partition untimed, as the cluster's
+    workers have done before their figure is taken (the model is built again in the timed part,
+    as each worker loads it in every job)."""
+    if warm_up:
+        score_in_one_process(
+            prepared, output / "warm-up", (share[0], len(prepared.plan.partitions)), warm_up=False
+        )
     started = time.time()
     device = torch.device("cpu")
     model = prepared.spec.build(device)

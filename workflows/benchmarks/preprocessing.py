@@ -40,7 +40,8 @@ def write_jpeg_folder(root: Path, n: int, size: int = 128) -> None:
 
 
 def preprocess_in_one_process(config: DataConfig, seed: int) -> None:
-    """The same work as the graph, as a plain loop over the same task functions."""
+    """The same work as the graph, as a plain loop over the same task functions, writing the
+    same arrays (uncompressed float chunks)."""
     listing = list_source(config, seed=seed)
     url, size = config.store_url, listing.partition_size
     zarr.open_group(url, mode="w")
@@ -71,6 +72,9 @@ def preprocess_in_one_process(config: DataConfig, seed: int) -> None:
             dtype=np.float32,
             chunks=(config.chunk_size, *shape[1:]),
             overwrite=True,
+            # As the graph stores them (workflows/preprocess.py): zarr's default would spend
+            # this side's time on zstd that the graph never pays.
+            compressors=None,
         )
         for start in range(0, total, config.chunk_size):
             stop = min(total, start + config.chunk_size)

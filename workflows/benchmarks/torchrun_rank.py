@@ -1,12 +1,19 @@
 """One rank of the torchrun reference: the same training loop as a Dask rank, launched by
-``torchrun`` instead of by dask-train. Prints rank 0's result as one JSON line."""
+``torchrun`` instead of by dask-train. Prints rank 0's result as one JSON line.
+
+    python -m workflows.benchmarks.torchrun_rank CONFIG_JSON [cpu|cuda]
+
+``cuda``: nccl, each rank on the GPU its local rank names (``workers/devices.py``'s rule).
+"""
 
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+from workers.devices import local_device
 from workers.process_group import Membership
 from workers.train import train
 from workflows.config import RunConfig
@@ -14,14 +21,20 @@ from workflows.config import RunConfig
 
 def main() -> None:
     config = RunConfig.model_validate_json(sys.argv[1])
-    dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+    cuda = len(sys.argv) > 2 and sys.argv[2] == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = local_device(local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)  # torchrun's env:// rendezvous
     membership = Membership(
         generation="torchrun",
         rank=dist.get_rank(),
-        local_rank=dist.get_rank(),
+        local_rank=local_rank,
         world_size=dist.get_world_size(),
-        backend="gloo",
-        device=torch.device("cpu"),
+        backend=backend,
+        device=device,
     )
     layout = config.layout(membership.world_size)
     result = train(config.data, config.model, config.training, membership=membership, layout=layout)

@@ -1,0 +1,72 @@
+"""Device choice rules, without a GPU: which GPU a rank takes, which GPUs a worker owns, and
+which NVML failures mean "no GPU here"."""
+
+import pynvml
+import pytest
+
+from workers.devices import owned_device_indices, rank_device_index
+from workflows.cluster import NvmlError, no_gpus_or_raise
+
+
+def test_a_worker_that_sees_one_gpu_uses_cuda0_whatever_its_local_rank():
+    assert [rank_device_index(r, 1, None) for r in range(4)] == [0, 0, 0, 0]
+    assert [rank_device_index(r, 1, "3") for r in range(4)] == [0, 0, 0, 0]
+
+
+def test_stock_workers_sharing_a_multi_gpu_host_take_the_gpu_their_local_rank_names():
+    # Four `dask worker --resources GPU=1` on a 4-GPU host, no CUDA_VISIBLE_DEVICES: four
+    # different devices, as NCCL requires.
+    assert [rank_device_index(r, 4, None) for r in range(4)] == [0, 1, 2, 3]
+    assert [rank_device_index(r, 4, "") for r in range(4)] == [0, 1, 2, 3]
+    # More ranks than GPUs on a host wrap around rather than name a missing device.
+    assert rank_device_index(5, 4, None) == 1
+
+
+def test_dask_cuda_workers_use_their_own_gpu_listed_first():
+    # LocalCUDACluster on 4 GPUs: worker i sees them all, rotated so that GPU i comes first;
+    # its rank (local rank i) must use cuda:0, which is physical GPU i.
+    rotated = ["0,1,2,3", "1,2,3,0", "2,3,0,1", "3,0,1,2"]
+    chosen = [
+        visible.split(",")[rank_device_index(i, 4, visible)] for i, visible in enumerate(rotated)
+    ]
+    assert chosen == ["0", "1", "2", "3"]
+
+
+def test_bad_inputs_are_refused_with_the_value_named():
+    with pytest.raises(ValueError, match="no visible GPU"):
+        rank_device_index(0, 0, None)
+    with pytest.raises(ValueError, match="local rank -1"):
+        rank_device_index(-1, 2, None)
+    with pytest.raises(ValueError, match="cuda:2 is not among the 2"):
+        owned_device_indices(2, 2, None)
+
+
+def test_a_worker_owns_what_its_gpu_resource_declares_and_one_without():
+    assert owned_device_indices(0, 8, None) == [0]  # dask-cuda: sees 8, owns its first
+    assert owned_device_indices(0, 8, 4.0) == [0, 1, 2, 3]
+    assert owned_device_indices(0, 2, 4.0) == [0, 1]  # never more than it sees
+    assert owned_device_indices(2, 4, 2.0) == [2, 3]  # from its rank's device on
+    assert owned_device_indices(0, 4, 0.5) == [0]  # a fraction of a GPU is still one device
+
+
+def test_nvml_without_its_library_means_no_gpu():
+    missing = pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    assert isinstance(missing, pynvml.NVMLError_LibraryNotFound)
+    assert no_gpus_or_raise(missing) == 0
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_NO_PERMISSION,
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+        pynvml.NVML_ERROR_UNKNOWN,
+    ],
+)
+def test_any_other_nvml_failure_is_an_error_naming_it(code):
+    error = pynvml.NVMLError(code)
+    with pytest.raises(NvmlError, match=rf"cluster\.kind: NVML .*{type(error).__name__}") as info:
+        no_gpus_or_raise(error)
+    assert str(error) in str(info.value)
+    assert info.value.__cause__ is error

@@ -1,0 +1,61 @@
+"""Restarting the workers of a local cluster after training jobs: every worker comes back.
+
+``Client.restart`` and the launcher's release of a failed job's ranks share the nanny's
+restart path; a worker that does not come back turns recovery after a lost rank into a run that
+waits for a worker that never arrives.
+"""
+
+from pathlib import Path
+
+import dask
+import pytest
+from dask.utils import parse_timedelta
+from distributed.core import Status
+
+from workflows.cluster import live_workers, start_cluster
+from workflows.driver import train
+
+PRELOAD = str(Path(__file__).with_name("slow_start_preload.py"))
+STAGED = {"model_parallel": {"split_points": ["flatten"]}, "pipeline": {"n_microbatches": 4}}
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+@pytest.mark.slow
+def test_workers_come_back_after_a_restart_after_each_strategys_job(
+    make_config, tmp_path, monkeypatch
+):
+    # Dask's own bound (outside our cluster's settings): a local cluster closes for good the
+    # nanny of a worker gone this long. The first restart below takes longer than that.
+    lost_after = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+    marker = tmp_path / "slow-start"
+    monkeypatch.setenv("DASK_TRAIN_TEST_SLOW_START", str(marker))
+    with (
+        dask.config.set({"distributed.worker.preload": [PRELOAD]}),
+        start_cluster(n_workers=2, dashboard_port=0) as cluster,
+    ):
+        client = cluster.client
+        for strategy in ("ddp", "model_parallel", "pipeline"):
+            config = make_config(
+                {"name": f"restart-{strategy}", "pipeline": STAGED.get(strategy, {})},
+                strategy=strategy,
+                max_steps=2,
+                batch_size=32,
+                epochs=1,
+            )
+            result = train(config, cluster=cluster, on_event=None)
+            assert result.history[-1]["step"] == 2
+            before = set(client.run(_pid).values())
+            if strategy == "ddp":
+                marker.write_text(str(lost_after + 2))
+            client.restart(timeout=lost_after + 180)
+            marker.unlink(missing_ok=True)
+            assert len(live_workers(client)) == 2, strategy
+            after = set(client.run(_pid).values())
+            assert len(after) == 2 and not after & before, strategy  # new processes
+            # The cluster kept both nannies: a later restart or scale has them to work with.
+            assert [n.status for n in cluster.cluster.workers.values()] == [Status.running] * 2
