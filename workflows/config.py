@@ -18,6 +18,7 @@ from workers.strategies.pipeline import PipelineConfig
 from workers.train import STAGED, TrainingConfig
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
+from workflows.tracking import TrackingConfig
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,7 @@ class RunConfig(BaseModel):
     training: TrainingConfig = TrainingConfig()
     pipeline: PipelineConfig = PipelineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="before")
     @classmethod
