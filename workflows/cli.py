@@ -117,13 +117,17 @@ def _echo_dashboard(cluster: "TrainingCluster") -> None:
 
 def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool) -> "Tracker":
     """The run's TensorBoard folder and MLflow run; a resumed run continues its MLflow run."""
+    from workers.checkpoint import latest_good_checkpoint
     from workflows.tracking import Tracker
 
+    folder = config.checkpoint.directory
+    checkpoint = latest_good_checkpoint(folder) if resume and folder else None
     tracker = Tracker.open(
         config.tracking,
         config.model_dump(mode="json"),
         run_dir=run_directory.path,
         resume_run_id=run_directory.mlflow_run_id if resume else None,
+        resume_step=checkpoint[1]["step"] if checkpoint else None,
     )
     if tracker.mlflow_run_id is not None:
         run_directory.keep_mlflow_run_id(tracker.mlflow_run_id)

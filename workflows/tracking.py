@@ -145,11 +145,14 @@ def tensorboard_tag(kind: str, name: str) -> str:
 
 
 class _TensorBoard:
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, resume_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.folder = folder
-        self.writer = SummaryWriter(log_dir=folder)
+        # A resumed run redoes the steps after its checkpoint: TensorBoard drops what the
+        # interrupted run logged past it, so each step keeps one point.
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=folder, purge_step=purge)
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
@@ -265,13 +268,17 @@ class Tracker:
         *,
         run_dir: str | Path | None = None,
         resume_run_id: str | None = None,
+        resume_step: int | None = None,
         run_name: str | None = None,
     ) -> "Tracker":
         """Open the sinks ``config`` names; ``run_config`` is the resolved config as a dict
-        (MLflow's params). ``resume_run_id`` continues that MLflow run; ``run_dir`` names the
-        MLflow run after its folder."""
+        (MLflow's params). ``resume_run_id`` continues that MLflow run, ``resume_step`` is the
+        checkpoint's step a resumed run starts from; ``run_dir`` names the MLflow run after its
+        folder."""
         name = str(run_config.get("name", "run"))
-        tensorboard = _TensorBoard(config.tensorboard) if config.tensorboard else None
+        tensorboard = None
+        if config.tensorboard:
+            tensorboard = _TensorBoard(config.tensorboard, resume_step)
         mlflow = None
         if config.mlflow_uri:
             try:
