@@ -104,15 +104,13 @@ def _exit_codes(
 
 
 def _echo_dashboard(cluster: "TrainingCluster") -> None:
-    """The dashboard's link, and its Training page's (served from here on, not only once the
-    first job registers the metrics plugin)."""
-    from workflows.dashboard import training_page_url
-    from workflows.monitoring import TrainingMetrics
+    """The dashboard's link, and its Training page's (served from now on)."""
+    from workflows.dashboard import serve_training_page
 
-    cluster.client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    page = serve_training_page(cluster.client)
     click.echo(f"dashboard: {cluster.dashboard_link}")
-    if cluster.dashboard_link:
-        click.echo(f"training page: {training_page_url(cluster.dashboard_link)}")
+    if page:
+        click.echo(f"training page: {page}")
 
 
 def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool) -> "Tracker":

@@ -20,6 +20,16 @@ def training_page_url(dashboard_link: str) -> str:
     return dashboard_link.rsplit("/status", 1)[0] + ROUTE
 
 
+def serve_training_page(client: Any) -> str | None:
+    """Serve the Training page on ``client``'s scheduler from now on (otherwise the first
+    training job does) and return its URL, or None when the scheduler has no dashboard."""
+    from workflows.monitoring import TrainingMetrics
+
+    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    link = client.dashboard_link
+    return training_page_url(link) if link else None
+
+
 def add_to_navigation(scheduler: Any) -> None:
     """List the page in the dashboard's navigation bar.
 

@@ -398,4 +398,41 @@ class Tracker:
             self.close("FAILED")
 
 
-__all__ = ["Tracker", "TrackingConfig", "TrackingError", "flatten", "tensorboard_tag"]
+def track_prediction(
+    config: TrackingConfig,
+    run_config: Mapping[str, Any],
+    summary: Mapping[str, Any],
+    artifacts: Sequence[Path],
+    *,
+    name: str,
+    training_run_id: str | None = None,
+) -> str | None:
+    """Log a finished batch inference as an MLflow run of its own (``<name>-predict``): its
+    figures as metrics, its metrics file, confusion matrix and summary as artifacts, and the
+    training run it scored with as a tag. Returns the run id; None without MLflow tracking or
+    when the store cannot be reached (the predictions are written already: a warning, no
+    failure)."""
+    if not config.mlflow_uri:
+        return None
+    mlflow_only = TrackingConfig(mlflow_uri=config.mlflow_uri, experiment=config.experiment)
+    try:
+        tracker = Tracker.open(mlflow_only, run_config, run_name=f"{name}-predict")
+    except TrackingError as error:
+        logger.warning("prediction not tracked: %s", error)
+        return None
+    with tracker.closing():
+        tracker._tag(kind="predict", training_run_id=training_run_id)
+        figures = _numbers({k: summary.get(k) for k in ("accuracy", "images_per_s", "seconds")})
+        tracker._each(lambda sink: sink.log("predict", 0, figures))
+        tracker.finish(summary, artifacts)
+    return tracker.mlflow_run_id
+
+
+__all__ = [
+    "Tracker",
+    "TrackingConfig",
+    "TrackingError",
+    "flatten",
+    "tensorboard_tag",
+    "track_prediction",
+]
