@@ -154,13 +154,14 @@ def test_an_interrupted_and_resumed_cli_run_is_one_mlflow_run(tmp_path, store_di
     try:
         # Generous: the first run may preprocess the store, on a machine shared with others.
         deadline = time.monotonic() + 300
-        while len(list_checkpoints(output / "checkpoints")) < 2:  # two epoch ends
+        while not list_checkpoints(output / "checkpoints"):  # the first epoch's end
             assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "no two checkpoints in 300 s"
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
             time.sleep(0.2)
         workers = psutil.Process(process.pid).children(recursive=True)
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=60)
+        # Stopping restarts the rank workers and closes the cluster: tens of seconds when busy.
+        _, stderr = process.communicate(timeout=180)
         psutil.wait_procs(workers, timeout=30)
     finally:
         if process.poll() is None:
