@@ -7,6 +7,7 @@ way to the epoch's line, which stays. Without a terminal (cron, a pipe) use
 """
 
 import math
+import os
 import sys
 from typing import Any, TextIO
 
@@ -31,12 +32,15 @@ class EpochProgress:
             self.epochs = int(record["epochs"])
             self.steps_per_epoch = math.ceil(int(record["total_steps"]) / max(1, self.epochs))
         elif kind == "step":
-            bar = self._open(int(record["epoch"]))
-            done = int(record["step"]) - (self._epoch - 1) * self.steps_per_epoch
-            if bar.total:
-                done = min(done, bar.total)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-            bar.update(max(0, done - bar.n))
+            epoch, loss = int(record["epoch"]), f"{record['loss']:.4f}"
+            done = int(record["step"]) - (epoch - 1) * self.steps_per_epoch
+            if self.steps_per_epoch:
+                done = max(0, min(done, self.steps_per_epoch))
+            if self._bar is None or epoch != self._epoch:
+                self._open(epoch, done, loss)  # its first drawing shows this step already
+            else:
+                self._bar.set_postfix(loss=loss, refresh=False)
+                self._bar.update(max(0, done - self._bar.n))
         elif kind == "epoch":
             self.close()
             self._write(format_epoch(record))
@@ -47,20 +51,24 @@ class EpochProgress:
                 f"step {record.get('resumed_from_step')}"
             )
 
-    def _open(self, epoch: int) -> Any:
-        if self._bar is not None and epoch == self._epoch:
-            return self._bar
+    def _open(self, epoch: int, done: int, loss: str) -> None:
         self.close()
         self._epoch = epoch
+        width = _reported_width(self.file)
         self._bar = tqdm(
             total=self.steps_per_epoch or None,
+            initial=done,
+            postfix={"loss": loss},
             desc=f"Epoch {epoch}/{self.epochs or '?'}",
             unit="step",
             leave=False,  # the epoch's line replaces its bar
             file=self.file,
-            dynamic_ncols=True,
+            # A terminal that reports no size (a bare pty: `script`, some CI runners) would make
+            # tqdm trim the bar to nothing.
+            ncols=80 if width == 0 else None,
+            nrows=24 if width == 0 else None,
+            dynamic_ncols=width != 0,
         )
-        return self._bar
 
     def _write(self, line: str) -> None:
         tqdm.write(line, file=self.file or sys.stdout)
@@ -70,6 +78,14 @@ class EpochProgress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _reported_width(file: TextIO | None) -> int | None:
+    """The columns the terminal behind ``file`` reports, or None when it is no terminal."""
+    try:
+        return os.get_terminal_size((file or sys.stderr).fileno()).columns
+    except (AttributeError, OSError, ValueError):  # a notebook's stream, a pipe
+        return None
 
 
 __all__ = ["EpochProgress"]
