@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import math
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -232,8 +233,6 @@ class _MLflow:
 
 
 def _millis() -> int:
-    import time
-
     return int(time.time() * 1000)
 
 
