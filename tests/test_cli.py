@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,6 +119,13 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
     arguments = _digits_run(store_dir, output, epochs=2)
     done = _cli(*arguments)
     assert done.returncode == 0, done.stderr
+    # No terminal: plain lines, no bar and no carriage returns (cron, a pipe, a file).
+    assert "\r" not in done.stdout and "%|" not in done.stdout
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if line.startswith("Epoch [")][1].startswith("Epoch [2/2]")
+    dashboard = next(line for line in lines if line.startswith("dashboard: "))
+    page = dashboard.removeprefix("dashboard: ").replace("/status", "/training")
+    assert f"training page: {page}" in lines
     summary = json.loads((output / "summary.json").read_text())
     assert summary["strategy"] == "ddp" and summary["world_size"] == 2
     assert summary["epochs"] == 2 and summary["final"]["val_accuracy"] > 0.2
@@ -125,6 +133,8 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
     assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2]
     assert json.loads((output / "config.json").read_text())["training"]["epochs"] == 2
     assert "finished" in (output / "run.log").read_text()
+    # Every CLI run keeps TensorBoard events in its directory.
+    assert list((output / "tensorboard").glob("events.out.tfevents.*"))
     state = torch.load(output / "model.pt", weights_only=True)
     model = build_model("cifar_cnn", num_classes=10, seed=0)
     model.load_state_dict(state)  # the final model loads into the registry's model
@@ -197,8 +207,11 @@ def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
         os.close(leader)
         assert process.wait(timeout=120) == 0, process.stderr.read()
     screen = b"".join(chunks).decode()
-    assert "\r[" in screen and "step 5/" in screen  # the bar, rewritten in place
+    # tqdm's bar for the epoch, rewritten in place, then the epoch's line in its stead.
+    assert re.search(r"\rEpoch 1/1: +\d+%\|.*\| \d+/\d+ \[", screen), screen
+    assert re.search(r"loss=\d+\.\d{4}", screen), screen
     assert "Epoch [1/1]" in screen
+    assert "training page: http://127.0.0.1:" in screen
 
 
 def _unreadable(path: Path) -> list[str]:

@@ -1,8 +1,10 @@
 """The Training page on the scheduler's dashboard, fetched raw and rendered by a real browser."""
 
+import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -22,11 +24,35 @@ def trained_page(cluster, make_config):
     return cluster.dashboard_link.replace("/status", ROUTE), result
 
 
-def test_the_training_page_lists_the_jobs_figures(trained_page):
-    url, result = trained_page
+def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as response:
         assert response.status == 200
-        html = response.read().decode()
+        return response.read().decode()
+
+
+def test_the_dashboards_navigation_links_the_training_page(trained_page):
+    url, _ = trained_page
+    status = _get(url.replace(ROUTE, "/status"))
+    # distributed's bar: <li><a href="status">Status</a></li> ... and ours beside them.
+    assert re.search(r'<a href="training">\s*Training\s*</a>', status), "no Training link"
+
+
+def test_the_training_page_loads_bokehjs_from_the_dashboard_once(trained_page):
+    url, _ = trained_page
+    html = _get(url)
+    # BokehJS inlined made the page 1.7 MB; the browser now caches the dashboard's copy.
+    assert len(html.encode()) < 300_000, len(html.encode())
+    scripts = re.findall(r'<script[^>]+src="([^"]+)"', html)
+    assert any("static/js/bokeh.min.js" in src for src in scripts), scripts
+    for src in scripts:
+        script = urllib.parse.urljoin(url, src)
+        with urllib.request.urlopen(script, timeout=30) as response:
+            assert response.status == 200, script
+
+
+def test_the_training_page_lists_the_jobs_figures(trained_page):
+    url, result = trained_page
+    html = _get(url)
     # The text sits HTML-escaped inside the Bokeh document's JSON.
     assert "page-" in html and "ddp" in html
     assert "2 ranks, epoch 3/3" in html

@@ -24,7 +24,9 @@ def test_training_notebook_executes_end_to_end(store_dir, monkeypatch):
         for output in cell.outputs
     )
     assert "dashboard: http://127.0.0.1:" in text
-    assert "Epoch [4/4]" in text  # the in-place progress line, at its last update
+    assert "training page: http://127.0.0.1:" in text and "/training" in text
+    assert "Epoch 1/4:" in text  # tqdm's bar (a widget, or text without ipywidgets)
+    assert "Epoch [4/4]" in text  # the epoch line that replaces it
     assert "samples/s" in text and "predicted:" in text
     assert "359 predictions in 3 partitions, accuracy" in text  # batch inference
     assert "pipeline cut at ['" in text  # the pipeline strategy, with a planned cut

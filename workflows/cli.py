@@ -15,13 +15,18 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import LaunchError
+
+if TYPE_CHECKING:
+    from workflows.cluster import TrainingCluster
+    from workflows.run_directory import RunDirectory
+    from workflows.tracking import Tracker
 
 EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
 # After Ctrl-C (or SIGTERM), the run stops its ranks and closes the cluster; should that take
@@ -194,28 +199,33 @@ def _exit_codes(
         _fail(EXIT_FAILED, f"{action} failed: {type(error).__name__}: {error}")
 
 
-class _TerminalProgress:
-    """One line rewritten in place while an epoch runs; the epoch line stays when it ends."""
+def _echo_dashboard(cluster: "TrainingCluster") -> None:
+    """The dashboard's link, and its Training page's (served from now on)."""
+    from workflows.dashboard import serve_training_page
 
-    def __init__(self) -> None:
-        self.total_steps = 0
+    page = serve_training_page(cluster.client)
+    click.echo(f"dashboard: {cluster.dashboard_link}")
+    if page:
+        click.echo(f"training page: {page}")
 
-    def show(self, record: dict) -> None:
-        kind = record.get("kind")
-        if kind == "start":
-            self.total_steps = int(record["total_steps"])
-        elif kind == "step" and self.total_steps:
-            done = record["step"] / self.total_steps
-            bar = "#" * round(30 * done)
-            click.echo(
-                f"\r[{bar:<30}] {100 * done:5.1f}%  step {record['step']}/{self.total_steps}  "
-                f"loss {record['loss']:.4f}",
-                nl=False,
-            )
-        elif kind == "epoch":
-            from workflows.driver import format_epoch
 
-            click.echo("\r\033[K" + format_epoch(record))
+def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool) -> "Tracker":
+    """The run's TensorBoard folder and MLflow run; a resumed run continues its MLflow run."""
+    from workers.checkpoint import latest_good_checkpoint
+    from workflows.tracking import Tracker
+
+    folder = config.checkpoint.directory
+    checkpoint = latest_good_checkpoint(folder) if resume and folder else None
+    tracker = Tracker.open(
+        config.tracking,
+        config.model_dump(mode="json"),
+        run_dir=run_directory.path,
+        resume_run_id=run_directory.mlflow_run_id if resume else None,
+        resume_step=checkpoint[1]["step"] if checkpoint else None,
+    )
+    if tracker.mlflow_run_id is not None:
+        run_directory.keep_mlflow_run_id(tracker.mlflow_run_id)
+    return tracker
 
 
 @main.command()
@@ -317,22 +327,27 @@ def run(
     """Train as CONFIG says: one line per epoch, results in the run directory."""
     from workflows.cluster import start_cluster
     from workflows.driver import print_progress, train
+    from workflows.progress import EpochProgress
     from workflows.run_directory import RunDirectory
+    from workflows.tracking import TrackingError
 
     resolved = _load(config, overrides, scheduler, scheduler_file)
     try:
         run_directory = RunDirectory.create(resolved, output, resume=resume)
     except (ConfigError, OSError) as error:
         _fail(EXIT_INVALID, str(error))
+    raw = resolved.model_dump()
     if resolved.checkpoint.directory is None:
         # Checkpoints live with the run, so --resume (or a restart after a failure) finds them.
-        raw = resolved.model_dump()
         raw["checkpoint"]["directory"] = str(run_directory.checkpoints)
-        resolved = load_config(raw)
-        run_directory.config = resolved
+    if resolved.tracking.tensorboard is None:
+        # Every run keeps its TensorBoard events: `tensorboard --logdir runs/` shows them all.
+        raw["tracking"]["tensorboard"] = str(run_directory.tensorboard)
+    resolved = load_config(raw)
+    run_directory.config = resolved
     click.echo(f"run directory: {run_directory.path}")
 
-    progress = _TerminalProgress() if sys.stdout.isatty() else None
+    progress = EpochProgress(file=sys.stdout) if sys.stdout.isatty() else None
     if progress and not resolved.training.log_every_steps:
         # Step records feed the bar; under cron (no terminal) only epoch lines are written.
         raw = resolved.model_dump()
@@ -342,7 +357,7 @@ def run(
     def on_event(record: dict) -> None:
         run_directory.record(record)
         if progress:
-            progress.show(record)
+            progress(record)
         else:
             print_progress(record)
 
@@ -351,13 +366,16 @@ def run(
         f"{run_directory.path} --resume"
     )
     with (
-        _exit_codes("training", LaunchError, interrupted=interrupted),
+        _exit_codes("training", LaunchError, TrackingError, interrupted=interrupted),
         start_cluster(resolved.cluster) as cluster,
         run_directory,
+        _open_tracker(resolved, run_directory, resume).closing() as tracker,
     ):
-        click.echo(f"dashboard: {cluster.dashboard_link}")
-        result = train(resolved, cluster=cluster, on_event=on_event)
+        _echo_dashboard(cluster)
+        result = train(resolved, cluster=cluster, on_event=on_event, tracker=tracker)
         summary = run_directory.finish(result)
+        outputs = [run_directory.path / "model.pt", run_directory.path / "summary.json"]
+        tracker.finish(summary, outputs)
     final = summary["final"]
     click.echo(
         f"done: {summary['strategy']} on {summary['world_size']} ranks, val accuracy "

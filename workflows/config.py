@@ -23,6 +23,7 @@ from workers.layout import Layout
 from workers.strategies import STAGED
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
+from workflows.tracking import TrackingConfig
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,7 @@ class RunConfig(BaseModel):
     training: TrainingConfig = TrainingConfig()
     pipeline: PipelineConfig = PipelineConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -18,12 +18,44 @@ ROUTE = "/training"
 REFRESH_S = 5
 
 
+def training_page_url(dashboard_link: str) -> str:
+    """The Training page's URL from the dashboard's link (``.../status``)."""
+    return dashboard_link.rsplit("/status", 1)[0] + ROUTE
+
+
+def serve_training_page(client: Any) -> str | None:
+    """Serve the Training page on ``client``'s scheduler from now on (otherwise the first
+    training job does) and return its URL, or None when the scheduler has no dashboard."""
+    from workflows.monitoring import TrainingMetrics
+
+    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    link = client.dashboard_link
+    return training_page_url(link) if link else None
+
+
+def add_to_navigation(scheduler: Any) -> None:
+    """List the page in the dashboard's navigation bar.
+
+    distributed renders the bar from ``template_variables(scheduler)["pages"]``, memoized per
+    scheduler, and its Bokeh applications hold that same list: extending it in place shows the
+    link on every dashboard page served from now on.
+    """
+    try:
+        from distributed.dashboard.scheduler import template_variables
+    except ImportError:  # no Bokeh, no dashboard pages to link from
+        return
+    pages = template_variables(scheduler)["pages"]
+    page = ROUTE.strip("/")
+    if page not in pages:
+        pages.append(page)
+
+
 def render_page(jobs: dict[str, dict[str, Any]], *, refresh: bool = True) -> str:
     from bokeh.embed import file_html
     from bokeh.layouts import column, row
     from bokeh.models import ColumnDataSource, Div
     from bokeh.plotting import figure
-    from bokeh.resources import INLINE
+    from bokeh.resources import Resources
 
     blocks = [Div(text="<h1>Training</h1>")]
     if not jobs:
@@ -65,7 +97,10 @@ def render_page(jobs: dict[str, dict[str, Any]], *, refresh: bool = True) -> str
         reports = state.get("reports", [])
         if reports:
             blocks.append(row(*_report_plots(reports, figure)))
-    page = file_html(column(*blocks), resources=INLINE, title="dask-train: Training")
+    # BokehJS from the dashboard's static route, relative so a proxy's prefix is kept: inlined,
+    # it made every reload of this page 1.7 MB.
+    resources = Resources(mode="server", root_url="./")
+    page = file_html(column(*blocks), resources=resources, title="dask-train: Training")
     if not refresh:
         return page
     reload = f'<meta http-equiv="refresh" content="{REFRESH_S}">'

@@ -4,6 +4,7 @@
 >>> result = train("workflows/configs/digits_ddp.toml")
 """
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from workflows.jobs import TrainingFailed, launch_on
 from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store
+from workflows.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +70,35 @@ def train(
     *,
     cluster: TrainingCluster | Client | None = None,
     on_event: EventHandler | None = print_progress,
+    tracker: Tracker | None = None,
 ) -> TrainResult:
     """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
 
     ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
-    ``training.log_every_steps`` is set) while the job runs.
+    ``training.log_every_steps`` is set) while the job runs. The records also go to
+    ``tracker``, or, without one, to the TensorBoard folder and MLflow run that
+    ``config.tracking`` names (opened and finished here).
     """
     called_at = time.time()
     if not isinstance(config, RunConfig):
         config = load_config(config)
-    owned = cluster is None
-    if cluster is None:
-        cluster = start_cluster(config.cluster)
-    client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
-    try:
-        return _train_on(client, config, on_event, called_at=called_at)
-    finally:
-        if owned:
-            cluster.close()
+    owned_tracker = tracker is None and config.tracking.enabled
+    if owned_tracker:
+        tracker = Tracker.open(config.tracking, config.model_dump(mode="json"))
+    handler = on_event if tracker is None else tracker.wrap(on_event)
+    with tracker.closing() if owned_tracker else contextlib.nullcontext():
+        owned = cluster is None
+        if cluster is None:
+            cluster = start_cluster(config.cluster)
+        client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
+        try:
+            result = _train_on(client, config, handler, called_at=called_at)
+        finally:
+            if owned:
+                cluster.close()
+        if owned_tracker:
+            tracker.finish_result(result)
+        return result
 
 
 def _train_on(

@@ -46,11 +46,12 @@ class TrainingMetrics(SchedulerPlugin):
         self._lock = threading.Lock()
         _exporter.add(self)
         # The Training page, on the scheduler's web server next to the dashboard's pages.
-        from workflows.dashboard import ROUTE, TrainingPage
+        from workflows.dashboard import ROUTE, TrainingPage, add_to_navigation
 
         application = getattr(scheduler, "http_application", None)
         if application is not None:
             application.add_handlers(".*$", [(ROUTE, TrainingPage, {"snapshot": self.snapshot})])
+            add_to_navigation(scheduler)
 
     async def close(self) -> None:
         _exporter.discard(self)

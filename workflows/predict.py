@@ -52,6 +52,7 @@ from workers.sources import CIFAR_FOLDER, IMAGE_SUFFIXES, SourceError, _scan_cla
 from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
 from workflows.preprocess import read_manifest
+from workflows.tracking import TrackingConfig, track_prediction
 
 logger = logging.getLogger(__name__)
 
@@ -388,6 +389,7 @@ class PreparedPrediction:
     storage_options: dict[str, Any]
     cluster: ClusterConfig
     notes: tuple[str, ...] = ()
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 def prepare(
@@ -467,6 +469,10 @@ def prepare(
         storage_options=options,
         cluster=cluster_config,
         notes=tuple(notes),
+        # MLflow: the store this request names, else the one the model's run logged to.
+        tracking=config.tracking
+        if config is not None and config.tracking.mlflow_uri
+        else trained.config.tracking,
     )
 
 
@@ -653,7 +659,28 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
         },
     )
     logger.info("scored %d samples in %.1f s on %d workers", count, seconds, workers)
+    _track(prepared, fs, root)
     return result
+
+
+def _track(prepared: PreparedPrediction, fs: Any, root: str) -> None:
+    """The prediction as an MLflow run, when tracking names a store (local output only: MLflow
+    logs artifacts from local files)."""
+    if not prepared.tracking.mlflow_uri:
+        return
+    if "file" not in fs.protocol:
+        logger.warning("prediction not tracked in MLflow: %s is not a local path", prepared.output)
+        return
+    folder = Path(root)
+    kept = Path(prepared.trained.checkpoint).parent / "mlflow_run_id"
+    track_prediction(
+        prepared.tracking,
+        {"name": prepared.name, "predict": prepared.settings.model_dump(mode="json")},
+        json.loads((folder / "summary.json").read_text()),
+        [folder / name for name in ("metrics.json", "confusion_matrix.png", "summary.json")],
+        name=prepared.name,
+        training_run_id=kept.read_text().strip() if kept.is_file() else None,
+    )
 
 
 def _parquet_rows(fs: Any, path: str) -> int:

@@ -8,6 +8,9 @@ runs/<name>-<UTC time>/
   model.pt        the final parameters (a plain state_dict: load with weights_only=True)
   checkpoints/    step-<n>/ folders written with torch.distributed.checkpoint, newest kept
   run.log         the run's log lines
+  tensorboard/    TensorBoard event files (tensorboard --logdir runs/)
+  mlflow_run_id   the MLflow run this run logs to, when tracking.mlflow_uri is set: a resumed
+                  run goes on logging to it
 """
 
 import json
@@ -63,6 +66,19 @@ class RunDirectory:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run an earlier start of this run logged to, if any."""
+        kept = self.path / "mlflow_run_id"
+        return kept.read_text().strip() or None if kept.exists() else None
+
+    def keep_mlflow_run_id(self, run_id: str) -> None:
+        (self.path / "mlflow_run_id").write_text(run_id + "\n")
 
     def __enter__(self) -> Self:
         """Start writing: from here on the directory holds this run."""

@@ -1,0 +1,91 @@
+"""Progress the ecosystem's way: a tqdm bar per epoch, in a terminal or in Jupyter.
+
+``tqdm.auto`` picks the notebook widget under Jupyter (with ipywidgets) and the text bar
+elsewhere. Each epoch's bar fills with the step records (``training.log_every_steps``) and gives
+way to the epoch's line, which stays. Without a terminal (cron, a pipe) use
+:func:`workflows.driver.print_progress`: plain lines, no carriage returns.
+"""
+
+import math
+import os
+import sys
+from typing import Any, TextIO
+
+from tqdm.auto import tqdm
+
+from workflows.driver import format_epoch
+
+
+class EpochProgress:
+    """An ``on_event`` handler that draws one tqdm bar per epoch."""
+
+    def __init__(self, file: TextIO | None = None) -> None:
+        self.file = file
+        self.epochs = 0
+        self.steps_per_epoch = 0
+        self._bar: Any = None
+        self._epoch = 0
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        kind = record.get("kind")
+        if kind == "start":
+            self.epochs = int(record["epochs"])
+            self.steps_per_epoch = math.ceil(int(record["total_steps"]) / max(1, self.epochs))
+        elif kind == "step":
+            epoch, loss = int(record["epoch"]), f"{record['loss']:.4f}"
+            done = int(record["step"]) - (epoch - 1) * self.steps_per_epoch
+            if self.steps_per_epoch:
+                done = max(0, min(done, self.steps_per_epoch))
+            if self._bar is None or epoch != self._epoch:
+                self._open(epoch, done, loss)  # its first drawing shows this step already
+            else:
+                self._bar.set_postfix(loss=loss, refresh=False)
+                self._bar.update(max(0, done - self._bar.n))
+        elif kind == "epoch":
+            self.close()
+            self._write(format_epoch(record))
+        elif kind == "recovery":
+            self.close()
+            self._write(
+                f"recovery {record.get('recoveries')}: {record.get('failure')}; resuming from "
+                f"step {record.get('resumed_from_step')}"
+            )
+
+    def _open(self, epoch: int, done: int, loss: str) -> None:
+        self.close()
+        self._epoch = epoch
+        width = _reported_width(self.file)
+        self._bar = tqdm(
+            total=self.steps_per_epoch or None,
+            initial=done,
+            postfix={"loss": loss},
+            desc=f"Epoch {epoch}/{self.epochs or '?'}",
+            unit="step",
+            leave=False,  # the epoch's line replaces its bar
+            file=self.file,
+            # A terminal that reports no size (a bare pty: `script`, some CI runners) would make
+            # tqdm trim the bar to nothing.
+            ncols=80 if width == 0 else None,
+            nrows=24 if width == 0 else None,
+            dynamic_ncols=width != 0,
+        )
+
+    def _write(self, line: str) -> None:
+        tqdm.write(line, file=self.file or sys.stdout)
+        (self.file or sys.stdout).flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _reported_width(file: TextIO | None) -> int | None:
+    """The columns the terminal behind ``file`` reports, or None when it is no terminal."""
+    try:
+        return os.get_terminal_size((file or sys.stderr).fileno()).columns
+    except (AttributeError, OSError, ValueError):  # a notebook's stream, a pipe
+        return None
+
+
+__all__ = ["EpochProgress"]
