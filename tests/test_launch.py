@@ -295,3 +295,14 @@ def test_code_the_stock_workers_cannot_import_is_shipped(tmp_path, monkeypatch):
                 launch(compiled_fn, cluster=client, world_size=2)
     for module in [m for m in sys.modules if m.startswith(("my_", "compiled_pkg"))]:
         del sys.modules[module]
+
+
+def test_a_launch_with_tracking_writes_rank_0s_reports_to_tensorboard(cluster, tmp_path):
+    from tests.test_tracking import _scalars
+
+    result = launch(
+        ragged_reports, cluster=cluster, world_size=2, tracking={"tensorboard": str(tmp_path)}
+    )
+    assert result.results == [2, 2]
+    # Rank 0's 40 reports of ``i`` (no step given: a per-rank counter), rank 1's left out.
+    assert _scalars(tmp_path) == {"report/i": [(n + 1, float(n)) for n in range(40)]}

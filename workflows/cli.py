@@ -503,7 +503,6 @@ def launch(
         resolve_target(script, module=module)  # a missing script fails before a cluster starts
     except (ValueError, ScriptNotFound) as error:
         _fail(EXIT_INVALID, str(error).splitlines()[0])
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with _exit_codes("launch", LaunchError, interrupted="interrupted; every rank was stopped"):
         result = launch_script(
             script,

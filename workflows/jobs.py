@@ -15,6 +15,7 @@ newest complete checkpoint (``ctx.restore``); an exception raised by ``fn`` itse
 here at once, never retried. The built-in trainer (``workflows.train``) runs on this same path.
 """
 
+import contextlib
 import logging
 import time
 import uuid
@@ -43,6 +44,7 @@ from workflows.launcher import (
     RankFailed,
 )
 from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
+from workflows.tracking import Tracker, TrackingConfig
 
 logger = logging.getLogger(__name__)
 DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for code that travels by value
@@ -127,6 +129,7 @@ def launch(
     workers: dict[str, Any] | None = None,
     hang_timeout_s: float | None = None,
     first_step_timeout_s: float | None = None,
+    tracking: TrackingConfig | dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> LaunchResult:
     """Call ``fn(ctx, *args, **kwargs)`` on every rank, the process group already formed.
@@ -155,26 +158,38 @@ def launch(
         raise ValueError(f"keep_checkpoints: {keep_checkpoints}; keep at least 1")
     if not callable(fn):
         raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
+    name = name or getattr(fn, "__name__", "launch")
+    tracked = TrackingConfig.model_validate(tracking or {})
+    tracker = None
+    if tracked.enabled:
+        run = {"name": name, "launch": settings.model_dump(mode="json")}
+        tracker = Tracker.open(tracked, run)
+        on_event = tracker.wrap(on_event)
     owned = cluster is None
-    if cluster is None:
-        cluster = start_cluster()
-    client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
-    try:
-        return launch_on(
-            client,
-            fn,
-            args,
-            kwargs,
-            settings=settings,
-            name=name or getattr(fn, "__name__", "launch"),
-            checkpoint_dir=checkpoint_dir,
-            keep_checkpoints=keep_checkpoints,
-            on_event=on_event,
-            called_at=called_at,
-        )
-    finally:
-        if owned:
-            cluster.close()
+    with tracker.closing() if tracker else contextlib.nullcontext():
+        if cluster is None:
+            cluster = start_cluster()
+        client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
+        try:
+            result = launch_on(
+                client,
+                fn,
+                args,
+                kwargs,
+                settings=settings,
+                name=name,
+                checkpoint_dir=checkpoint_dir,
+                keep_checkpoints=keep_checkpoints,
+                on_event=on_event,
+                called_at=called_at,
+            )
+        finally:
+            if owned:
+                cluster.close()
+        if tracker is not None:
+            summary = {"world_size": result.world_size, "recoveries": result.recoveries}
+            tracker.finish({"strategy": "launch", **summary})
+        return result
 
 
 def launch_on(
