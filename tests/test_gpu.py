@@ -206,3 +206,45 @@ def test_stock_workers_sharing_a_multi_gpu_host_get_one_gpu_each_under_nccl():
     ):
         devices = group.run(_rank_device, group.spec.generation)
     assert devices == ["cuda:0", "cuda:1"]
+
+
+def _gpu_rank_function(ctx, folder: str) -> dict:
+    """A user's own loop on the rank API: its device, a checkpoint of CUDA tensors, restored."""
+    model = torch.nn.Linear(4, 2).to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": optimizer}
+    resumed = ctx.restore(state)
+    x = torch.ones(8, 4, device=ctx.device)
+    model(x).sum().backward()
+    optimizer.step()
+    ctx.report(step=1, weight=float(model.weight.sum()))
+    ctx.save(state, step=1 if resumed is None else resumed + 1)
+    return {
+        "device": str(ctx.device),
+        "backend": ctx.backend,
+        "resumed": resumed,
+        "on_gpu": next(model.parameters()).is_cuda,
+    }
+
+
+def test_the_rank_api_runs_on_the_workers_gpu_and_checkpoints_cuda_state(gpu_cluster, tmp_path):
+    from workflows import launch
+
+    first = launch(
+        _gpu_rank_function,
+        str(tmp_path),
+        cluster=gpu_cluster,
+        world_size=1,
+        checkpoint_dir=tmp_path / "ckpt",
+    )
+    (rank0,) = first.results
+    assert rank0["device"] == "cuda:0" and rank0["backend"] == "nccl" and rank0["on_gpu"]
+    assert rank0["resumed"] is None
+    again = launch(
+        _gpu_rank_function,
+        str(tmp_path),
+        cluster=gpu_cluster,
+        world_size=1,
+        checkpoint_dir=tmp_path / "ckpt",
+    )
+    assert again.results[0]["resumed"] == 1  # the CUDA state came back from the checkpoint
