@@ -173,15 +173,21 @@ class ProcessGroupPlugin(WorkerPlugin):
             )
             # Connecting the ranks uses the group's timeout, so the group starts with the
             # rendezvous bound and gets the (longer) collective bound once everyone is in.
+            # torch before 2.12 cannot change it afterwards: there the group has the collective
+            # bound from the start, and the store's timeout still bounds the rendezvous.
+            set_timeout = getattr(dist, "set_timeout", None)
             dist.init_process_group(
                 spec.backend,
                 store=dist.PrefixStore(f"dask-train/{spec.generation}", store),
                 rank=rank,
                 world_size=spec.world_size,
-                timeout=timedelta(seconds=spec.init_timeout_s),
+                timeout=timedelta(
+                    seconds=spec.init_timeout_s if set_timeout else spec.collective_timeout_s
+                ),
                 device_id=device if spec.backend == "nccl" else None,
             )
-            dist.set_timeout(timedelta(seconds=spec.collective_timeout_s))
+            if set_timeout is not None:
+                set_timeout(timedelta(seconds=spec.collective_timeout_s))
         except (RuntimeError, TimeoutError) as error:  # torch's DistStoreError is a RuntimeError
             self._restore_environ()
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
