@@ -20,10 +20,10 @@ from tests.reference import train_in_one_process
 from workers.checkpoint import MANIFEST, list_checkpoints
 from workers.data import RankBatches, open_store
 from workers.models import build_model
+from workflows.batch_predict import predict
 from workflows.cluster import start_cluster
 from workflows.driver import train
 from workflows.launcher import LaunchConfig, ProcessGroup
-from workflows.predict import predict
 from workflows.preprocess import prepare_store
 from workflows.run_directory import RunDirectory
 

@@ -19,10 +19,10 @@ from workers.data import DataConfig, open_store
 from workers.inference import CheckpointError, worker_report
 from workers.models import build_model
 from workers.sources import SourceError, list_records
+from workflows.batch_predict import PredictResult, predict, prepare
 from workflows.cluster import live_workers
 from workflows.config import ConfigError
 from workflows.driver import train
-from workflows.predict import PredictResult, predict, prepare
 from workflows.preprocess import prepare_store
 from workflows.run_directory import RunDirectory
 

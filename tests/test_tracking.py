@@ -16,9 +16,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from workers.checkpoint import list_checkpoints
 from workers.models import build_model
+from workflows.batch_predict import predict
 from workflows.config import ConfigError, load_config
 from workflows.driver import train
-from workflows.predict import predict
 from workflows.preprocess import prepare_store
 from workflows.tracking import Tracker, TrackingConfig
 

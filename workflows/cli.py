@@ -420,8 +420,8 @@ def predict(
     CONFIG's [predict] section (or --set predict.KEY=VALUE) sets batch_size, precision,
     outputs, format and the rest.
     """
+    from workflows.batch_predict import CheckpointError, load_predict_config, prepare, run_prepared
     from workflows.cluster import start_cluster
-    from workflows.predict import CheckpointError, load_predict_config, prepare, run_prepared
 
     # Everything about the request is checked before a cluster starts.
     try:

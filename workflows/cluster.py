@@ -86,6 +86,9 @@ def worker_process_config(
     return config
 
 
+# A forked worker starts with torch loaded, ~400 MB of its memory limit: smaller workers (an
+# out-of-core preprocessing cluster) are spawned as before.
+FORK_MIN_MEMORY = 2 * 2**30
 # Imported once by the fork server, so that a worker forked from it starts with them loaded.
 FORK_SERVER_PRELOAD = (
     "torch",
@@ -243,13 +246,19 @@ class TrainingCluster:
         security = config.security.build()
         try:
             if not config.existing:
-                malloc = None
-                if config.tune_malloc:
-                    malloc = malloc_settings(_worker_memory_bytes(config))
+                memory = _worker_memory_bytes(config)
+                malloc = malloc_settings(memory) if config.tune_malloc else None
+                fork = config.fork_workers and (not memory or memory >= FORK_MIN_MEMORY)
+                if config.fork_workers and not fork:
+                    logger.info(
+                        "workers of %d MB are spawned, not forked: a forked worker starts with "
+                        "torch loaded (~400 MB)",
+                        memory // 2**20,
+                    )
                 self._config_scope = dask.config.set(
-                    worker_process_config(malloc=malloc, fork=config.fork_workers)
+                    worker_process_config(malloc=malloc, fork=fork)
                 )
-                if config.fork_workers:
+                if fork:
                     _ensure_fork_server()
                 # The nanny's own environment stays out of this process (_Nanny.instantiate).
                 self.cluster, self.kind = _bounded(
@@ -307,7 +316,13 @@ NANNY_CLOSE_TIMEOUT_S = 30.0
 
 
 async def _close_nannies(nannies: list[Nanny], timeout_s: float) -> None:
-    await asyncio.gather(*(nanny.close(timeout=timeout_s) for nanny in nannies))
+    # Bounded as a whole too: a nanny whose worker never answers must not hold the close; the
+    # cluster's own close then kills what is left.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(
+            asyncio.gather(*(nanny.close(timeout=timeout_s) for nanny in nannies)),
+            timeout_s + 15,
+        )
 
 
 def start_cluster(config: ClusterConfig | None = None, **overrides: object) -> TrainingCluster:

@@ -30,7 +30,11 @@ EventHandler = Callable[[dict[str, Any]], None]
 
 MLFLOW_SCHEMES = ("sqlite:///", "http://", "https://")
 # Record fields that say where a record sits, not what was measured.
-_POSITION = frozenset({"kind", "epoch", "epochs", "step", "total_steps", "rank", "attempt"})
+# Where a record stands and where it came from (a ctx.report's rank, attempt, sequence number and
+# wall-clock time), not what was measured.
+_POSITION = frozenset(
+    {"kind", "epoch", "epochs", "step", "total_steps", "rank", "attempt", "seq", "time"}
+)
 # Epoch-record metrics that are neither training nor validation figures.
 _TENSORBOARD_TAGS = {"samples_per_s": "perf/samples_per_s", "lr": "lr"}
 # MLflow refuses longer parameter values.
