@@ -1,5 +1,6 @@
 """The ranks' records on the client: Dask events, handed to ``on_event`` in order, once each."""
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -8,6 +9,7 @@ from typing import Any
 from distributed import Client
 
 EventHandler = Callable[[dict[str, Any]], None]
+logger = logging.getLogger(__name__)
 
 
 class EventRelay:
@@ -53,7 +55,11 @@ class EventRelay:
                 return
             self._seen.add(key)
         if self.on_event is not None:
-            self.on_event(record)
+            try:
+                self.on_event(record)
+            except Exception:
+                # A failing handler must not keep the records that follow from reaching it.
+                logger.exception("on_event raised for a %s record", record.get("kind"))
 
     def skip(self, records: list[dict[str, Any]]) -> None:
         """Never deliver these records (a resumed run's earlier epochs)."""

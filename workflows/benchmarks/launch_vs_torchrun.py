@@ -90,7 +90,8 @@ def torchrun_first_step(workers: int) -> float:
     """Seconds from starting torchrun to rank 0's first all-reduce, a fresh process each."""
     code = (
         "import time, torch, torch.distributed as d; d.init_process_group('gloo'); "
-        "t = torch.ones(1); d.all_reduce(t); print('FIRST', time.time(), flush=True)"
+        "t = torch.ones(1); d.all_reduce(t); "
+        "d.get_rank() == 0 and print('FIRST', time.time(), flush=True)"
     )
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(code)
@@ -149,9 +150,12 @@ def recovery_seconds(cluster, steps: int, every: int) -> dict:
     victim = max(cluster.client.run(os.getpid).values())
     kill_at = steps // 2 + every // 2
 
+    killed: list[float] = []
+
     def kill(record: dict) -> None:
-        if record.get("kind") == "report" and record.get("step") == kill_at:
+        if not killed and record.get("kind") == "report" and record.get("step") == kill_at:
             os.kill(victim, signal.SIGKILL)
+            killed.append(time.time())
 
     with tempfile.TemporaryDirectory() as folder:
         result = launch(
