@@ -78,11 +78,11 @@ def worker_process_config(
         "distributed.deploy.lost-worker-timeout": RESTART_GRACE,
         **{f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in environ.items()},
     }
-    if fork:
-        # A forked worker's glibc was set up in the fork server: the malloc variables reach
-        # its environment, and this preload applies them with mallopt.
-        config["distributed.worker.multiprocessing-method"] = "forkserver"
-        config["distributed.worker.preload"] = ["workers.malloc"]
+    # Set either way: another cluster's settings may still be in Dask's config.
+    config["distributed.worker.multiprocessing-method"] = "forkserver" if fork else "spawn"
+    # A forked worker's glibc was set up in the fork server: the malloc variables reach its
+    # environment, and this preload applies them with mallopt.
+    config["distributed.worker.preload"] = ["workers.malloc"] if fork else []
     return config
 
 
