@@ -17,6 +17,7 @@ here at once, never retried. The built-in trainer (``workflows.train``) runs on 
 
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -278,7 +279,9 @@ def launch_on(
             finally:
                 client.unsubscribe_topic(heartbeat_topic)
     wall_s = time.time() - called_at
-    first_step_at = min((o.first_report_at for o in outcomes), default=float("nan"))
+    # Ranks that never reported or beat have no first step (NaN): the first that did counts.
+    reported = [o.first_report_at for o in outcomes if not math.isnan(o.first_report_at)]
+    first_step_at = min(reported, default=math.nan)
     if recoveries:
         # The work lost includes the restart: until the resumed attempt's first step.
         recoveries[-1].finish(first_step_at=first_step_at)
