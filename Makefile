@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch gpu-check clean
+.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -33,6 +33,12 @@ browser:
 
 test: lint browser
 	$(BIN)/pytest
+
+# The suite in a shuffled order (modules shuffled, and tests within each): no test may depend on
+# another having run before it. SEED=N replays an order; the seed is printed at the top.
+SEED ?= $(shell date +%s)
+test-shuffled: $(STAMP)
+	$(BIN)/pytest --random-order-bucket=module --random-order-seed=$(SEED)
 
 format: $(STAMP)
 	$(BIN)/ruff format .

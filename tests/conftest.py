@@ -1,11 +1,12 @@
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from workflows.cluster import start_cluster
+from workflows.cluster import live_workers, start_cluster
 from workflows.config import RunConfig, load_config
 
 REPO = Path(__file__).parents[1]
@@ -72,11 +73,67 @@ def _in_a_temporary_folder(tmp_path, monkeypatch):
     )
 
 
+SHARED_WORKERS = 2
+# How long a test's last tasks may take to wind down after it returned: a rank group is
+# released asynchronously, within launch.release_timeout_s (15 s).
+SETTLE_S = 30.0
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """A real 2-worker cluster shared by the tests that leave it as they found it."""
-    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+    with start_cluster(n_workers=SHARED_WORKERS, dashboard_port=0) as training_cluster:
         yield training_cluster
+
+
+def _busy(dask_worker) -> dict:
+    """What keeps this worker from taking the next test's tasks (run with ``Client.run``)."""
+    return {
+        "status": dask_worker.status.name,
+        "executing": sorted(str(ts.key) for ts in dask_worker.state.executing),
+        "long_running": sorted(str(ts.key) for ts in dask_worker.state.long_running),
+    }
+
+
+def shared_cluster_problems(client) -> list[str]:
+    """Why the shared cluster is not as a test found it: a worker missing, paused, or with a
+    task still running in its one thread (every later task sent there would wait behind it).
+    Waits up to SETTLE_S for such a task to end."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        problems = []
+        workers = live_workers(client)
+        if len(workers) != SHARED_WORKERS:
+            problems.append(f"{len(workers)} workers instead of {SHARED_WORKERS}")
+        for address, state in client.run(_busy, workers=list(workers)).items():
+            if state["status"] != "running":
+                problems.append(f"{address} is {state['status']}")
+            if state["executing"] or state["long_running"]:
+                running = state["executing"] + state["long_running"]
+                problems.append(f"{address} still runs {running}")
+        if not problems or time.monotonic() > deadline:
+            return problems
+        time.sleep(0.5)
+
+
+@pytest.fixture(autouse=True)
+def _shared_cluster_left_as_found(request):
+    """A test that uses the shared cluster must leave it able to run the next test's tasks.
+    One that does not fails here, naming what it left; the stuck workers are restarted so
+    that the tests after it are not blamed for it."""
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    client = request.getfixturevalue("cluster").client
+    yield
+    problems = shared_cluster_problems(client)
+    if problems:
+        stuck = [p.split(" ", 1)[0] for p in problems if p.startswith("tcp://")]
+        if stuck:
+            client.restart_workers(sorted(set(stuck)), timeout=120)
+        if len(live_workers(client)) < SHARED_WORKERS:
+            client.wait_for_workers(SHARED_WORKERS, timeout=120)
+        pytest.fail(f"the test left the shared cluster unusable: {'; '.join(problems)}")
 
 
 @pytest.fixture
