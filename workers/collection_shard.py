@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.data import StoreSplit
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -75,8 +77,9 @@ class CollectionPlan:
 
     def __getitem__(self, name: str) -> SplitPlan:
         if name not in self.splits:
-            raise KeyError(f"no split {name!r} in the data given to launch(); it has "
-                           f"{sorted(self.splits)}")
+            raise KeyError(
+                f"no split {name!r} in the data given to launch(); it has {sorted(self.splits)}"
+            )
         return self.splits[name]
 
 
@@ -120,12 +123,11 @@ class RankRows:
                 _fetched(missing, dataset=split.dataset, timeout_s=timeout_s, split=split.name)
             )
         rows = cls(
+            [_features(values[p.x_key], p.x_start, p.rows, frame=split.x_frame) for p in pieces],
             [
-                _features(values[p.x_key], p.x_start, p.rows, frame=split.x_frame)
+                _targets(values[p.y_key], p.y_start, p.rows, integral=split.integral_target)
                 for p in pieces
             ],
-            [_targets(values[p.y_key], p.y_start, p.rows, integral=split.integral_target)
-             for p in pieces],
         )
         rows.fetched_keys = list(missing)
         if len(rows) != split.counts[rank]:
@@ -191,8 +193,9 @@ class RankShard:
     """A rank's rows of one split with the built-in trainer's interface
     (``workers/data.py`` RankBatches): ``len()`` steps per epoch, ``epoch(e, start_batch=)``."""
 
-    def __init__(self, rows: RankRows, split: SplitPlan, *, rank: int, batch_size: int,
-                 seed: int) -> None:
+    def __init__(
+        self, rows: RankRows, split: SplitPlan, *, rank: int, batch_size: int, seed: int
+    ) -> None:
         self.rows, self.split, self.rank = rows, split, rank
         self.batch_size, self.seed = batch_size, seed
 
@@ -200,8 +203,15 @@ class RankShard:
         return self.split.steps(self.batch_size)
 
     def epoch(self, epoch: int, *, start_batch: int = 0) -> Batches:
-        return Batches(self.rows, self.split, rank=self.rank, batch_size=self.batch_size,
-                       epoch=epoch, seed=self.seed, start_step=start_batch)
+        return Batches(
+            self.rows,
+            self.split,
+            rank=self.rank,
+            batch_size=self.batch_size,
+            epoch=epoch,
+            seed=self.seed,
+            start_step=start_batch,
+        )
 
 
 class GlobalRows:
@@ -271,6 +281,35 @@ def _features(part: Any, start: int, rows: int, *, frame: bool) -> np.ndarray:
 
 
 def _targets(part: Any, start: int, rows: int, *, integral: bool) -> np.ndarray:
-    values = part.iloc[start : start + rows] if hasattr(part, "iloc") else part[start:start + rows]
+    values = (
+        part.iloc[start : start + rows] if hasattr(part, "iloc") else part[start : start + rows]
+    )
     values = np.asarray(values)
     return values.astype(np.int64 if integral else np.float32, copy=False)
+
+
+def trainer_splits(
+    plan: CollectionPlan, *, rank: int, batch_size: int, seed: int, timeout_s: float = 600.0
+) -> tuple[RankShard, StoreSplit]:
+    """The built-in trainer's training batches and validation split of this rank, as the
+    store gives them (``workers/data.py``); validation was planned in contiguous shares."""
+    train = RankShard(
+        RankRows.load(plan["train"], rank, timeout_s=timeout_s),
+        plan["train"],
+        rank=rank,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    val_plan = plan["val"]
+    rows = RankRows.load(val_plan, rank, timeout_s=timeout_s)
+    images = GlobalRows(rows, val_plan, rank=rank, targets=False)
+    labels = GlobalRows(rows, val_plan, rank=rank, targets=True)
+    return train, StoreSplit(images, labels, chunk_size=max(1, len(rows)))  # type: ignore[arg-type]
+
+
+def collections_model_inputs(plan: CollectionPlan, data_config: Any) -> tuple[int, int]:
+    """(classes, image size) of the built-in models, from the data: labels 0 .. C-1 over both
+    splits, and the side of (C, H, W) samples (else the config's ``data.image_size``)."""
+    classes = max(split.num_classes or 0 for split in plan.splits.values())
+    shape = plan["train"].sample_shape
+    return classes, shape[-1] if len(shape) == 3 else data_config.image_size

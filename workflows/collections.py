@@ -85,6 +85,36 @@ def prepared_data(
         prepared.release()
 
 
+@contextlib.contextmanager
+def trainer_data(
+    client: Client, data: Mapping[str, Any], strategy: str, settings: LaunchConfig
+) -> Iterator[PreparedData]:
+    """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split
+    of class labels; validation in the contiguous shares its evaluation reads."""
+    from workers.strategies import STAGED
+
+    if strategy in STAGED:
+        raise DataError(
+            f"training.strategy: {strategy} exchanges fixed-shape batches, which exactly-once "
+            "epochs of Dask collections do not have; use 'ddp' with train(data=...)"
+        )
+    missing = [name for name in SPLITS if name not in (data or {})]
+    if isinstance(data, Mapping) and missing and not [n for n in data if n not in SPLITS]:
+        raise DataError(
+            f"data: the built-in trainer validates every epoch; give a {missing[0]!r} split "
+            "too: data={'train': (X, y), 'val': (X_val, y_val)}"
+        )
+    with prepared_data(client, data, settings, shares={"val": "contiguous"}) as prepared:
+        for split in prepared.plan.splits.values():
+            # The built-in loss is cross-entropy over class labels 0 .. C-1.
+            if not split.integral_target or split.target_range[0] < 0:
+                raise DataError(
+                    f"data[{split.name!r}]: y must hold class labels (integers from 0) for the "
+                    "built-in trainer; train other targets with launch(fn, data=...)"
+                )
+        yield prepared
+
+
 def prepare_data(
     client: Client,
     data: Mapping[str, Any],
@@ -112,7 +142,14 @@ def prepare_data(
     for name, (x, y) in checked.items():
         mode = (shares or {}).get(name, "balanced")
         split, held = _plan_split(
-            client, name, x, y, rank_workers, world_size, mode=mode, timeout_s=timeout_s,
+            client,
+            name,
+            x,
+            y,
+            rank_workers,
+            world_size,
+            mode=mode,
+            timeout_s=timeout_s,
             dataset=dataset,
         )
         splits[name] = split
@@ -153,9 +190,7 @@ def _checked(name: str, pair: Any) -> tuple[Any, Any]:
             f"{where}: X must be a dask.array or a dask.dataframe, got {type(x).__name__}"
         )
     if not isinstance(y, da.Array | dd.Series):
-        raise DataError(
-            f"{where}: y must be a dask.array or a dask Series, got {type(y).__name__}"
-        )
+        raise DataError(f"{where}: y must be a dask.array or a dask Series, got {type(y).__name__}")
     if isinstance(x, da.Array):
         if x.ndim < 1:
             raise DataError(f"{where}: X is a scalar; give an array of samples (n, ...)")
@@ -212,9 +247,11 @@ def _target_facts(part: Any) -> tuple[int, int, bool, float, float]:
     values = np.asarray(part)
     if values.size == 0:
         return len(values), 0, values.dtype.kind in "biu", math.inf, -math.inf
-    nan = int(np.isnan(values).any(axis=tuple(range(1, values.ndim))).sum()) if (
-        values.dtype.kind == "f"
-    ) else 0
+    nan = (
+        int(np.isnan(values).any(axis=tuple(range(1, values.ndim))).sum())
+        if (values.dtype.kind == "f")
+        else 0
+    )
     finite = values[~np.isnan(values)] if values.dtype.kind == "f" else values
     low = float(finite.min()) if finite.size else math.inf
     high = float(finite.max()) if finite.size else -math.inf
@@ -251,7 +288,9 @@ def _wait(futures: list[Future], timeout_s: float, where: str) -> None:
     try:
         wait(futures, timeout=timeout_s)
     except TimeoutError:
-        raise TimeoutError(f"{where}: the partitions were not ready within {timeout_s:g} s") from None
+        raise TimeoutError(
+            f"{where}: the partitions were not ready within {timeout_s:g} s"
+        ) from None
     failed = next((f for f in futures if f.status == "error"), None)
     if failed is not None:
         error = failed.exception()
