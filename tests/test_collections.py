@@ -80,6 +80,7 @@ def test_every_sample_once_per_epoch_on_two_ranks_from_uneven_partitions(cluster
     assert [r["fetched"] for r in result.results] == [[], []]  # every read was local
 
 
+@pytest.mark.slow
 def test_every_sample_once_per_epoch_on_three_ranks_from_dataframes():
     from workflows.cluster import start_cluster
 
