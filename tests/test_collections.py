@@ -103,6 +103,21 @@ def test_every_sample_once_per_epoch_on_three_ranks_from_dataframes():
     _check_exactly_once(result.results, n, epochs=2, batch_size=50)
 
 
+@pytest.mark.parametrize("kinds", ["frame and array", "array and series"])
+def test_x_and_y_partitioned_differently_still_pair_up(cluster, kinds):
+    n = sum(UNEVEN)
+    x, y = _uneven()
+    if kinds == "frame and array":
+        x = dd.from_dask_array(x, columns=[f"f{i}" for i in range(FEATURES)]).repartition(
+            npartitions=3
+        )
+        y = y.rechunk(500)
+    else:
+        y = dd.from_dask_array(y).repartition(npartitions=4)
+    result = launch(ids_per_epoch, 2, 64, cluster=cluster, world_size=2, data={"train": (x, y)})
+    _check_exactly_once(result.results, n, epochs=2, batch_size=64)
+
+
 def _delayed_frame(part: pd.DataFrame):
     import dask
 
