@@ -219,7 +219,7 @@ def _checked(name: str, pair: Any) -> tuple[Any, Any]:
 
 
 def _require_numeric(where: str, what: str, dtype: Any) -> None:
-    kind = getattr(np.dtype(dtype) if not hasattr(dtype, "kind") else dtype, "kind", "O")
+    kind = getattr(dtype, "kind", "O")  # numpy and pandas dtypes alike
     if kind not in "biuf":
         raise DataError(
             f"{where}: {what} is of type {dtype}, not numeric; convert it (e.g. "
@@ -243,19 +243,14 @@ def _partition_rows(part: Any) -> int:
 
 
 def _target_facts(part: Any) -> tuple[int, int, bool, float, float]:
-    """(rows, NaN rows, integral, min, max) of a partition of y."""
+    """(rows, rows with a NaN, integral, min, max) of a partition of y."""
     values = np.asarray(part)
-    if values.size == 0:
-        return len(values), 0, values.dtype.kind in "biu", math.inf, -math.inf
-    nan = (
-        int(np.isnan(values).any(axis=tuple(range(1, values.ndim))).sum())
-        if (values.dtype.kind == "f")
-        else 0
-    )
-    finite = values[~np.isnan(values)] if values.dtype.kind == "f" else values
-    low = float(finite.min()) if finite.size else math.inf
-    high = float(finite.max()) if finite.size else -math.inf
-    return len(values), nan, values.dtype.kind in "biu", low, high
+    missing = np.isnan(values) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
+    nan_rows = int(missing.reshape(len(values), -1).any(axis=1).sum()) if len(values) else 0
+    known = values[~missing]
+    low = float(known.min()) if known.size else math.inf
+    high = float(known.max()) if known.size else -math.inf
+    return len(values), nan_rows, values.dtype.kind in "biu", low, high
 
 
 def _rows(part: Any, start: int, stop: int) -> Any:
