@@ -373,3 +373,60 @@ def test_train_refuses_targets_that_are_not_class_labels(cluster, make_config):
         train(make_config(), cluster=cluster, data={"train": pair, "val": pair})
     with pytest.raises(DataError, match=r"give a 'val' split too"):
         train(make_config(), cluster=cluster, data={"train": (images, floats)})
+
+
+# -- a user's parquet files and zarr arrays ---------------------------------------------------
+
+
+def ids_of_both_splits(ctx) -> list[int]:
+    return [
+        i
+        for split in ("train", "val")
+        for x, _ in ctx.shard(split, batch_size=100, epoch=0)
+        for i in x[:, 0].long().tolist()
+    ]
+
+
+def test_parquet_files_train_and_validate_on_every_row_once(cluster, tmp_path):
+    from workers.config_models import DataConfig
+    from workflows.user_datasets import read_user_dataset
+
+    n = sum(UNEVEN)
+    frame = pd.DataFrame({"id": np.arange(n, dtype=np.float64), "b": np.arange(n) % 7})
+    frame["label"] = np.arange(n) % 5
+    frame["note"] = "text the features leave out"
+    dd.from_pandas(frame, npartitions=5).to_parquet(tmp_path / "table")
+    config = DataConfig(
+        dataset="parquet", root=str(tmp_path / "table"), features=("id", "b"), target="label"
+    )
+    data = read_user_dataset(config, seed=0)
+    result = launch(ids_of_both_splits, cluster=cluster, world_size=2, data=data)
+    assert sorted(i for r in result.results for i in r) == list(range(n))
+    wrong = config.model_copy(update={"target": "labels"})
+    with pytest.raises(DataError, match=r"data.target: no column 'labels'"):
+        read_user_dataset(wrong, seed=0)
+
+
+def test_train_from_zarr_arrays_by_config(cluster, make_config, tmp_path):
+    import zarr
+
+    from workflows.driver import train
+
+    x, y = _images(500, 0)
+    group = zarr.open_group(str(tmp_path / "arrays.zarr"), mode="w")
+    group.create_array("images", data=x, chunks=(64, 3, 8, 8))
+    group.create_array("labels", data=y, chunks=(64,))
+    config = make_config(
+        {
+            "data": {
+                "dataset": "zarr",
+                "root": str(tmp_path / "arrays.zarr"),
+                "features": ["images"],
+                "target": "labels",
+            }
+        },
+        epochs=1,
+        batch_size=64,
+    )
+    result = train(config, cluster=cluster, on_event=None)
+    assert len(result.history) == 1 and result.store is None

@@ -27,6 +27,7 @@ from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store
 from workflows.tracking import Tracker
+from workflows.user_datasets import USER_DATASETS, read_user_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ def _train_on(
     called_at: float,
     data: Mapping[str, tuple[Any, Any]] | None = None,
 ) -> TrainResult:
+    if data is None and config.data.dataset in USER_DATASETS:
+        data = read_user_dataset(config.data.resolved(), seed=config.training.seed)
     if data is None:
         return _train_prepared(client, config, on_event, called_at=called_at)
     settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
