@@ -73,11 +73,19 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic"] = "digits"
+    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic", "parquet", "zarr"] = "digits"
     root: str | None = Field(
         default=None,
         description="cifar10: folder holding cifar-10-batches-py; imagefolder: "
-        "class-per-folder tree (local path or fsspec URL)",
+        "class-per-folder tree; parquet: the files; zarr: the group (local path or fsspec URL)",
+    )
+    features: tuple[str, ...] | None = Field(
+        default=None,
+        description="parquet: the feature columns (none: every column but the target); "
+        "zarr: the one array of samples",
+    )
+    target: str | None = Field(
+        default=None, description="parquet: the label column; zarr: the array of labels"
     )
     download: bool = Field(default=False, description="cifar10: fetch the archive into root")
     store: str | None = Field(
@@ -101,8 +109,12 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _root_where_needed(self) -> "DataConfig":
-        if self.dataset in ("cifar10", "imagefolder") and self.root is None:
+        if self.dataset in ("cifar10", "imagefolder", "parquet", "zarr") and self.root is None:
             raise ValueError(f"data.root: the {self.dataset} dataset needs a root folder or URL")
+        if self.dataset in ("parquet", "zarr") and self.target is None:
+            raise ValueError(f"data.target: name the {self.dataset} labels (a column or array)")
+        if self.dataset == "zarr" and (self.features is None or len(self.features) != 1):
+            raise ValueError("data.features: name the one zarr array of samples, e.g. ['images']")
         return self
 
     @property

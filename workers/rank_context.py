@@ -14,8 +14,9 @@ from typing import Any
 
 import cloudpickle
 import torch
-from distributed import get_worker
+from distributed import get_worker, secede
 
+from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
 from workers.process_group import Membership, current_membership, rank_threads
 
 
@@ -36,6 +37,8 @@ class RankJob:
     keep_checkpoints: int = 3
     resume_from: str | None = None  # the newest good checkpoint when the attempt started
     signing_key_file: str | None = None  # checkpoints signed and verified with this key
+    data: CollectionPlan | None = None  # launch(fn, data=...): what ctx.shard reads
+    data_timeout_s: float = 600.0  # the bound on reading partitions held elsewhere
 
 
 @dataclass
@@ -79,6 +82,7 @@ class RankContext:
         self._samples = 0  # since the last heartbeat sent
         self._first_report_at = math.nan
         self._resume_from = job.resume_from
+        self._rows: dict[str, RankRows] = {}  # each split's rows, read once per attempt
         self._beat(samples=None)  # started: the launcher's first-step bound begins here
 
     def __repr__(self) -> str:
@@ -142,6 +146,51 @@ class RankContext:
             self._last_beat, self._samples = now, 0
         self._worker.log_event(self._job.heartbeat_topic, beat)
 
+    # -- data ---------------------------------------------------------------------------------
+
+    def shard(
+        self,
+        split: str,
+        *,
+        batch_size: int,
+        epoch: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        start_step: int = 0,
+    ) -> Batches:
+        """This rank's ``(x, y)`` tensor batches of ``split`` (from ``launch(data=...)``) for
+        ``epoch``, from ``start_step`` on (a resumed run skips the steps it trained).
+
+        ``batch_size`` is this rank's (as with a DataLoader under DistributedSampler). Across
+        ranks, an epoch holds every sample exactly once; every rank gets ``len(batches)``
+        batches (the same number), the last one shorter; the order is drawn from (seed,
+        epoch, rank). x is float32; y int64 for integer labels, float32 otherwise.
+        """
+        if self._job.data is None:
+            raise ValueError(
+                "ctx.shard: no data; pass data={'train': (X, y), ...} to launch() "
+                "(dask arrays or dataframes)"
+            )
+        plan = self._job.data[split]
+        if split not in self._rows:
+            self._rows[split] = RankRows.load(plan, self.rank, timeout_s=self._job.data_timeout_s)
+        return Batches(
+            self._rows[split],
+            plan,
+            rank=self.rank,
+            batch_size=batch_size,
+            epoch=epoch,
+            seed=seed,
+            shuffle=shuffle,
+            start_step=start_step,
+        )
+
+    def data_plan(self, split: str) -> SplitPlan:
+        """How ``split`` was planned: sample counts of every rank, rows moved for balance."""
+        if self._job.data is None:
+            raise ValueError("ctx.data_plan: no data; pass data= to launch()")
+        return self._job.data[split]
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def save(self, state: Mapping[str, Any], *, step: int) -> None:
@@ -193,6 +242,11 @@ def run_function(job: RankJob) -> RankOutcome:
     """The Dask task of one rank: join up with this worker's membership, then call the user's
     function with its context."""
     ctx = RankContext(current_membership(job.generation), job)
+    if job.data is not None:
+        # The rank trains for long: it leaves its worker's thread pool, so that the worker can
+        # still compute the partitions ranks read (Dask recomputes those a lost worker held);
+        # with every thread in a rank task, waiting for them would never end.
+        secede()
     with rank_threads.running(job.generation):
         value = job.fn(ctx, *job.args, **job.kwargs)
     return ctx.outcome(value)

@@ -19,6 +19,12 @@ import torch
 from torch import nn
 
 from workers.checkpoint import CheckpointConfig, Progress, load_checkpoint, save_checkpoint
+from workers.collection_shard import (
+    CollectionPlan,
+    RankShard,
+    collections_model_inputs,
+    trainer_splits,
+)
 from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store
 from workers.layout import Layout
@@ -42,6 +48,8 @@ class TrainJob:
     pipeline: PipelineConfig | None = None
     # Where checkpoints go (None: nowhere); the one to continue from comes with the attempt.
     checkpoint: CheckpointConfig | None = None
+    # train(data=...): Dask collections planned by the client, in place of the store.
+    collections: CollectionPlan | None = None
 
 
 @dataclass
@@ -165,7 +173,7 @@ class Trainer:
     device: torch.device
     strategy: Strategy
     precision: Precision
-    batches: RankBatches
+    batches: RankBatches | RankShard
     val: StoreSplit
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
@@ -205,6 +213,7 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         restore=None
         if ctx.resume_from is None
         else restore_from(ctx.resume_from, signing_key_file=ctx.signing_key_file),
+        collections=job.collections,
     )
 
 
@@ -218,6 +227,7 @@ def train(
     pipeline: PipelineConfig | None = None,
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
+    collections: CollectionPlan | None = None,
 ) -> RankResult:
     """Train on this rank of an initialized process group laid out as ``layout``."""
     trainer = build(
@@ -228,6 +238,7 @@ def train(
         layout=layout,
         pipeline=pipeline,
         restore=restore,
+        collections=collections,
     )
     if membership.rank != layout.reporting_rank:
         hooks = replace(hooks, report=None)  # one rank speaks for the job
@@ -259,30 +270,38 @@ def build(
     layout: Layout,
     pipeline: PipelineConfig | None = None,
     restore: Restore | None = None,
+    collections: CollectionPlan | None = None,
 ) -> Trainer:
     """The model laid out by the strategy, this rank's data shard, the optimizer and the LR
     schedule, continued from ``restore``'s checkpoint when given. Collective."""
     rank, device = membership.rank, membership.device
     torch.manual_seed(config.seed + rank)
     precision = Precision(config.precision, device)
-    store = open_store(data_config.store_url, storage_options=data_config.storage_options)
+    if collections is None:
+        store = open_store(data_config.store_url, storage_options=data_config.storage_options)
+        num_classes, image_size = store.num_classes, data_config.image_size
+    else:
+        num_classes, image_size = collections_model_inputs(collections, data_config)
     model = build_model(
-        model_config.name,
-        num_classes=store.num_classes,
-        seed=config.seed,
-        image_size=data_config.image_size,
+        model_config.name, num_classes=num_classes, seed=config.seed, image_size=image_size
     )
     strategy = get_strategy(config.strategy).prepare(
         model, layout=layout, rank=rank, device=device, pipeline=pipeline
     )
-    batches = RankBatches(
-        store.train,
-        data_config,
-        rank=layout.dp_rank(rank),
-        world_size=layout.dp,
-        batch_size=layout.per_rank_batch,
-        seed=config.seed,
-    )
+    if collections is None:
+        batches: RankBatches | RankShard = RankBatches(
+            store.train,
+            data_config,
+            rank=layout.dp_rank(rank),
+            world_size=layout.dp,
+            batch_size=layout.per_rank_batch,
+            seed=config.seed,
+        )
+        val = store.val
+    else:
+        batches, val = trainer_splits(
+            collections, rank=rank, batch_size=layout.per_rank_batch, seed=config.seed
+        )
     optimizer = torch.optim.SGD(
         strategy.parameters(),
         lr=config.lr,
@@ -309,7 +328,7 @@ def build(
         strategy=strategy,
         precision=precision,
         batches=batches,
-        val=store.val,
+        val=val,
         optimizer=optimizer,
         schedule=schedule,
         total_steps=total_steps,

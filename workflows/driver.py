@@ -7,6 +7,7 @@
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,11 @@ from typing import Any
 import torch
 from distributed import Client
 
+from workers.collection_shard import CollectionPlan
 from workers.strategies import STAGED
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
+from workflows.collections import trainer_data
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.events import EventHandler
 from workflows.jobs import TrainingFailed, launch_on
@@ -24,6 +27,7 @@ from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store
 from workflows.tracking import Tracker
+from workflows.user_datasets import USER_DATASETS, read_user_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ class TrainResult:
     steady_samples_per_s: float
     wall_s: float
     first_step_s: float  # from the train() call, preprocessing and planning included
-    store: StoreManifest
+    store: StoreManifest | None  # None: trained from Dask collections (train(data=...))
     state_dict: dict[str, torch.Tensor] = field(repr=False)
     split_points: tuple[str, ...] | None = None  # where staged strategies cut the model
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # one per restart
@@ -71,8 +75,13 @@ def train(
     cluster: TrainingCluster | Client | None = None,
     on_event: EventHandler | None = print_progress,
     tracker: Tracker | None = None,
+    data: Mapping[str, tuple[Any, Any]] | None = None,
 ) -> TrainResult:
     """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
+
+    ``data={"train": (X, y), "val": (X_val, y_val)}`` (Dask arrays or dataframes, integer
+    class labels) takes the place of ``config.data``'s dataset: the partitions are read where
+    they lie (``workflows/collections.py``).
 
     ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
     ``training.log_every_steps`` is set) while the job runs. The records also go to
@@ -92,7 +101,7 @@ def train(
             cluster = start_cluster(config.cluster)
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
-            result = _train_on(client, config, handler, called_at=called_at)
+            result = _train_on(client, config, handler, called_at=called_at, data=data)
         finally:
             if owned:
                 cluster.close()
@@ -102,20 +111,51 @@ def train(
 
 
 def _train_on(
-    client: Client, config: RunConfig, on_event: EventHandler | None, *, called_at: float
+    client: Client,
+    config: RunConfig,
+    on_event: EventHandler | None,
+    *,
+    called_at: float,
+    data: Mapping[str, tuple[Any, Any]] | None = None,
+) -> TrainResult:
+    if data is None and config.data.dataset in USER_DATASETS:
+        data = read_user_dataset(config.data.resolved(), seed=config.training.seed)
+    if data is None:
+        return _train_prepared(client, config, on_event, called_at=called_at)
+    settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
+    with trainer_data(client, data, config.training.strategy, settings) as prepared:
+        return _train_prepared(
+            client, config, on_event, called_at=called_at, collections=prepared.plan
+        )
+
+
+def _world_size(client: Client, config: RunConfig) -> int:
+    return config.world_size or max(
+        1, len(select_workers(live_workers(client), config.launch.workers))
+    )
+
+
+def _train_prepared(
+    client: Client,
+    config: RunConfig,
+    on_event: EventHandler | None,
+    *,
+    called_at: float,
+    collections: CollectionPlan | None = None,
 ) -> TrainResult:
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
-    world_size = config.world_size or max(
-        1, len(select_workers(live_workers(client), config.launch.workers))
-    )
+    world_size = _world_size(client, config)
     layout = config.layout(world_size)
     # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()
-    manifest = prepare_store(client, data, seed=config.training.seed)
+    manifest = None
+    if collections is None:
+        manifest = prepare_store(client, data, seed=config.training.seed)
     pipeline = None
     if config.training.strategy in STAGED:
         # Cut once on the client, so every rank holds the same stages.
+        assert manifest is not None  # staged strategies take no collections (trainer_data)
         points = resolve_split_points(
             client, config, layout=layout, num_classes=manifest.num_classes
         )
@@ -133,6 +173,7 @@ def _train_on(
         checkpoint=config.checkpoint.model_copy(update={"directory": checkpoints})
         if checkpoints
         else None,
+        collections=collections,
     )
     launched_at = time.time()
     launched = launch_on(

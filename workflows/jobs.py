@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, TracebackType
@@ -31,9 +31,11 @@ import tblib
 from distributed import Client
 
 from workers.checkpoint import latest_good_checkpoint
+from workers.collection_shard import CollectionPlan
 from workers.rank_context import RankJob, RankOutcome, run_pickled
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_code
+from workflows.collections import prepared_data
 from workflows.events import EventHandler, EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
 from workflows.launcher import (
@@ -131,6 +133,7 @@ def launch(
     hang_timeout_s: float | None = None,
     first_step_timeout_s: float | None = None,
     tracking: TrackingConfig | dict[str, Any] | None = None,
+    data: Mapping[str, tuple[Any, Any]] | None = None,
     **kwargs: Any,
 ) -> LaunchResult:
     """Call ``fn(ctx, *args, **kwargs)`` on every rank, the process group already formed.
@@ -140,7 +143,10 @@ def launch(
     :class:`LaunchConfig` (or its fields as a dict); the keyword settings (``max_failures``,
     ``backend``, ``workers``, ``hang_timeout_s``, ``first_step_timeout_s``) override its
     fields. ``checkpoint_dir`` is where ``ctx.save`` writes (a folder every worker reaches).
-    ``on_event`` receives every record the ranks report, as it arrives.
+    ``on_event`` receives every record the ranks report, as it arrives. ``data`` maps split
+    names ("train", "val") to ``(X, y)`` Dask collections: they are persisted on the rank
+    workers and assigned to ranks where they lie, and ``ctx.shard(split, ...)`` yields each
+    rank's batches (``workflows/collections.py``).
     """
     called_at = time.time()
     overrides = {
@@ -172,18 +178,24 @@ def launch(
             cluster = start_cluster()
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
-            result = launch_on(
-                client,
-                fn,
-                args,
-                kwargs,
-                settings=settings,
-                name=name,
-                checkpoint_dir=checkpoint_dir,
-                keep_checkpoints=keep_checkpoints,
-                on_event=on_event,
-                called_at=called_at,
-            )
+            with (
+                prepared_data(client, data, settings)
+                if data is not None
+                else contextlib.nullcontext()
+            ) as prepared:
+                result = launch_on(
+                    client,
+                    fn,
+                    args,
+                    kwargs,
+                    settings=settings,
+                    name=name,
+                    checkpoint_dir=checkpoint_dir,
+                    keep_checkpoints=keep_checkpoints,
+                    on_event=on_event,
+                    called_at=called_at,
+                    data=prepared.plan if prepared is not None else None,
+                )
         finally:
             if owned:
                 cluster.close()
@@ -209,6 +221,7 @@ def launch_on(
     retry_code_errors: bool = False,
     task_prefix: str = "launch",
     signing_key_file: str | None = None,
+    data: CollectionPlan | None = None,
 ) -> LaunchResult:
     """The attempts of one launch on a connected client (``launch`` and ``train`` use it).
 
@@ -260,6 +273,7 @@ def launch_on(
                         keep_checkpoints=keep_checkpoints,
                         resume_from=str(resume[0]) if resume else None,
                         signing_key_file=signing_key_file,
+                        data=data,
                     )
                     payload = cloudpickle.dumps(job)
                     if attempt == 0:

@@ -126,7 +126,10 @@ class RunDirectory:
             "wall_s": result.wall_s,
             "first_step_s": result.first_step_s,
             "first_step_after_launch_s": result.first_step_after_launch_s,
-            "store": {
+            # None: trained from Dask collections (train(data=...)), no store.
+            "store": None
+            if result.store is None
+            else {
                 "url": result.store.url,
                 "counts": result.store.counts,
                 "reused": result.store.reused,

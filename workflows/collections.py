@@ -1,0 +1,478 @@
+"""Training data from Dask collections, planned on the client: check, persist, locate, assign.
+
+``data={"train": (X, y), "val": (X_val, y_val)}`` with ``X`` a ``dask.array`` (n, ...) or a
+``dask.dataframe`` (its columns are the features) and ``y`` a ``dask.array`` or dask ``Series``.
+
+The rows of every split are assigned to ranks once per run, as xgboost.dask and lightgbm.dask
+do: the partitions are persisted on the rank workers, the scheduler says who holds each
+(``who_has``), and each rank keeps the partitions its own worker holds, up to its share. The
+shares are equal to one sample (``n // world_size``, plus one for the first ``n % world_size``
+ranks with the most local rows). Rows beyond a share are cut off on the worker that holds
+them, and only those cuts move, to the ranks short of their share: the rows that move are
+exactly the sum of the shortfalls, the least any assignment can move. The plan (keys, row
+ranges, every rank's sample count) goes to the ranks; ``workers/collection_shard.py`` reads it.
+"""
+
+import contextlib
+import logging
+import math
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from distributed import Client, Future, futures_of, wait
+
+from workers.collection_shard import CollectionPlan, Piece, SplitPlan
+from workflows.cluster import live_workers
+from workflows.launcher import LaunchConfig, select_workers
+
+logger = logging.getLogger(__name__)
+SPLITS = ("train", "val")
+# Shares: "balanced" (equal to one sample, locality first) for training and ctx.shard;
+# "contiguous" (ceil(n / world) rows per rank in rank order) is what the built-in trainer's
+# validation reads (workers/data.py eval_batches).
+Shares = Literal["balanced", "contiguous"]
+
+
+class DataError(ValueError):
+    """A collection that cannot be trained on; the message names the split and what to do."""
+
+
+@dataclass
+class PreparedData:
+    """The plan the ranks get, and the futures that keep its partitions on the cluster."""
+
+    plan: CollectionPlan
+    futures: list[Future] = field(default_factory=list, repr=False)
+    client: Client | None = field(default=None, repr=False)
+    dataset: str | None = None
+
+    def release(self) -> None:
+        """Let the cluster forget what this run persisted (the user's own persisted
+        collections stay)."""
+        if self.client is not None and self.dataset is not None:
+            with contextlib.suppress(KeyError):
+                self.client.unpublish_dataset(self.dataset)
+        self.futures.clear()
+
+
+@contextlib.contextmanager
+def prepared_data(
+    client: Client,
+    data: Mapping[str, Any],
+    settings: LaunchConfig,
+    *,
+    shares: Mapping[str, Shares] | None = None,
+    timeout_s: float = 600.0,
+) -> Iterator[PreparedData]:
+    """:func:`prepare_data` for the ranks of ``settings`` (the workers the launcher will
+    choose, in its rank order), released on exit."""
+    eligible = select_workers(live_workers(client), settings.workers)
+    world_size = settings.world_size or max(1, len(eligible))
+    prepared = prepare_data(
+        client,
+        data,
+        workers=eligible[:world_size],
+        world_size=world_size,
+        shares=shares,
+        timeout_s=timeout_s,
+    )
+    try:
+        yield prepared
+    finally:
+        prepared.release()
+
+
+@contextlib.contextmanager
+def trainer_data(
+    client: Client, data: Mapping[str, Any], strategy: str, settings: LaunchConfig
+) -> Iterator[PreparedData]:
+    """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split
+    of class labels; validation in the contiguous shares its evaluation reads."""
+    from workers.strategies import STAGED
+
+    if strategy in STAGED:
+        raise DataError(
+            f"training.strategy: {strategy} exchanges fixed-shape batches, which exactly-once "
+            "epochs of Dask collections do not have; use 'ddp' with train(data=...)"
+        )
+    missing = [name for name in SPLITS if name not in (data or {})]
+    if isinstance(data, Mapping) and missing and not [n for n in data if n not in SPLITS]:
+        raise DataError(
+            f"data: the built-in trainer validates every epoch; give a {missing[0]!r} split "
+            "too: data={'train': (X, y), 'val': (X_val, y_val)}"
+        )
+    with prepared_data(client, data, settings, shares={"val": "contiguous"}) as prepared:
+        for split in prepared.plan.splits.values():
+            # The built-in loss is cross-entropy over class labels 0 .. C-1.
+            if not split.integral_target or split.target_range[0] < 0:
+                raise DataError(
+                    f"data[{split.name!r}]: y must hold class labels (integers from 0) for the "
+                    "built-in trainer; train other targets with launch(fn, data=...)"
+                )
+        yield prepared
+
+
+def prepare_data(
+    client: Client,
+    data: Mapping[str, Any],
+    *,
+    workers: Sequence[str],
+    world_size: int,
+    shares: Mapping[str, Shares] | None = None,
+    timeout_s: float = 600.0,
+) -> PreparedData:
+    """Check, persist and assign every split; ``workers[r]`` is rank r's worker (fewer
+    addresses than ranks: the rest have no locality). Raises :class:`DataError` in one line
+    before anything launches."""
+    if not isinstance(data, Mapping) or not data:
+        raise DataError(
+            "data: give a dict of splits, e.g. data={'train': (X, y), 'val': (X_val, y_val)}"
+        )
+    unknown = [name for name in data if name not in SPLITS]
+    if unknown:
+        raise DataError(f"data: unknown split {unknown[0]!r}; the splits are {list(SPLITS)}")
+    checked = {name: _checked(name, pair) for name, pair in data.items()}
+    rank_workers = list(workers[:world_size])
+    futures: list[Future] = []
+    splits = {}
+    dataset = f"dask-train-data-{uuid.uuid4().hex}"
+    for name, (x, y) in checked.items():
+        mode = (shares or {}).get(name, "balanced")
+        split, held = _plan_split(
+            client,
+            name,
+            x,
+            y,
+            rank_workers,
+            world_size,
+            mode=mode,
+            timeout_s=timeout_s,
+            dataset=dataset,
+        )
+        splits[name] = split
+        futures += held
+    plan = CollectionPlan(splits=splits, world_size=world_size, workers=tuple(rank_workers))
+    # Ranks missing a value (held elsewhere, recomputed after a worker loss) get its future
+    # from here; published, the keys also outlive a client that disconnects mid-run.
+    client.publish_dataset(futures, name=dataset)
+    for split in splits.values():
+        logger.info(
+            "data[%r]: %d samples in %d partitions over %d ranks; %d rows (%d bytes) moved "
+            "for balance",
+            split.name,
+            split.n,
+            split.n_partitions,
+            world_size,
+            split.moved_rows,
+            split.moved_bytes,
+        )
+    return PreparedData(plan=plan, futures=futures, client=client, dataset=dataset)
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def _checked(name: str, pair: Any) -> tuple[Any, Any]:
+    """(X, y) as collections partitioned alike along rows, with known row counts where the
+    collection type keeps them; everything that needs no data checked here."""
+    import dask.array as da
+    import dask.dataframe as dd
+
+    where = f"data[{name!r}]"
+    if not isinstance(pair, tuple | list) or len(pair) != 2:
+        raise DataError(f"{where}: give a pair (X, y), got {type(pair).__name__}")
+    x, y = pair
+    if not isinstance(x, da.Array | dd.DataFrame):
+        raise DataError(
+            f"{where}: X must be a dask.array or a dask.dataframe, got {type(x).__name__}"
+        )
+    if not isinstance(y, da.Array | dd.Series):
+        raise DataError(f"{where}: y must be a dask.array or a dask Series, got {type(y).__name__}")
+    if isinstance(x, da.Array):
+        if x.ndim < 1:
+            raise DataError(f"{where}: X is a scalar; give an array of samples (n, ...)")
+        _require_numeric(where, "X", x.dtype)
+        _require_known_chunks(where, "X", x)
+        if any(len(c) > 1 for c in x.chunks[1:]):
+            # One partition is one block of whole samples.
+            x = x.rechunk({axis: -1 for axis in range(1, x.ndim)})
+    else:
+        for column, dtype in x.dtypes.items():
+            _require_numeric(where, f"X column {column!r}", dtype)
+        if len(x.columns) == 0:
+            raise DataError(f"{where}: X has no columns")
+    if isinstance(y, da.Array):
+        if y.ndim not in (1, 2):
+            raise DataError(f"{where}: y must be (n,) or (n, k), got shape {y.shape}")
+        _require_numeric(where, "y", y.dtype)
+        _require_known_chunks(where, "y", y)
+        if y.ndim == 2 and len(y.chunks[1]) > 1:
+            y = y.rechunk({1: -1})
+    else:
+        _require_numeric(where, "y", y.dtype)
+    if isinstance(x, da.Array) and isinstance(y, da.Array) and x.shape[0] != y.shape[0]:
+        raise DataError(f"{where}: X has {x.shape[0]} rows but y has {y.shape[0]}")
+    return x, y
+
+
+def _require_numeric(where: str, what: str, dtype: Any) -> None:
+    kind = getattr(dtype, "kind", "O")  # numpy and pandas dtypes alike
+    if kind not in "biuf":
+        raise DataError(
+            f"{where}: {what} is of type {dtype}, not numeric; convert it (e.g. "
+            "categories to codes) or leave it out"
+        )
+
+
+def _require_known_chunks(where: str, what: str, array: Any) -> None:
+    if any(math.isnan(c) for c in array.chunks[0]):
+        raise DataError(
+            f"{where}: {what} has unknown chunk sizes (boolean indexing or a dataframe "
+            f"conversion leaves them so); call {what} = {what}.compute_chunk_sizes() first"
+        )
+
+
+# -- persisting and facts ---------------------------------------------------------------------
+
+
+def _partition_rows(part: Any) -> int:
+    return len(part)
+
+
+def _target_facts(part: Any) -> tuple[int, int, bool, float, float]:
+    """(rows, rows with a NaN, integral, min, max) of a partition of y."""
+    values = np.asarray(part)
+    missing = np.isnan(values) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
+    nan_rows = int(missing.reshape(len(values), -1).any(axis=1).sum()) if len(values) else 0
+    known = values[~missing]
+    low = float(known.min()) if known.size else math.inf
+    high = float(known.max()) if known.size else -math.inf
+    return len(values), nan_rows, values.dtype.kind in "biu", low, high
+
+
+def _rows(part: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of a partition, run where the partition lies: only the cut moves."""
+    return part.iloc[start:stop] if hasattr(part, "iloc") else part[start:stop]
+
+
+def _held(part: Any) -> Any:
+    """Runs on the rank's worker: Dask fetches the cut there as this task's dependency."""
+    return part
+
+
+def _ordered_futures(collection: Any) -> list[Future]:
+    """The persisted collection's futures in partition order (a dataframe's own keys are not
+    its futures' keys under dask-expr, so they come from ``futures_of``)."""
+    found = futures_of(collection)
+    return sorted(found, key=lambda f: tuple(f.key[1:]) if isinstance(f.key, tuple) else ())
+
+
+def _persisted(
+    client: Client, collection: Any, workers: list[str], timeout_s: float, where: str
+) -> list[Future]:
+    persisted = client.persist(collection, workers=workers or None, allow_other_workers=True)
+    futures = _ordered_futures(persisted)
+    _wait(futures, timeout_s, where)
+    return futures
+
+
+def _wait(futures: list[Future], timeout_s: float, where: str) -> None:
+    try:
+        wait(futures, timeout=timeout_s)
+    except TimeoutError:
+        raise TimeoutError(
+            f"{where}: the partitions were not ready within {timeout_s:g} s"
+        ) from None
+    failed = next((f for f in futures if f.status == "error"), None)
+    if failed is not None:
+        error = failed.exception()
+        raise DataError(f"{where}: computing a partition failed: {type(error).__name__}: {error}")
+
+
+def _plan_split(
+    client: Client,
+    name: str,
+    x: Any,
+    y: Any,
+    workers: list[str],
+    world_size: int,
+    *,
+    mode: Shares,
+    timeout_s: float,
+    dataset: str,
+) -> tuple[SplitPlan, list[Future]]:
+    import dask.array as da
+
+    where = f"data[{name!r}]"
+    x_futures = _persisted(client, x, workers, timeout_s, where)
+    x_rows = client.gather(client.map(_partition_rows, x_futures, pure=False))
+    n = sum(x_rows)
+    if isinstance(y, da.Array):
+        if y.shape[0] != n:
+            raise DataError(f"{where}: X has {n} rows but y has {y.shape[0]}")
+        if list(y.chunks[0]) != x_rows:
+            y = y.rechunk({0: tuple(x_rows)})  # partitioned as X, so a rank reads both alike
+    y_futures = _persisted(client, y, workers, timeout_s, where)
+    facts = client.gather(client.map(_target_facts, y_futures, pure=False))
+    y_rows = [f[0] for f in facts]
+    if sum(y_rows) != n:
+        raise DataError(f"{where}: X has {n} rows but y has {sum(y_rows)}")
+    if y_rows != x_rows:
+        # A Series partitioned otherwise: as an array with known chunks, cut like X.
+        y_array = y.to_dask_array(lengths=y_rows).rechunk({0: tuple(x_rows)})
+        y_futures = _persisted(client, y_array, workers, timeout_s, where)
+        facts = client.gather(client.map(_target_facts, y_futures, pure=False))
+    nan_rows = sum(f[1] for f in facts)
+    if nan_rows:
+        raise DataError(f"{where}: y has {nan_rows} rows with NaN; drop or fill them first")
+    if n < world_size:
+        raise DataError(f"{where}: {n} samples cannot give each of {world_size} ranks one")
+    integral = all(f[2] for f in facts)
+    low, high = min(f[3] for f in facts), max(f[4] for f in facts)
+
+    holders = _holder_ranks(client, x_futures, workers)
+    targets = (
+        contiguous_shares(n, world_size)
+        if mode == "contiguous"
+        else balanced_shares(n, world_size, _local_rows(x_rows, holders, world_size))
+    )
+    assignment = assign_rows(x_rows, holders, targets)
+    y_holders = _holder_ranks(client, y_futures, workers)
+
+    # Cut the rows that change hands where they lie, then hold each cut on its new rank.
+    keep = [*x_futures, *y_futures]
+    pieces: list[list[Piece]] = []
+    moved: list[Future] = []
+    moved_rows = 0
+    for rank, ranges in enumerate(assignment):
+        rank_pieces = []
+        for p, start, stop in ranges:
+            keys = []
+            for futures, held_by in ((x_futures, holders), (y_futures, y_holders)):
+                if rank in held_by[p] or rank >= len(workers):
+                    keys.append((futures[p].key, start, stop))
+                    continue
+                cut = client.submit(
+                    _rows,
+                    futures[p],
+                    start,
+                    stop,
+                    key=f"dask-train-cut-{uuid.uuid4().hex}",
+                    workers=[workers[r] for r in held_by[p]] or None,
+                    allow_other_workers=True,
+                )
+                staged = client.submit(
+                    _held,
+                    cut,
+                    key=f"dask-train-moved-{uuid.uuid4().hex}",
+                    workers=[workers[rank]],
+                    allow_other_workers=True,
+                )
+                moved.append(staged)
+                keys.append((staged.key, 0, stop - start))
+                moved_rows += (stop - start) if futures is x_futures else 0
+            (x_key, x_start, x_stop), (y_key, y_start, _) = keys
+            rank_pieces.append(Piece(x_key, y_key, x_start, y_start, x_stop - x_start))
+        pieces.append(rank_pieces)
+    _wait(moved, timeout_s, where)
+    moved_bytes = sum(client.gather(client.map(_nbytes, moved, pure=False))) if moved else 0
+    keep += moved
+    split = SplitPlan(
+        name=name,
+        n=n,
+        n_partitions=len(x_rows),
+        counts=tuple(targets),
+        pieces=tuple(tuple(p) for p in pieces),
+        x_frame=not isinstance(x, da.Array),
+        sample_shape=tuple(x.shape[1:]) if isinstance(x, da.Array) else (len(x.columns),),
+        integral_target=integral,
+        target_range=(low, high),
+        moved_rows=moved_rows,
+        dataset=dataset,
+        moved_bytes=moved_bytes,
+    )
+    return split, keep
+
+
+def _nbytes(part: Any) -> int:
+    from dask.sizeof import sizeof
+
+    return int(sizeof(part))
+
+
+def _holder_ranks(client: Client, futures: list[Future], workers: list[str]) -> list[set[int]]:
+    """For each partition, the ranks whose worker holds it (none: another worker does)."""
+    rank_of = {address: rank for rank, address in enumerate(workers)}
+    who_has = client.who_has(futures)
+    return [{rank_of[w] for w in who_has.get(f.key, ()) if w in rank_of} for f in futures]
+
+
+# -- assignment (pure functions, tested without a cluster) ------------------------------------
+
+
+def _local_rows(lengths: Sequence[int], holders: Sequence[set[int]], world_size: int) -> list[int]:
+    local = [0] * world_size
+    for length, held in zip(lengths, holders, strict=True):
+        for rank in held:
+            local[rank] += length
+    return local
+
+
+def balanced_shares(n: int, world_size: int, local_rows: Sequence[int]) -> list[int]:
+    """Every rank's sample count: ``n // world_size``, and one more for the ``n % world_size``
+    ranks holding the most rows already (the spare samples stay where they lie)."""
+    base, extra = divmod(n, world_size)
+    richest = sorted(range(world_size), key=lambda r: (-local_rows[r], r))[:extra]
+    return [base + (rank in richest) for rank in range(world_size)]
+
+
+def contiguous_shares(n: int, world_size: int) -> list[int]:
+    """``ceil(n / world_size)`` rows per rank in rank order, the last ranks' shares shorter."""
+    share = -(-n // world_size)
+    return [max(0, min(n, (r + 1) * share) - r * share) for r in range(world_size)]
+
+
+def assign_rows(
+    lengths: Sequence[int], holders: Sequence[set[int]], targets: Sequence[int]
+) -> list[list[tuple[int, int, int]]]:
+    """Each rank's rows as (partition, start, stop) ranges, ``targets[r]`` rows for rank r.
+
+    A partition held by several ranks goes to the one with the fewest local rows so far. Each
+    rank keeps its own partitions, in order, up to its target; the rest (and partitions no rank
+    holds) fill the ranks still short, in rank order. Rows that change hands: the sum of the
+    shortfalls, the fewest possible.
+    """
+    world = len(targets)
+    owner: list[int | None] = [None] * len(lengths)
+    owned = [0] * world
+    for p in sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)):
+        if holders[p]:
+            rank = min(holders[p], key=lambda r: (owned[r], r))
+            owner[p], owned[rank] = rank, owned[rank] + lengths[p]
+    ranges: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    filled = [0] * world
+    pool: list[tuple[int, int, int]] = []
+    for p, length in enumerate(lengths):
+        rank = owner[p]
+        if rank is None:
+            pool.append((p, 0, length))
+            continue
+        keep = min(length, targets[rank] - filled[rank])
+        if keep:
+            ranges[rank].append((p, 0, keep))
+            filled[rank] += keep
+        if keep < length:
+            pool.append((p, keep, length))
+    for rank in range(world):
+        while filled[rank] < targets[rank]:
+            p, start, stop = pool.pop(0)
+            take = min(stop - start, targets[rank] - filled[rank])
+            ranges[rank].append((p, start, start + take))
+            filled[rank] += take
+            if start + take < stop:
+                pool.insert(0, (p, start + take, stop))
+    assert not pool, "targets must add up to the rows"
+    return ranges
