@@ -1,7 +1,9 @@
 """Per-layer cost of a model on this worker's device: what the stage planner balances.
 
-Each top-level layer is timed forward and backward on one micro-batch, and its parameter
-and saved-activation bytes are counted, on the device a stage would run on.
+Each layer is timed forward and backward on one micro-batch, and its parameter and
+saved-activation bytes are counted, on the device a stage would run on. The layers of an
+``nn.Sequential`` are its top-level children; those of any other model are the pieces between
+its cut points (``workers.strategies.pipeline.cut_points``), traced as pipeline stages.
 """
 
 import statistics
@@ -9,9 +11,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from workers.models import build_model
+from workers.strategies.pipeline import cut_points, is_traced, trace_stages
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,23 @@ def profile_model(
     )
     model = build_model(model_name, num_classes=num_classes, seed=0, image_size=image_size)
     sample = torch.randn(micro_batch, in_channels, image_size, image_size)
-    layers = profile_layers(model.to(device), sample=sample.to(device), repeats=repeats)
+    layers = profile_module(model.to(device), sample=sample.to(device), repeats=repeats)
     return DeviceProfile(
         device=str(device),
         memory_bytes=_device_memory(device),
         micro_batch=micro_batch,
         layers=tuple(layers),
     )
+
+
+def profile_module(
+    model: nn.Module, *, sample: torch.Tensor, repeats: int = 7
+) -> list[LayerProfile]:
+    """Time and measure each layer of ``model`` (see the module's docstring) on ``sample``'s
+    device; a layer is named by the module path where it begins, a possible split point."""
+    if not is_traced(model):
+        return profile_layers(model, sample=sample, repeats=repeats)
+    return profile_segments(model, sample=sample, repeats=repeats)
 
 
 def profile_layers(
@@ -64,31 +77,82 @@ def profile_layers(
     profiles = []
     x = sample
     for name, layer in model.named_children():
-        x = x.detach().requires_grad_(x.is_floating_point())
-        times = []
-        for attempt in range(repeats + 2):  # two warm-up runs: allocator and kernel choice
-            layer.zero_grad(set_to_none=True)
-            _synchronize(x.device)
-            started = time.perf_counter()
-            with _SavedBytes() as saved:
-                out = layer(x)
-            out.backward(torch.ones_like(out))
-            _synchronize(x.device)
-            if attempt >= 2:
-                times.append(time.perf_counter() - started)
-            x.grad = None
-        profiles.append(
-            LayerProfile(
-                name=name,
-                seconds=statistics.median(times),
-                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                activation_bytes=saved.bytes,
-                output_bytes=out.numel() * out.element_size(),
-            )
-        )
-        layer.zero_grad(set_to_none=True)
-        x = out
+        profile, x = _profile_one(name, layer, (x,), repeats=repeats)
+        profiles.append(profile)
     return profiles
+
+
+def profile_segments(
+    model: nn.Module, *, sample: torch.Tensor, repeats: int = 7
+) -> list[LayerProfile]:
+    """Trace ``model`` cut at every one of its cut points and time and measure each piece on
+    the inputs the pieces before it give it."""
+    points = cut_points(model, sample)
+    pipe = trace_stages(model, sample, points[1:])
+    segments = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+    inputs = _segment_inputs(pipe.split_gm, sample)
+    return [
+        _profile_one(name, segment, inputs[segment], repeats=repeats)[0]
+        for name, segment in zip(points, segments, strict=True)
+    ]
+
+
+def _segment_inputs(split: fx.GraphModule, sample: torch.Tensor) -> dict[nn.Module, tuple]:
+    """What each stage module of a traced pipe receives when the pipe runs on ``sample``."""
+    received: dict[nn.Module, tuple] = {}
+
+    class Recorder(fx.Interpreter):
+        def call_module(self, target: str, args: tuple, kwargs: dict) -> object:
+            received[self.fetch_attr(target)] = args
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        Recorder(split).run(sample)
+    return received
+
+
+def _profile_one(
+    name: str, layer: nn.Module, inputs: tuple, *, repeats: int
+) -> tuple[LayerProfile, object]:
+    """``layer``'s profile on ``inputs``, and its output (the next layer's input)."""
+    inputs = tuple(
+        x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+        for x in inputs
+    )
+    device = next(x.device for x in inputs if isinstance(x, torch.Tensor))
+    times = []
+    for attempt in range(repeats + 2):  # two warm-up runs: allocator and kernel choice
+        layer.zero_grad(set_to_none=True)
+        _synchronize(device)
+        started = time.perf_counter()
+        with _SavedBytes() as saved:
+            out = layer(*inputs)
+        outputs = _tensors(out)
+        differentiable = [o for o in outputs if o.requires_grad]
+        torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
+        _synchronize(device)
+        if attempt >= 2:
+            times.append(time.perf_counter() - started)
+        for x in inputs:
+            if isinstance(x, torch.Tensor):
+                x.grad = None
+    layer.zero_grad(set_to_none=True)
+    profile = LayerProfile(
+        name=name,
+        seconds=statistics.median(times),
+        param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+        activation_bytes=saved.bytes,
+        output_bytes=sum(o.numel() * o.element_size() for o in outputs),
+    )
+    return profile, out
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):

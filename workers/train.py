@@ -272,8 +272,9 @@ def build(
         seed=config.seed,
         image_size=data_config.image_size,
     )
+    sample = torch.zeros((layout.micro_batch, *store.train.images.shape[1:]))
     strategy = get_strategy(config.strategy).prepare(
-        model, layout=layout, rank=rank, device=device, pipeline=pipeline
+        model, layout=layout, rank=rank, device=device, pipeline=pipeline, sample=sample
     )
     batches = RankBatches(
         store.train,
