@@ -6,6 +6,8 @@ On a real cluster over gloo, k steps of a traced cut leave the parameters one pr
 model that does not trace, and a point where no stage can begin, are refused naming why.
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,12 +15,13 @@ import torch.nn.functional as F
 from tests.traced_models import build
 from workers.config_models import PipelineConfig, TrainingConfig
 from workers.layout import Layout
+from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
 from workers.strategies.base import EpochSums, get_strategy
-from workers.strategies.pipeline import cut_points, trace_stages
+from workers.strategies.pipeline import check_cut, cut_points, trace_stages
 from workflows import launch
-from workflows.planner import balanced_split
+from workflows.planner import balanced_split, plan, resolve_split_points
 
 BATCH, STEPS, LR, SAMPLES = 16, 3, 0.05, 64
 IMAGE = (3, 32, 32)
@@ -178,3 +181,48 @@ def test_the_planner_profiles_the_cut_points_of_a_traced_model():
     (point,) = balanced_split(profile, 2, memory_bytes=10**12, in_flight=2)
     assert point in RESNET18_CUT_POINTS[1:]
     assert trace_stages(model, sample, [point]).num_stages == 2
+
+
+def test_the_planner_plans_a_traced_model_on_a_worker(cluster, make_config):
+    config = make_config(
+        {"name": "traced-plan", "pipeline": {"schedule": "1f1b", "n_microbatches": 4}},
+        strategy="pipeline",
+        batch_size=32,
+    )
+    resnet18 = partial(build, "resnet18_group_norm", seed=0)
+    result = plan(cluster.client, config, world_size=2, num_classes=10, build=resnet18)
+    assert [layer.name for layer in result.profile.layers] == RESNET18_CUT_POINTS
+    (point,) = result.split_points
+    assert point in RESNET18_CUT_POINTS[1:]
+    first, second = result.stages
+    assert first.layers + second.layers == tuple(RESNET18_CUT_POINTS)
+    assert second.layers[0] == point
+    assert f"Split into 2 stages at ['{point}']" in result.render()
+    # The equal-layers cut of the same candidates, without a profile.
+    by_layers = config.pipeline.model_copy(update={"balance": "layers"})
+    even = resolve_split_points(
+        cluster.client,
+        config.model_copy(update={"pipeline": by_layers}),
+        layout=config.layout(2),
+        num_classes=10,
+        build=resnet18,
+    )
+    assert even == ("layer3",)  # 13 pieces: 7 in the first stage, 6 in the second
+
+
+def test_check_cut_keeps_the_sequential_path_and_traces_any_other_model():
+    sample = torch.zeros(2, *IMAGE)
+    sequential = build_model("cifar_cnn", num_classes=10, seed=0)
+    assert check_cut(sequential, sample, None)[:2] == ["conv1", "relu1"]
+    with pytest.raises(ValueError, match="'conv9' names no top-level module"):
+        check_cut(sequential, sample, ["conv9"])
+    residual = build("residual_net", seed=0)
+    assert check_cut(residual, sample, ["blocks.1"]) == [
+        "stem",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "head",
+    ]
+    with pytest.raises(ValueError, match="does not trace"):
+        check_cut(build("data_dependent", seed=0), sample, None)

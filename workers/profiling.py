@@ -8,6 +8,7 @@ its cut points (``workers.strategies.pipeline.cut_points``), traced as pipeline 
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +43,19 @@ def profile_model(
     in_channels: int,
     micro_batch: int,
     repeats: int = 7,
+    build: Callable[[], nn.Module] | None = None,
 ) -> DeviceProfile:
-    """Profile a registered model on this process's device (a Dask task on a rank worker)."""
+    """Profile a registered model, or the one ``build`` returns, on this process's device (a
+    Dask task on a rank worker)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else (torch.device("cpu"))
     )
-    model = build_model(model_name, num_classes=num_classes, seed=0, image_size=image_size)
+    if build is None:
+        model = build_model(model_name, num_classes=num_classes, seed=0, image_size=image_size)
+    else:
+        model = build()
     sample = torch.randn(micro_batch, in_channels, image_size, image_size)
     layers = profile_module(model.to(device), sample=sample.to(device), repeats=repeats)
     return DeviceProfile(

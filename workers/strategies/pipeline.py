@@ -175,6 +175,20 @@ def cut_points(model: nn.Module, sample: torch.Tensor, *, depth: int = 2) -> lis
     return points
 
 
+def check_cut(
+    model: nn.Module, sample: torch.Tensor, split_points: Sequence[str] | None
+) -> list[str]:
+    """``model``'s cut points (:func:`cut_points`), once ``split_points`` (None: to be planned)
+    are known to cut it: a ValueError naming the field otherwise. A traced model is traced here
+    as the ranks will trace it, so a model that does not trace fails here, with the reason."""
+    if not is_traced(model):
+        if split_points is not None:
+            cut_into_stages(model, split_points)
+        return cut_points(model, sample)
+    trace_stages(model, sample, split_points or ())
+    return cut_points(model, sample)
+
+
 def check_split_points(model: nn.Module, sample: torch.Tensor, split_points: Sequence[str]) -> None:
     """Refuse, naming ``pipeline.split_points``, points where a traced cut of ``model`` cannot
     begin a stage: not a module path, a module that runs other than once per forward, the
