@@ -325,6 +325,9 @@ class Pipeline:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup | None
     mesh: DeviceMesh
+    # Traced stages keep the mode they were traced in (training): .eval() does not switch
+    # BatchNorm to its running statistics or Dropout off.
+    traced: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters()]
@@ -415,6 +418,7 @@ def apply_pipeline(
         pp_group=pp_group,
         dp_group=dp_group,
         mesh=mesh,
+        traced=pipe is not None,
     )
 
 
@@ -536,6 +540,10 @@ class PipelineStrategy(Strategy):
     ) -> dict[str, float]:
         pipe, device = self.pipe, self.device
         pipe.train(False)
+        # A traced stage normalizes validation micro-batches in training mode, which would
+        # move BatchNorm's running statistics: evaluating must leave the model as it was.
+        buffers = [b for stage in pipe.stages for b in stage.buffers()] if pipe.traced else []
+        kept = [b.clone() for b in buffers]
         sums = torch.zeros(3, dtype=torch.float64, device=device)
         for x, y, real in fixed_shape_eval_batches(
             split, rank=pipe.dp_rank, world_size=pipe.dp_size, batch_size=batch_size
@@ -553,6 +561,8 @@ class PipelineStrategy(Strategy):
                 sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
                 sums[1] += (logits.argmax(1) == y).sum().double()
                 sums[2] += real
+        for buffer, value in zip(buffers, kept, strict=True):
+            buffer.copy_(value)
         dist.all_reduce(sums)
         loss_sum, correct, count = sums.tolist()
         return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
