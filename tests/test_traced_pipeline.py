@@ -21,6 +21,7 @@ from workers.profiling import profile_module
 from workers.strategies.base import EpochSums, get_strategy
 from workers.strategies.pipeline import check_cut, cut_points, trace_stages
 from workflows import launch
+from workflows.cluster import start_cluster
 from workflows.planner import balanced_split, plan, resolve_split_points
 
 BATCH, STEPS, LR, SAMPLES = 16, 3, 0.05, 64
@@ -73,10 +74,13 @@ def cut_and_trained(
     optimizer = torch.optim.SGD(prepared.parameters(), lr=LR, momentum=0.9)
     precision = Precision("fp32", ctx.device)
     sums = EpochSums([0.0, 0.0, 0.0], device=ctx.device)
+    share = layout.per_rank_batch
+    mine = slice(layout.dp_rank(ctx.rank) * share, (layout.dp_rank(ctx.rank) + 1) * share)
     for step in range(steps):
         optimizer.zero_grad()
-        rows = _rows(step)
-        prepared.forward_backward(x[rows], y[rows], precision=precision, sums=sums)
+        # A replica takes its share of the global batch; the stages of a pipeline all see it.
+        xs, ys = x[_rows(step)][mine], y[_rows(step)][mine]
+        prepared.forward_backward(xs, ys, precision=precision, sums=sums)
         optimizer.step()
     return prepared.full_state_dict()
 
@@ -97,6 +101,16 @@ def _one_process(model_name: str, steps: int) -> dict[str, torch.Tensor]:
     [
         # A cut inside a ModuleList, with a skip connection on each side of it.
         ("residual_net", "pipeline", {"split_points": ["blocks.1"], "n_microbatches": 4}),
+        (
+            "residual_net",
+            "pipeline",
+            {
+                "split_points": ["blocks.0", "blocks.1", "blocks.2"],
+                "schedule": "interleaved_1f1b",
+                "stages_per_rank": 2,
+                "n_microbatches": 4,
+            },
+        ),
         ("resnet18_group_norm", "model_parallel", {"split_points": ["layer4.1"]}),
         (
             "resnet18_group_norm",
@@ -104,15 +118,19 @@ def _one_process(model_name: str, steps: int) -> dict[str, torch.Tensor]:
             {"split_points": ["layer3"], "schedule": "gpipe", "n_microbatches": 2},
         ),
     ],
-    ids=["residual-1f1b", "resnet18-model-parallel", "resnet18-gpipe"],
+    ids=["residual-1f1b", "residual-interleaved", "resnet18-model-parallel", "resnet18-gpipe"],
 )
 def test_a_traced_cut_matches_one_process(cluster, model_name, strategy, pipeline):
     result = launch(
         cut_and_trained, model_name, strategy, pipeline, STEPS, cluster=cluster, world_size=2
     )
+    assert all(result.results), "every rank holds a stage"
+    _assert_matches_one_process(result.results, model_name)
+
+
+def _assert_matches_one_process(stages: list, model_name: str) -> None:
     got: dict[str, torch.Tensor] = {}
-    for stage in result.results:
-        assert stage, "every rank holds a stage"
+    for stage in filter(None, stages):  # replicas after the first hand back nothing
         assert not got.keys() & stage.keys(), "the stages hold different parameters"
         got.update(stage)
     expected = _one_process(model_name, STEPS)
@@ -121,6 +139,23 @@ def test_a_traced_cut_matches_one_process(cluster, model_name, strategy, pipelin
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=4e-5, msg=name)
     untrained = build(model_name, seed=0).state_dict()
     assert any(not torch.equal(got[name], untrained[name]) for name in expected)
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
+        yield training_cluster
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_mode", ["fsdp", "ddp"])
+def test_a_traced_cut_times_data_parallel_matches_one_process(four_workers, dp_mode):
+    pipeline = {"split_points": ["blocks.1"], "n_microbatches": 2, "dp": 2, "dp_mode": dp_mode}
+    result = launch(
+        cut_and_trained, "residual_net", "pipeline", pipeline, STEPS, cluster=four_workers
+    )
+    assert len(result.results) == 4
+    _assert_matches_one_process(result.results, "residual_net")
 
 
 def test_a_model_that_does_not_trace_is_refused_with_the_tracers_reason():

@@ -1,9 +1,10 @@
 """Per-layer cost of a model on this worker's device: what the stage planner balances.
 
-Each layer is timed forward and backward on one micro-batch, and its parameter and
-saved-activation bytes are counted, on the device a stage would run on. The layers of an
-``nn.Sequential`` are its top-level children; those of any other model are the pieces between
-its cut points (``workers.strategies.pipeline.cut_points``), traced as pipeline stages.
+Each layer is timed forward and backward on one micro-batch (all layers in turns, repeatedly),
+and its parameter and saved-activation bytes are counted, on the device a stage would run on.
+The layers of an ``nn.Sequential`` are its top-level children; those of any other model are
+the pieces between its cut points (``workers.strategies.pipeline.cut_points``), traced as
+pipeline stages.
 """
 
 import statistics
@@ -80,12 +81,12 @@ def profile_layers(
     model: nn.Module, *, sample: torch.Tensor, repeats: int = 7
 ) -> list[LayerProfile]:
     """Time and measure each top-level child of ``model`` on ``sample``'s device."""
-    profiles = []
-    x = sample
-    for name, layer in model.named_children():
-        profile, x = _profile_one(name, layer, (x,), repeats=repeats)
-        profiles.append(profile)
-    return profiles
+    layers, x = [], sample
+    with torch.no_grad():
+        for name, layer in model.named_children():
+            layers.append((name, layer, (x,)))
+            x = layer(x)
+    return _profile(layers, repeats=repeats)
 
 
 def profile_segments(
@@ -97,10 +98,10 @@ def profile_segments(
     pipe = trace_stages(model, sample, points[1:])
     segments = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
     inputs = _segment_inputs(pipe.split_gm, sample)
-    return [
-        _profile_one(name, segment, inputs[segment], repeats=repeats)[0]
-        for name, segment in zip(points, segments, strict=True)
-    ]
+    return _profile(
+        [(name, segment, inputs[segment]) for name, segment in zip(points, segments, strict=True)],
+        repeats=repeats,
+    )
 
 
 def _segment_inputs(split: fx.GraphModule, sample: torch.Tensor) -> dict[nn.Module, tuple]:
@@ -117,40 +118,49 @@ def _segment_inputs(split: fx.GraphModule, sample: torch.Tensor) -> dict[nn.Modu
     return received
 
 
-def _profile_one(
-    name: str, layer: nn.Module, inputs: tuple, *, repeats: int
-) -> tuple[LayerProfile, object]:
-    """``layer``'s profile on ``inputs``, and its output (the next layer's input)."""
-    inputs = tuple(
-        x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-        for x in inputs
-    )
-    device = next(x.device for x in inputs if isinstance(x, torch.Tensor))
-    times = []
-    for attempt in range(repeats + 2):  # two warm-up runs: allocator and kernel choice
+def _profile(layers: list[tuple[str, nn.Module, tuple]], *, repeats: int) -> list[LayerProfile]:
+    """Each ``(name, layer, inputs)``'s forward and backward, timed in turns: every round runs
+    each layer once, so a machine that is busy for a while slows every layer alike rather than
+    the ones measured meanwhile."""
+    inputs = [
+        tuple(
+            x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+            for x in args
+        )
+        for _, _, args in layers
+    ]
+    device = next(x.device for x in inputs[0] if isinstance(x, torch.Tensor))
+    times: list[list[float]] = [[] for _ in layers]
+    saved_bytes, output_bytes = [0] * len(layers), [0] * len(layers)
+    for attempt in range(repeats + 2):  # two warm-up rounds: allocator and kernel choice
+        for index, (_, layer, _) in enumerate(layers):
+            layer.zero_grad(set_to_none=True)
+            _synchronize(device)
+            started = time.perf_counter()
+            with _SavedBytes() as saved:
+                outputs = _tensors(layer(*inputs[index]))
+            differentiable = [o for o in outputs if o.requires_grad]
+            torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
+            _synchronize(device)
+            if attempt >= 2:
+                times[index].append(time.perf_counter() - started)
+            for x in inputs[index]:
+                if isinstance(x, torch.Tensor):
+                    x.grad = None
+            saved_bytes[index] = saved.bytes
+            output_bytes[index] = sum(o.numel() * o.element_size() for o in outputs)
+    for _, layer, _ in layers:
         layer.zero_grad(set_to_none=True)
-        _synchronize(device)
-        started = time.perf_counter()
-        with _SavedBytes() as saved:
-            out = layer(*inputs)
-        outputs = _tensors(out)
-        differentiable = [o for o in outputs if o.requires_grad]
-        torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
-        _synchronize(device)
-        if attempt >= 2:
-            times.append(time.perf_counter() - started)
-        for x in inputs:
-            if isinstance(x, torch.Tensor):
-                x.grad = None
-    layer.zero_grad(set_to_none=True)
-    profile = LayerProfile(
-        name=name,
-        seconds=statistics.median(times),
-        param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-        activation_bytes=saved.bytes,
-        output_bytes=sum(o.numel() * o.element_size() for o in outputs),
-    )
-    return profile, out
+    return [
+        LayerProfile(
+            name=name,
+            seconds=statistics.median(times[index]),
+            param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            activation_bytes=saved_bytes[index],
+            output_bytes=output_bytes[index],
+        )
+        for index, (name, layer, _) in enumerate(layers)
+    ]
 
 
 def _tensors(value: object) -> list[torch.Tensor]:

@@ -160,7 +160,10 @@ def cut_points(model: nn.Module, sample: torch.Tensor, *, depth: int = 2) -> lis
     """
     if not is_traced(model):
         return [name for name, _ in model.named_children()]
-    calls = _module_calls(model, sample)
+    return _candidates(model, _module_calls(model, sample), depth=depth)
+
+
+def _candidates(model: nn.Module, calls: _Calls, *, depth: int = 2) -> list[str]:
     if not calls.order:
         return []
     points, taken = [calls.order[0]], {0}
@@ -196,7 +199,7 @@ def check_split_points(model: nn.Module, sample: torch.Tensor, split_points: Seq
     name = type(model).__name__
     modules = dict(model.named_modules())
     calls = _module_calls(model, sample)
-    candidates = cut_points(model, sample)[1:]
+    candidates = _candidates(model, calls)[1:]
     unknown = [point for point in split_points if not point or point not in modules]
     if unknown:
         raise ValueError(
