@@ -356,6 +356,12 @@ def apply_pipeline(
     plain model parallelism. A model that is not an ``nn.Sequential`` is traced on ``sample``,
     one micro-batch of inputs on the CPU.
     """
+    if is_traced(model) and config.dp > 1 and config.dp_mode == "ddp":
+        # build_stage reads the traced graph off the stage module, which DDP's wrapper hides.
+        raise ValueError(
+            f"pipeline.dp_mode: the stages of a traced model ({type(model).__name__}) "
+            "replicate with FSDP only; use dp_mode = 'fsdp'"
+        )
     if dist.get_world_size() != layout.world_size:
         raise ValueError(
             f"pipeline: the layout is for {layout.world_size} ranks, the process group has "
