@@ -1,17 +1,22 @@
 """Per-layer cost of a model on this worker's device: what the stage planner balances.
 
-Each top-level layer is timed forward and backward on one micro-batch, and its parameter
-and saved-activation bytes are counted, on the device a stage would run on.
+Each layer is timed forward and backward on one micro-batch (all layers in turns, repeatedly),
+and its parameter and saved-activation bytes are counted, on the device a stage would run on.
+The layers of an ``nn.Sequential`` are its top-level children; those of any other model are
+the pieces between its cut points (``workers.strategies.pipeline.cut_points``), traced as
+pipeline stages.
 """
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from workers.models import build_model
+from workers.strategies.pipeline import cut_points, is_traced, trace_stages
 
 
 @dataclass(frozen=True)
@@ -39,16 +44,21 @@ def profile_model(
     in_channels: int,
     micro_batch: int,
     repeats: int = 7,
+    build: Callable[[], nn.Module] | None = None,
 ) -> DeviceProfile:
-    """Profile a registered model on this process's device (a Dask task on a rank worker)."""
+    """Profile a registered model, or the one ``build`` returns, on this process's device (a
+    Dask task on a rank worker)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else (torch.device("cpu"))
     )
-    model = build_model(model_name, num_classes=num_classes, seed=0, image_size=image_size)
+    if build is None:
+        model = build_model(model_name, num_classes=num_classes, seed=0, image_size=image_size)
+    else:
+        model = build()
     sample = torch.randn(micro_batch, in_channels, image_size, image_size)
-    layers = profile_layers(model.to(device), sample=sample.to(device), repeats=repeats)
+    layers = profile_module(model.to(device), sample=sample.to(device), repeats=repeats)
     return DeviceProfile(
         device=str(device),
         memory_bytes=_device_memory(device),
@@ -57,38 +67,108 @@ def profile_model(
     )
 
 
+def profile_module(
+    model: nn.Module, *, sample: torch.Tensor, repeats: int = 7
+) -> list[LayerProfile]:
+    """Time and measure each layer of ``model`` (see the module's docstring) on ``sample``'s
+    device; a layer is named by the module path where it begins, a possible split point."""
+    if not is_traced(model):
+        return profile_layers(model, sample=sample, repeats=repeats)
+    return profile_segments(model, sample=sample, repeats=repeats)
+
+
 def profile_layers(
     model: nn.Module, *, sample: torch.Tensor, repeats: int = 7
 ) -> list[LayerProfile]:
     """Time and measure each top-level child of ``model`` on ``sample``'s device."""
-    profiles = []
-    x = sample
-    for name, layer in model.named_children():
-        x = x.detach().requires_grad_(x.is_floating_point())
-        times = []
-        for attempt in range(repeats + 2):  # two warm-up runs: allocator and kernel choice
+    layers, x = [], sample
+    with torch.no_grad():
+        for name, layer in model.named_children():
+            layers.append((name, layer, (x,)))
+            x = layer(x)
+    return _profile(layers, repeats=repeats)
+
+
+def profile_segments(
+    model: nn.Module, *, sample: torch.Tensor, repeats: int = 7
+) -> list[LayerProfile]:
+    """Trace ``model`` cut at every one of its cut points and time and measure each piece on
+    the inputs the pieces before it give it."""
+    points = cut_points(model, sample)
+    pipe = trace_stages(model, sample, points[1:])
+    segments = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+    inputs = _segment_inputs(pipe.split_gm, sample)
+    return _profile(
+        [(name, segment, inputs[segment]) for name, segment in zip(points, segments, strict=True)],
+        repeats=repeats,
+    )
+
+
+def _segment_inputs(split: fx.GraphModule, sample: torch.Tensor) -> dict[nn.Module, tuple]:
+    """What each stage module of a traced pipe receives when the pipe runs on ``sample``."""
+    received: dict[nn.Module, tuple] = {}
+
+    class Recorder(fx.Interpreter):
+        def call_module(self, target: str, args: tuple, kwargs: dict) -> object:
+            received[self.fetch_attr(target)] = args
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        Recorder(split).run(sample)
+    return received
+
+
+def _profile(layers: list[tuple[str, nn.Module, tuple]], *, repeats: int) -> list[LayerProfile]:
+    """Each ``(name, layer, inputs)``'s forward and backward, timed in turns: every round runs
+    each layer once, so a machine that is busy for a while slows every layer alike rather than
+    the ones measured meanwhile."""
+    inputs = [
+        tuple(
+            x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+            for x in args
+        )
+        for _, _, args in layers
+    ]
+    device = next(x.device for x in inputs[0] if isinstance(x, torch.Tensor))
+    times: list[list[float]] = [[] for _ in layers]
+    saved_bytes, output_bytes = [0] * len(layers), [0] * len(layers)
+    for attempt in range(repeats + 2):  # two warm-up rounds: allocator and kernel choice
+        for index, (_, layer, _) in enumerate(layers):
             layer.zero_grad(set_to_none=True)
-            _synchronize(x.device)
+            _synchronize(device)
             started = time.perf_counter()
             with _SavedBytes() as saved:
-                out = layer(x)
-            out.backward(torch.ones_like(out))
-            _synchronize(x.device)
+                outputs = _tensors(layer(*inputs[index]))
+            differentiable = [o for o in outputs if o.requires_grad]
+            torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
+            _synchronize(device)
             if attempt >= 2:
-                times.append(time.perf_counter() - started)
-            x.grad = None
-        profiles.append(
-            LayerProfile(
-                name=name,
-                seconds=statistics.median(times),
-                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                activation_bytes=saved.bytes,
-                output_bytes=out.numel() * out.element_size(),
-            )
-        )
+                times[index].append(time.perf_counter() - started)
+            for x in inputs[index]:
+                if isinstance(x, torch.Tensor):
+                    x.grad = None
+            saved_bytes[index] = saved.bytes
+            output_bytes[index] = sum(o.numel() * o.element_size() for o in outputs)
+    for _, layer, _ in layers:
         layer.zero_grad(set_to_none=True)
-        x = out
-    return profiles
+    return [
+        LayerProfile(
+            name=name,
+            seconds=statistics.median(times[index]),
+            param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            activation_bytes=saved_bytes[index],
+            output_bytes=output_bytes[index],
+        )
+        for index, (name, layer, _) in enumerate(layers)
+    ]
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):

@@ -285,8 +285,9 @@ def build(
     model = build_model(
         model_config.name, num_classes=num_classes, seed=config.seed, image_size=image_size
     )
+    sample = torch.zeros((layout.micro_batch, *store.train.images.shape[1:]))
     strategy = get_strategy(config.strategy).prepare(
-        model, layout=layout, rank=rank, device=device, pipeline=pipeline
+        model, layout=layout, rank=rank, device=device, pipeline=pipeline, sample=sample
     )
     if collections is None:
         batches: RankBatches | RankShard = RankBatches(

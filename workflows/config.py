@@ -106,8 +106,9 @@ class RunConfig(BaseModel):
                 "pipeline.dp: model_parallel runs one copy of the model, one stage per rank; "
                 "for replicas or interleaving use strategy = 'pipeline'"
             )
-        names = list(MODEL_LAYERS[self.model.name])
-        if p.split_points is not None:
+        layers = MODEL_LAYERS.get(self.model.name)
+        names = self._checked_cut() if layers is None else list(layers)
+        if layers is not None and p.split_points is not None:
             unknown = [point for point in p.split_points if point not in names]
             if unknown:
                 raise ValueError(
@@ -122,6 +123,29 @@ class RunConfig(BaseModel):
                 f"pipeline: {stages} stages need at least {stages} layers, and "
                 f"{self.model.name} has {len(names)}; use fewer workers or stages_per_rank"
             )
+
+    def _checked_cut(self) -> list[str]:
+        """The cut points of a model whose layers are not written out in MODEL_LAYERS: it is
+        built and traced here (this imports torch), so that a model that does not trace, or a
+        split point where no stage can begin, is a config error before anything launches."""
+        import torch
+
+        from workers.models import build_model
+        from workers.strategies.pipeline import check_cut, is_traced
+
+        p, size = self.pipeline, self.data.image_size
+        m = p.n_microbatches if self.training.strategy == "pipeline" else 1
+        micro_batch = max(1, self.training.batch_size // p.dp // m)  # whatever the world size
+        # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
+        model = build_model(
+            self.model.name, num_classes=10, seed=self.training.seed, image_size=size
+        )
+        if is_traced(model) and p.dp > 1 and p.dp_mode == "ddp":
+            raise ValueError(
+                f"pipeline.dp_mode: the stages of a traced model ({self.model.name}) replicate "
+                "with FSDP only; use dp_mode = 'fsdp'"
+            )
+        return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)
 
     @property
     def world_size(self) -> int | None:

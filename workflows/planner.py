@@ -7,16 +7,17 @@ cluster.
 """
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from distributed import Client
+from torch import nn
 
+from workers.config_models import MODEL_LAYERS
 from workers.layout import Layout
-from workers.models import layer_names
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
 from workers.strategies import STAGED
-from workers.strategies.pipeline import even_split
+from workers.strategies.pipeline import cut_points, even_split
 from workflows.cluster import live_workers
 from workflows.config import RunConfig
 
@@ -130,8 +131,19 @@ def balanced_split(
     return [layers[i].name for i in sorted(starts)[1:]]
 
 
-def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int) -> Plan:
-    """Profile the model on the first worker and plan its stages for ``world_size`` ranks."""
+def plan(
+    client: Client,
+    config: RunConfig,
+    *,
+    world_size: int,
+    num_classes: int,
+    build: Callable[[], nn.Module] | None = None,
+) -> Plan:
+    """Profile the model on the first worker and plan its stages for ``world_size`` ranks.
+
+    ``build`` (run on the worker) gives the model instead of ``config.model``. The layers of a
+    model that is not an ``nn.Sequential`` are the pieces between its cut points, traced.
+    """
     p = config.pipeline
     layout = planned_layout(config, world_size)
     n_stages, m = layout.n_stages, layout.n_microbatches
@@ -145,6 +157,7 @@ def plan(client: Client, config: RunConfig, *, world_size: int, num_classes: int
         image_size=config.data.image_size,
         in_channels=3,
         micro_batch=layout.micro_batch,
+        build=build,
         key=f"profile-{config.model.name}",
         workers=workers[:1],
         pure=False,
@@ -254,15 +267,49 @@ def _recommend(
 
 
 def resolve_split_points(
-    client: Client, config: RunConfig, *, layout: Layout, num_classes: int
+    client: Client,
+    config: RunConfig,
+    *,
+    layout: Layout,
+    num_classes: int,
+    build: Callable[[], nn.Module] | None = None,
 ) -> tuple[str, ...]:
-    """The cut every rank will use: the configured one, an even one, or a planned one."""
+    """The cut every rank will use: the configured one, an even one, or a planned one.
+    ``build`` gives the model instead of ``config.model``."""
     p = config.pipeline
     if p.split_points is not None:
         return p.split_points
     if p.balance == "layers":
-        return tuple(even_split(layer_names(config.model.name), layout.n_stages))
-    return plan(client, config, world_size=layout.world_size, num_classes=num_classes).split_points
+        if build is None and config.model.name in MODEL_LAYERS:
+            names = list(MODEL_LAYERS[config.model.name])
+        else:
+            names = _cut_points(config, layout=layout, num_classes=num_classes, build=build)
+        return tuple(even_split(names, layout.n_stages))
+    return plan(
+        client, config, world_size=layout.world_size, num_classes=num_classes, build=build
+    ).split_points
+
+
+def _cut_points(
+    config: RunConfig,
+    *,
+    layout: Layout,
+    num_classes: int,
+    build: Callable[[], nn.Module] | None,
+) -> list[str]:
+    """A model's cut points, found on the client (one forward of a micro-batch)."""
+    import torch
+
+    from workers.models import build_model
+
+    size = config.data.image_size
+    if build is None:
+        model = build_model(
+            config.model.name, num_classes=num_classes, seed=config.training.seed, image_size=size
+        )
+    else:
+        model = build()
+    return cut_points(model, torch.zeros(layout.micro_batch, 3, size, size))
 
 
 __all__ = [

@@ -70,8 +70,10 @@ class Strategy(ABC):
         rank: int,
         device: torch.device,
         pipeline: "PipelineConfig | None" = None,
+        sample: torch.Tensor | None = None,
     ) -> "Strategy":
-        """Wrap or cut ``model`` for this rank; every rank of the job calls it."""
+        """Wrap or cut ``model`` for this rank; every rank of the job calls it. ``sample`` is
+        one micro-batch of inputs on the CPU, for strategies that trace the model."""
 
     @property
     @abstractmethod

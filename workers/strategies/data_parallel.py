@@ -45,6 +45,7 @@ class DataParallel(WholeModel):
         rank: int,
         device: torch.device,
         pipeline: "PipelineConfig | None" = None,
+        sample: torch.Tensor | None = None,
     ) -> "DataParallel":
         return cls(
             apply_data_parallel(model, device=device), layout=layout, rank=rank, device=device

@@ -40,5 +40,6 @@ class DDP(WholeModel):
         rank: int,
         device: torch.device,
         pipeline: "PipelineConfig | None" = None,
+        sample: torch.Tensor | None = None,
     ) -> "DDP":
         return cls(apply_ddp(model, device=device), layout=layout, rank=rank, device=device)

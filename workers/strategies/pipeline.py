@@ -1,6 +1,9 @@
 """Model and pipeline parallelism with ``torch.distributed.pipelining``, optionally x data parallel.
 
-The model is cut at named top-level children into consecutive stages. Ranks form a
+An ``nn.Sequential`` is cut at named top-level children into consecutive stages. Any other model
+is traced by ``torch.distributed.pipelining.pipeline()`` (``torch.export`` underneath) and cut at
+module paths (``"layer3"``, ``"layer4.1"``): a stage begins where that module's forward begins.
+Ranks form a
 ``(pp, dp)`` mesh: the ``pp`` ranks of a row hold one stage each (or several, interleaved)
 and pass activations forward and gradients back; the ``dp`` replicas of a stage average
 gradients with FSDP2 or DDP. Model parallelism is the degenerate pipeline: one micro-batch,
@@ -9,7 +12,8 @@ so only one stage works at a time, exactly the seed article's ModelPart1 → Mod
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,11 +22,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
+    Pipe,
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    SplitPoint,
+    build_stage,
+    pipeline,
 )
+from torch.distributed.pipelining._IR import _modify_graph_op_device
 
 from workers.config_models import PipelineConfig
 from workers.data import StoreSplit, fixed_shape_eval_batches
@@ -84,6 +93,226 @@ def even_split(names: Sequence[str], n_stages: int) -> list[str]:
     return points
 
 
+def is_traced(model: nn.Module) -> bool:
+    """Whether ``model`` is cut by tracing: anything but an ``nn.Sequential``."""
+    return not isinstance(model, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """The modules one forward of a model calls: where a traced cut may begin."""
+
+    order: tuple[str, ...]  # module paths, in the order of their first call
+    counts: dict[str, int]  # path -> calls in one forward
+    places: dict[str, int]  # path -> where its first call begins; a container and its first
+    # child begin at the same place, and a cut before either is the same cut
+
+
+def _module_calls(model: nn.Module, sample: torch.Tensor) -> _Calls:
+    events: list[str] = []
+
+    def recorder(path: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple) -> None:
+            events.append(path)
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(recorder(path))
+        for path, module in model.named_modules()
+        if path
+    ]
+    modes = {module: module.training for module in model.modules()}
+    try:
+        # Eval mode: the call order is the same, and no batch statistics move.
+        model.eval()
+        with torch.no_grad():
+            model(sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.training = mode
+    order: list[str] = []
+    counts: dict[str, int] = {}
+    places: dict[str, int] = {}
+    place, previous = -1, None
+    for path in events:
+        # A call right after its parent's begins where the parent does: nothing ran between.
+        if previous is None or not path.startswith(previous + "."):
+            place += 1
+        previous = path
+        counts[path] = counts.get(path, 0) + 1
+        if path not in places:
+            places[path] = place
+            order.append(path)
+    return _Calls(order=tuple(order), counts=counts, places=places)
+
+
+def cut_points(model: nn.Module, sample: torch.Tensor, *, depth: int = 2) -> list[str]:
+    """Where a stage of ``model`` may begin, in the order its forward runs; the first entry
+    names where the model itself begins (no cut goes there). What the planner profiles.
+
+    An ``nn.Sequential``: its top-level children. Any other model: the module paths up to
+    ``depth`` levels deep (resnet: ``layer1`` … ``layer4`` and ``layer1.1`` …) that run once per
+    forward, one per place (``layer1`` and ``layer1.0`` begin at the same place: ``layer1``),
+    except in-place activations.
+    """
+    if not is_traced(model):
+        return [name for name, _ in model.named_children()]
+    return _candidates(model, _module_calls(model, sample), depth=depth)
+
+
+def _candidates(model: nn.Module, calls: _Calls, *, depth: int = 2) -> list[str]:
+    if not calls.order:
+        return []
+    points, taken = [calls.order[0]], {0}
+    for path in calls.order:
+        place = calls.places[path]
+        if calls.counts[path] != 1 or path.count(".") >= depth or place in taken:
+            continue
+        if getattr(model.get_submodule(path), "inplace", False):
+            continue  # nn.ReLU(inplace=True) would change a received activation in place
+        taken.add(place)
+        points.append(path)
+    return points
+
+
+def check_cut(
+    model: nn.Module, sample: torch.Tensor, split_points: Sequence[str] | None
+) -> list[str]:
+    """``model``'s cut points (:func:`cut_points`), once ``split_points`` (None: to be planned)
+    are known to cut it: a ValueError naming the field otherwise. A traced model is traced here
+    as the ranks will trace it, so a model that does not trace fails here, with the reason."""
+    if not is_traced(model):
+        if split_points is not None:
+            cut_into_stages(model, split_points)
+        return cut_points(model, sample)
+    trace_stages(model, sample, split_points or ())
+    return cut_points(model, sample)
+
+
+def check_split_points(model: nn.Module, sample: torch.Tensor, split_points: Sequence[str]) -> None:
+    """Refuse, naming ``pipeline.split_points``, points where a traced cut of ``model`` cannot
+    begin a stage: not a module path, a module that runs other than once per forward, the
+    model's own beginning, or points out of the forward's order."""
+    name = type(model).__name__
+    modules = dict(model.named_modules())
+    calls = _module_calls(model, sample)
+    candidates = _candidates(model, calls)[1:]
+    unknown = [point for point in split_points if not point or point not in modules]
+    if unknown:
+        raise ValueError(
+            f"pipeline.split_points: {unknown} name no module of {name}; a stage can begin at "
+            f"{candidates} (or a deeper module path)"
+        )
+    for point in split_points:
+        runs = calls.counts.get(point, 0)
+        if runs != 1:
+            raise ValueError(
+                f"pipeline.split_points: {point!r} runs {runs} times in one forward of {name}; "
+                f"a stage can only begin at a module that runs once, such as {candidates}"
+            )
+        if calls.places[point] == 0:
+            raise ValueError(
+                f"pipeline.split_points: {point!r} is where {name} begins, which leaves the "
+                "first stage empty"
+            )
+    places = [calls.places[point] for point in split_points]
+    if any(b <= a for a, b in itertools.pairwise(places)):
+        in_order = sorted(split_points, key=calls.places.__getitem__)
+        raise ValueError(
+            f"pipeline.split_points: {list(split_points)} must begin at different places, in "
+            f"the order {name}'s forward runs them ({in_order})"
+        )
+
+
+def trace_stages(model: nn.Module, sample: torch.Tensor, split_points: Sequence[str]) -> Pipe:
+    """``model`` traced by ``torch.distributed.pipelining.pipeline()`` and cut before each of
+    ``split_points``: ``len(split_points) + 1`` stage modules that share ``model``'s parameters
+    under its own names. ``sample`` is one micro-batch: the stages keep its shape.
+
+    A ValueError that names the field: a point that is no place to cut, or a model that the
+    tracer refuses (with the tracer's reason).
+    """
+    check_split_points(model, sample, split_points)
+    name = type(model).__name__
+    try:
+        with _split_annotations_removed(model, split_points):
+            pipe = pipeline(
+                model,
+                mb_args=(sample,),
+                split_spec=dict.fromkeys(split_points, SplitPoint.BEGINNING),
+            )
+    # torch.export raises many types (UserError, data-dependent guards, unsupported ops); each
+    # is the same fact for the user: this model does not trace.
+    except Exception as error:
+        raise ValueError(
+            f"model: {name} does not trace into pipeline stages (torch.export): "
+            f"{_tracer_reason(error)}"
+        ) from error
+    if pipe.num_stages != len(split_points) + 1:
+        raise ValueError(
+            f"pipeline.split_points: tracing {name} cut at {list(split_points)} gave "
+            f"{pipe.num_stages} stages, not {len(split_points) + 1}"
+        )
+    _check_stages_run(pipe, sample, name=name, split_points=split_points)
+    return pipe
+
+
+def _check_stages_run(
+    pipe: Pipe, sample: torch.Tensor, *, name: str, split_points: Sequence[str]
+) -> None:
+    """Run the stages once as a pipeline would: each on inputs that are leaves requiring grad.
+    A stage that begins by changing its input in place fails there, not mid-training."""
+    buffers = [(buffer, buffer.clone()) for buffer in pipe.split_gm.buffers()]
+    try:
+        pipe(sample)
+    # Whatever a stage raises there, the cut is the cause.
+    except Exception as error:
+        raise ValueError(
+            f"pipeline.split_points: {name} cut at {list(split_points)} does not run as "
+            f"stages: {_tracer_reason(error)}; a stage cannot begin by changing its input in "
+            "place (nn.ReLU(inplace=True)): cut before or after that module"
+        ) from error
+    finally:
+        # The run moved no parameter, but batch statistics would have.
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+@contextmanager
+def _split_annotations_removed(model: nn.Module, split_points: Sequence[str]) -> Iterator[None]:
+    """``pipeline()`` marks each split module by replacing its ``forward``; put them back, so
+    the model runs as before (and a second trace does not split twice)."""
+    marked = [model.get_submodule(point) for point in split_points]
+    own = [module.__dict__.get("forward") for module in marked]
+    try:
+        yield
+    finally:
+        for module, forward in zip(marked, own, strict=True):
+            module.__dict__.pop("_orig_forward", None)
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+
+
+def _tracer_reason(error: BaseException) -> str:
+    """The root cause of a failed trace on one line, with the user's line it points at."""
+    # pipelining wraps export's error in a generic RuntimeError; the reason is underneath.
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+    marker = "The following call raised this error:"
+    if marker in lines and lines.index(marker) + 2 < len(lines):
+        at = lines.index(marker)
+        reason += f" ({lines[at + 1]}: {lines[at + 2]})"
+    return reason
+
+
 @dataclass
 class Pipeline:
     """This rank's part of a pipeline: its stage modules and the schedule that drives them."""
@@ -99,6 +328,9 @@ class Pipeline:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup | None
     mesh: DeviceMesh
+    # Traced stages keep the mode they were traced in (training): .eval() does not switch
+    # BatchNorm to its running statistics or Dropout off.
+    traced: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters()]
@@ -115,13 +347,21 @@ def apply_pipeline(
     layout: Layout,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
+    sample: torch.Tensor | None = None,
 ) -> Pipeline:
     """Keep this rank's stages of ``model`` and build the schedule that runs them.
 
     The default process group must be initialized with ``layout.world_size`` ranks, which form
     the layout's ``(pp, dp)`` mesh. ``config.split_points`` must be resolved. One micro-batch is
-    plain model parallelism.
+    plain model parallelism. A model that is not an ``nn.Sequential`` is traced on ``sample``,
+    one micro-batch of inputs on the CPU.
     """
+    if is_traced(model) and config.dp > 1 and config.dp_mode == "ddp":
+        # build_stage reads the traced graph off the stage module, which DDP's wrapper hides.
+        raise ValueError(
+            f"pipeline.dp_mode: the stages of a traced model ({type(model).__name__}) "
+            "replicate with FSDP only; use dp_mode = 'fsdp'"
+        )
     if dist.get_world_size() != layout.world_size:
         raise ValueError(
             f"pipeline: the layout is for {layout.world_size} ranks, the process group has "
@@ -130,7 +370,15 @@ def apply_pipeline(
     if config.split_points is None:
         raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
     pp, dp, n_stages = layout.pp, layout.dp, layout.n_stages
-    stages = cut_into_stages(model, config.split_points)
+    pipe = None
+    if is_traced(model):
+        if sample is None:
+            raise ValueError(f"pipeline: {type(model).__name__} is traced, which needs a sample")
+        # Every rank traces the whole model the same way and keeps its own stages.
+        pipe = trace_stages(model, sample, config.split_points)
+        stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+    else:
+        stages = cut_into_stages(model, config.split_points)
     if len(stages) != n_stages:
         raise ValueError(
             f"pipeline.split_points: {len(config.split_points)} points make {len(stages)} "
@@ -147,9 +395,19 @@ def apply_pipeline(
     mine = list(range(pp_rank, n_stages, pp))
     modules, pipeline_stages = [], []
     for index in mine:
-        module = _replicate(stages[index].to(device), config=config, mesh=mesh, device=device)
+        stage = stages[index].to(device)
+        if pipe is not None:
+            # The tracer burns the trace's device into ops that make tensors (torch.zeros …);
+            # Pipe.build_stage moves them the same way, but builds on the unwrapped module.
+            _modify_graph_op_device(stage, device)
+        module = _replicate(stage, config=config, mesh=mesh, device=device)
         modules.append(module)
-        pipeline_stages.append(PipelineStage(module, index, n_stages, device, group=pp_group))
+        if pipe is None:
+            pipeline_stages.append(PipelineStage(module, index, n_stages, device, group=pp_group))
+        else:
+            # The traced stage reads from the pipe's graph which stage sends each input, so
+            # a value that skips a stage still arrives.
+            pipeline_stages.append(build_stage(module, index, pipe.info(), device, pp_group))
     n_microbatches = layout.n_microbatches
     schedule_class = ScheduleGPipe if n_microbatches == 1 else SCHEDULES[config.schedule]
     if schedule_class is ScheduleInterleaved1F1B:
@@ -169,6 +427,7 @@ def apply_pipeline(
         pp_group=pp_group,
         dp_group=dp_group,
         mesh=mesh,
+        traced=pipe is not None,
     )
 
 
@@ -243,11 +502,17 @@ class PipelineStrategy(Strategy):
         rank: int,
         device: torch.device,
         pipeline: PipelineConfig | None = None,
+        sample: torch.Tensor | None = None,
     ) -> "PipelineStrategy":
         if pipeline is None:
             raise ValueError(f"{cls.name}: needs the [pipeline] section, split points resolved")
         pipe = apply_pipeline(
-            model, config=pipeline, layout=layout, loss_fn=F.cross_entropy, device=device
+            model,
+            config=pipeline,
+            layout=layout,
+            loss_fn=F.cross_entropy,
+            device=device,
+            sample=sample,
         )
         return cls(pipe, layout=layout, device=device)
 
@@ -284,6 +549,10 @@ class PipelineStrategy(Strategy):
     ) -> dict[str, float]:
         pipe, device = self.pipe, self.device
         pipe.train(False)
+        # A traced stage normalizes validation micro-batches in training mode, which would
+        # move BatchNorm's running statistics: evaluating must leave the model as it was.
+        buffers = [b for stage in pipe.stages for b in stage.buffers()] if pipe.traced else []
+        kept = [b.clone() for b in buffers]
         sums = torch.zeros(3, dtype=torch.float64, device=device)
         for x, y, real in fixed_shape_eval_batches(
             split, rank=pipe.dp_rank, world_size=pipe.dp_size, batch_size=batch_size
@@ -301,6 +570,8 @@ class PipelineStrategy(Strategy):
                 sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
                 sums[1] += (logits.argmax(1) == y).sum().double()
                 sums[2] += real
+        for buffer, value in zip(buffers, kept, strict=True):
+            buffer.copy_(value)
         dist.all_reduce(sums)
         loss_sum, correct, count = sums.tolist()
         return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}

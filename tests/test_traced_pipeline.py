@@ -1,0 +1,283 @@
+"""Pipeline and model-parallel cuts of models that are not an ``nn.Sequential``: traced by
+``torch.distributed.pipelining.pipeline()`` and cut at module paths.
+
+On a real cluster over gloo, k steps of a traced cut leave the parameters one process leaves
+(models without batch statistics: a micro-batch then computes what the whole batch does). A
+model that does not trace, and a point where no stage can begin, are refused naming why.
+"""
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.traced_models import build
+from workers.config_models import PipelineConfig, TrainingConfig
+from workers.layout import Layout
+from workers.models import build_model
+from workers.precision import Precision
+from workers.profiling import profile_module
+from workers.strategies.base import EpochSums, get_strategy
+from workers.strategies.pipeline import apply_pipeline, check_cut, cut_points, trace_stages
+from workflows import launch
+from workflows.cluster import start_cluster
+from workflows.planner import balanced_split, plan, resolve_split_points
+
+BATCH, STEPS, LR, SAMPLES = 16, 3, 0.05, 64
+IMAGE = (3, 32, 32)
+RESNET18_CUT_POINTS = [
+    "conv1",
+    "bn1",
+    "maxpool",  # not relu: it is in place, and a stage cannot change its received input
+    "layer1",  # layer1.0 begins where layer1 does
+    "layer1.1",
+    "layer2",
+    "layer2.1",
+    "layer3",
+    "layer3.1",
+    "layer4",
+    "layer4.1",
+    "avgpool",
+    "fc",
+]
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, *IMAGE, generator=generator)
+    return x, torch.randint(0, 10, (SAMPLES,), generator=generator)
+
+
+def _rows(step: int) -> slice:
+    start = step * BATCH % SAMPLES
+    return slice(start, start + BATCH)
+
+
+def cut_and_trained(
+    ctx, model_name: str, strategy: str, pipeline: dict, steps: int
+) -> dict[str, torch.Tensor] | None:
+    """A rank of ``strategy`` over the traced cut ``pipeline`` describes: ``steps`` SGD steps
+    through the strategy's own forward and backward; this rank's stages' parameters back."""
+    x, y = _data()
+    config = PipelineConfig(**pipeline)
+    training = TrainingConfig(strategy=strategy, batch_size=BATCH)
+    layout = Layout.of(training, config, world_size=ctx.world_size)
+    prepared = get_strategy(strategy).prepare(
+        build(model_name, seed=0),
+        layout=layout,
+        rank=ctx.rank,
+        device=ctx.device,
+        pipeline=config,
+        sample=torch.zeros(layout.micro_batch, *IMAGE),
+    )
+    optimizer = torch.optim.SGD(prepared.parameters(), lr=LR, momentum=0.9)
+    precision = Precision("fp32", ctx.device)
+    sums = EpochSums([0.0, 0.0, 0.0], device=ctx.device)
+    share = layout.per_rank_batch
+    mine = slice(layout.dp_rank(ctx.rank) * share, (layout.dp_rank(ctx.rank) + 1) * share)
+    for step in range(steps):
+        optimizer.zero_grad()
+        # A replica takes its share of the global batch; the stages of a pipeline all see it.
+        xs, ys = x[_rows(step)][mine], y[_rows(step)][mine]
+        prepared.forward_backward(xs, ys, precision=precision, sums=sums)
+        optimizer.step()
+    return prepared.full_state_dict()
+
+
+def _one_process(model_name: str, steps: int) -> dict[str, torch.Tensor]:
+    x, y = _data()
+    model = build(model_name, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[_rows(step)]), y[_rows(step)]).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("model_name", "strategy", "pipeline"),
+    [
+        # A cut inside a ModuleList, with a skip connection on each side of it.
+        ("residual_net", "pipeline", {"split_points": ["blocks.1"], "n_microbatches": 4}),
+        (
+            "residual_net",
+            "pipeline",
+            {
+                "split_points": ["blocks.0", "blocks.1", "blocks.2"],
+                "schedule": "interleaved_1f1b",
+                "stages_per_rank": 2,
+                "n_microbatches": 4,
+            },
+        ),
+        pytest.param(
+            "resnet18_group_norm",
+            "model_parallel",
+            {"split_points": ["layer4.1"]},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "resnet18_group_norm",
+            "pipeline",
+            {"split_points": ["layer3"], "schedule": "gpipe", "n_microbatches": 2},
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["residual-1f1b", "residual-interleaved", "resnet18-model-parallel", "resnet18-gpipe"],
+)
+def test_a_traced_cut_matches_one_process(cluster, model_name, strategy, pipeline):
+    result = launch(
+        cut_and_trained, model_name, strategy, pipeline, STEPS, cluster=cluster, world_size=2
+    )
+    assert all(result.results), "every rank holds a stage"
+    _assert_matches_one_process(result.results, model_name)
+
+
+def _assert_matches_one_process(stages: list, model_name: str) -> None:
+    got: dict[str, torch.Tensor] = {}
+    for stage in filter(None, stages):  # replicas after the first hand back nothing
+        assert not got.keys() & stage.keys(), "the stages hold different parameters"
+        got.update(stage)
+    expected = _one_process(model_name, STEPS)
+    assert got.keys() == expected.keys()  # the full model's names, every parameter once
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    untrained = build(model_name, seed=0).state_dict()
+    assert any(not torch.equal(got[name], untrained[name]) for name in expected)
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
+        yield training_cluster
+
+
+@pytest.mark.slow
+def test_a_traced_cut_times_fsdp_matches_one_process(four_workers):
+    pipeline = {"split_points": ["blocks.1"], "n_microbatches": 2, "dp": 2, "dp_mode": "fsdp"}
+    result = launch(
+        cut_and_trained, "residual_net", "pipeline", pipeline, STEPS, cluster=four_workers
+    )
+    assert len(result.results) == 4
+    _assert_matches_one_process(result.results, "residual_net")
+
+
+def test_ddp_replicas_of_traced_stages_are_refused_naming_the_field():
+    # build_stage reads the traced graph off the stage module; DDP's wrapper hides it.
+    config = PipelineConfig(split_points=("blocks.1",), dp=2, dp_mode="ddp")
+    layout = Layout.of(TrainingConfig(strategy="pipeline", batch_size=BATCH), config, world_size=4)
+    with pytest.raises(ValueError, match=r"pipeline\.dp_mode: the stages of a traced model"):
+        apply_pipeline(
+            build("residual_net", seed=0),
+            config=config,
+            layout=layout,
+            loss_fn=F.cross_entropy,
+            device=torch.device("cpu"),
+            sample=torch.zeros(layout.micro_batch, *IMAGE),
+        )
+
+
+def test_a_model_that_does_not_trace_is_refused_with_the_tracers_reason():
+    sample = torch.zeros(4, *IMAGE)
+    with pytest.raises(ValueError) as error:
+        trace_stages(build("data_dependent", seed=0), sample, ["fc"])
+    message = str(error.value)
+    assert message.startswith("model: DataDependent does not trace into pipeline stages")
+    assert "data-dependent" in message and "if x.sum() > 0:" in message
+    assert "\n" not in message
+    # The planner meets the same refusal when it profiles the model.
+    with pytest.raises(ValueError, match="DataDependent does not trace"):
+        profile_module(build("data_dependent", seed=0), sample=sample, repeats=1)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "points", "message"),
+    [
+        (
+            "resnet18_group_norm",
+            ["layer9"],
+            "pipeline.split_points: ['layer9'] name no module of ResNet; a stage can begin at "
+            "['bn1', 'maxpool', 'layer1', 'layer1.1', 'layer2'",
+        ),
+        ("shared_layer", ["act"], "'act' runs 2 times in one forward of SharedLayer"),
+        ("resnet18_group_norm", ["conv1"], "'conv1' is where ResNet begins"),
+        ("resnet18_group_norm", ["layer4", "layer3"], "in the order ResNet's forward runs"),
+        ("resnet18_group_norm", ["layer1", "layer1.0"], "must begin at different places"),
+        ("resnet18_group_norm", ["relu"], "cannot begin by changing its input in place"),
+    ],
+    ids=["unknown", "runs-twice", "the-beginning", "out-of-order", "same-place", "in-place"],
+)
+def test_a_point_where_no_stage_can_begin_is_refused_naming_the_field(model_name, points, message):
+    model = build(model_name, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as error:
+        trace_stages(model, torch.zeros(4, *IMAGE), points)
+    assert message in str(error.value)
+    # A refused cut leaves the model as it was: same numbers, forwards not wrapped.
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any("forward" in module.__dict__ for module in model.modules())
+
+
+def test_the_planner_profiles_the_cut_points_of_a_traced_model():
+    model = build("resnet18_group_norm", seed=0)
+    sample = torch.randn(8, *IMAGE)
+    assert cut_points(model, sample) == RESNET18_CUT_POINTS
+    profile = profile_module(model, sample=sample, repeats=1)
+    assert [layer.name for layer in profile] == RESNET18_CUT_POINTS
+    params = dict(model.named_parameters())
+    assert sum(layer.param_bytes for layer in profile) == sum(
+        p.numel() * p.element_size() for p in params.values()
+    )
+    by_name = {layer.name: layer for layer in profile}
+    # What crosses the cut before fc: the pooled features of 8 images.
+    assert by_name["avgpool"].output_bytes == 8 * 512 * 4
+    assert all(layer.seconds > 0 and layer.activation_bytes >= 0 for layer in profile)
+    (point,) = balanced_split(profile, 2, memory_bytes=10**12, in_flight=2)
+    assert point in RESNET18_CUT_POINTS[1:]
+    assert trace_stages(model, sample, [point]).num_stages == 2
+
+
+def test_the_planner_plans_a_traced_model_on_a_worker(cluster, make_config):
+    config = make_config(
+        {"name": "traced-plan", "pipeline": {"schedule": "1f1b", "n_microbatches": 4}},
+        strategy="pipeline",
+        batch_size=32,
+    )
+    resnet18 = partial(build, "resnet18_group_norm", seed=0)
+    result = plan(cluster.client, config, world_size=2, num_classes=10, build=resnet18)
+    assert [layer.name for layer in result.profile.layers] == RESNET18_CUT_POINTS
+    (point,) = result.split_points
+    assert point in RESNET18_CUT_POINTS[1:]
+    first, second = result.stages
+    assert first.layers + second.layers == tuple(RESNET18_CUT_POINTS)
+    assert second.layers[0] == point
+    assert f"Split into 2 stages at ['{point}']" in result.render()
+    # The equal-layers cut of the same candidates, without a profile.
+    by_layers = config.pipeline.model_copy(update={"balance": "layers"})
+    even = resolve_split_points(
+        cluster.client,
+        config.model_copy(update={"pipeline": by_layers}),
+        layout=config.layout(2),
+        num_classes=10,
+        build=resnet18,
+    )
+    assert even == ("layer3",)  # 13 pieces: 7 in the first stage, 6 in the second
+
+
+def test_check_cut_keeps_the_sequential_path_and_traces_any_other_model():
+    sample = torch.zeros(2, *IMAGE)
+    sequential = build_model("cifar_cnn", num_classes=10, seed=0)
+    assert check_cut(sequential, sample, None)[:2] == ["conv1", "relu1"]
+    with pytest.raises(ValueError, match="'conv9' names no top-level module"):
+        check_cut(sequential, sample, ["conv9"])
+    residual = build("residual_net", seed=0)
+    assert check_cut(residual, sample, ["blocks.1"]) == [
+        "stem",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "head",
+    ]
+    with pytest.raises(ValueError, match="does not trace"):
+        check_cut(build("data_dependent", seed=0), sample, None)
