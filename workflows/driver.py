@@ -7,6 +7,7 @@
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,15 +15,18 @@ from typing import Any
 import torch
 from distributed import Client
 
+from workers.config_models import LOSSES
+from workers.model_sources import source_of
 from workers.strategies import STAGED
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
-from workflows.config import ConfigError, RunConfig, load_config
+from workflows.code_shipping import ship_modules
+from workflows.config import ConfigError, RunConfig, check_model, load_config
 from workflows.events import EventHandler
 from workflows.jobs import TrainingFailed, launch_on
 from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
-from workflows.preprocess import StoreManifest, prepare_store
+from workflows.preprocess import StoreManifest, prepare_store, read_manifest
 from workflows.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -57,22 +61,33 @@ def print_progress(record: dict[str, Any]) -> None:
         print(format_epoch(record), flush=True)
 
 
+# The figures an epoch line shows, where the task reports them: classification reports
+# accuracy, regression MSE, MAE and R² (workers/losses.py).
+_FIGURES = {"loss": "Loss", "accuracy": "Acc", "mse": "MSE", "mae": "MAE", "r2": "R2"}
+
+
 def format_epoch(r: dict[str, Any]) -> str:
-    return (
-        f"Epoch [{r['epoch']}/{r['epochs']}], Loss: {r['loss']:.4f}, Acc: {r['accuracy']:.4f}, "
-        f"Val Loss: {r['val_loss']:.4f}, Val Acc: {r['val_accuracy']:.4f}, "
-        f"{r['samples_per_s']:.0f} samples/s"
-    )
+    shown = [(key, label) for key, label in _FIGURES.items() if key in r]
+    shown += [
+        (f"val_{key}", f"Val {label}") for key, label in _FIGURES.items() if f"val_{key}" in r
+    ]
+    figures = ", ".join(f"{label}: {r[key]:.4f}" for key, label in shown)
+    return f"Epoch [{r['epoch']}/{r['epochs']}], {figures}, {r['samples_per_s']:.0f} samples/s"
 
 
 def train(
     config: RunConfig | str | Path | dict[str, Any],
     *,
+    model: Callable[..., torch.nn.Module] | None = None,
     cluster: TrainingCluster | Client | None = None,
     on_event: EventHandler | None = print_progress,
     tracker: Tracker | None = None,
 ) -> TrainResult:
     """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
+
+    ``model``: a callable returning an ``nn.Module``, in place of ``model.name``; it is called
+    with ``model.kwargs``, plus ``num_classes`` and the input shape where it takes them. Code
+    the workers cannot import travels to them (workflows/code_shipping.py).
 
     ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
     ``training.log_every_steps`` is set) while the job runs. The records also go to
@@ -92,7 +107,7 @@ def train(
             cluster = start_cluster(config.cluster)
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
-            result = _train_on(client, config, handler, called_at=called_at)
+            result = _train_on(client, config, handler, called_at=called_at, factory=model)
         finally:
             if owned:
                 cluster.close()
@@ -102,7 +117,12 @@ def train(
 
 
 def _train_on(
-    client: Client, config: RunConfig, on_event: EventHandler | None, *, called_at: float
+    client: Client,
+    config: RunConfig,
+    on_event: EventHandler | None,
+    *,
+    called_at: float,
+    factory: Callable[..., torch.nn.Module] | None = None,
 ) -> TrainResult:
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
@@ -110,8 +130,15 @@ def _train_on(
         1, len(select_workers(live_workers(client), config.launch.workers))
     )
     layout = config.layout(world_size)
-    # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()
+    if factory is not None or not config.model.builtin or config.training.loss not in LOSSES:
+        # The model's and the loss's code, checked before the store is built or a rank starts.
+        known = read_manifest(data.store_url, storage_options=data.storage_options)
+        check_model(config, num_classes=len(known["classes"]) if known else 10, factory=factory)
+        # Modules named by import path that the workers lack travel to them; a factory given
+        # in Python travels inside the job, and launch_on ships what that refers to.
+        ship_modules(client, _imported_modules(config))
+    # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     manifest = prepare_store(client, data, seed=config.training.seed)
     pipeline = None
     if config.training.strategy in STAGED:
@@ -133,6 +160,7 @@ def _train_on(
         checkpoint=config.checkpoint.model_copy(update={"directory": checkpoints})
         if checkpoints
         else None,
+        factory=factory,
     )
     launched_at = time.time()
     launched = launch_on(
@@ -172,6 +200,15 @@ def _train_on(
         recoveries=launched.recoveries,
         split_points=None if pipeline is None else pipeline.split_points,
     )
+
+
+def _imported_modules(config: RunConfig) -> set[str]:
+    """The top-level modules of the import paths in ``model.name`` and ``training.loss``."""
+    paths = [config.training.loss] if config.training.loss not in LOSSES else []
+    source, _ = source_of(config.model.name)
+    if source == "import_path":
+        paths.append(config.model.name)
+    return {path.partition(":")[0].split(".")[0] for path in paths}
 
 
 __all__ = [
