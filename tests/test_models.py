@@ -22,9 +22,11 @@ from workers.data import open_store
 from workers.losses import Criterion
 from workers.models import build_model
 from workers.strategies.base import EpochSums
+from workflows.batch_predict import predict, prepare
 from workflows.config import ConfigError, check_model, load_config
 from workflows.dashboard import ROUTE
 from workflows.driver import format_epoch, train
+from workflows.run_directory import RunDirectory
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 BASE = {"lr": 0.05, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 5}
@@ -298,7 +300,18 @@ def test_a_factory_outside_the_repository_is_shipped_to_stock_workers(
         ):
             lacking = client.run(lambda: [importlib.util.find_spec(m) for m in (by_name, given)])
             assert all(specs == [None, None] for specs in lacking.values())
-            result = train(config, cluster=client, on_event=None)
+            run = RunDirectory.create(config, tmp_path / "run")
+            with run:
+                result = train(config, cluster=client, on_event=None)
+                run.finish(result)
+            # Batch prediction rebuilds the run's model from its config on the workers.
+            scored = predict(
+                model=run.path,
+                input=config.data.resolved().store_url,
+                output=tmp_path / "predictions",
+                settings={"partition_size": 200},
+                cluster=client,
+            )
             from_python = train(
                 config.model_copy(update={"model": ModelConfig()}),
                 model=importlib.import_module(given).make_mlp,
@@ -312,22 +325,37 @@ def test_a_factory_outside_the_repository_is_shipped_to_stock_workers(
     assert result.state_dict["3.weight"].shape == (10, 16)  # num_classes
     _assert_equal_state(result.state_dict, train_in_one_process(config, world_size=2, steps=3))
     assert from_python.state_dict["1.weight"].shape == (32, 3 * 32 * 32)  # hidden's default
+    val = open_store(config.data.resolved().store_url).val
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(3 * 32 * 32, 16), nn.ReLU(), nn.Linear(16, 10)
+    )  # make_mlp(10, 3 * 32 * 32, hidden=16), written out: the module is gone from here
+    model.load_state_dict(torch.load(run.path / "model.pt", weights_only=True))
+    with torch.no_grad():
+        want = torch.softmax(model(torch.from_numpy(np.asarray(val.images[:]))), dim=1).numpy()
+    got = scored.read()[[f"prob_{c}" for c in range(10)]].to_numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
-def test_regression_with_mse_equals_one_process_and_reports_its_metrics(cluster, make_config):
+def test_regression_with_mse_equals_one_process_and_reports_its_metrics(
+    cluster, make_config, tmp_path
+):
     # The digits' labels read as numbers: a regression target on data the store holds. The
     # built-in CNN gets one output (num_classes = 1).
     config = make_config({"name": "regression"}, loss="mse", max_steps=3, **BASE | {"lr": 0.01})
     events = []
-    result = train(config, cluster=cluster, on_event=events.append)
+    run = RunDirectory.create(config, tmp_path / "run")
+    with run:
+        result = train(config, cluster=cluster, on_event=events.append)
+        run.finish(result)
     assert result.state_dict["fc2.weight"].shape == (1, 64)
     _assert_equal_state(result.state_dict, train_in_one_process(config, world_size=2, steps=3))
     final = result.final
     assert {"loss", "mse", "mae", "r2", "val_loss", "val_mse", "val_mae", "val_r2"} <= set(final)
     assert "accuracy" not in final and "val_accuracy" not in final
     # The validation figures are sklearn's over the trained model's predictions.
-    store = open_store(config.data.resolved().store_url)
+    store_url = config.data.resolved().store_url
+    store = open_store(store_url)
     model = build_model(config.model, num_classes=1, seed=0)
     model.load_state_dict(result.state_dict)
     with torch.no_grad():
@@ -352,3 +380,6 @@ def test_regression_with_mse_equals_one_process_and_reports_its_metrics(cluster,
     with urllib.request.urlopen(page_url, timeout=30) as response:
         page = response.read().decode()
     assert "val_r2" in page and "val_mae" in page
+    # Batch prediction scores classifiers: a regression run is refused before anything runs.
+    with pytest.raises(ConfigError, match=r"^--model: .*model\.pt was trained for regression"):
+        prepare(model=run.path, input=str(store_url), output=tmp_path / "predictions")
