@@ -85,9 +85,10 @@ def train(
 ) -> TrainResult:
     """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
 
-    ``model``: a callable returning an ``nn.Module``, in place of ``model.name``; it is called
-    with ``model.kwargs``, plus ``num_classes`` and the input shape where it takes them. Code
-    the workers cannot import travels to them (workflows/code_shipping.py).
+    ``model``: a callable returning an ``nn.Module``, used in place of ``model.name`` (which
+    the run's records then do not describe); it is called with ``model.kwargs``, plus
+    ``num_classes`` and the input shape where it takes them. Code the workers cannot import
+    travels to them (workflows/code_shipping.py).
 
     ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
     ``training.log_every_steps`` is set) while the job runs. The records also go to
