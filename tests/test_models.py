@@ -134,6 +134,7 @@ def test_timm_names_without_timm_installed_say_how_to_install_it(monkeypatch):
     assert str(error.value).endswith("pip install 'dask-train[timm]'")
 
 
+@pytest.mark.slow
 def test_dask_train_validate_checks_the_factory_and_the_example_config():
     command = [sys.executable, "-c", "from workflows.cli import main; main()", "validate"]
     example = str(CONFIGS / "cifar10_resnet18.toml")
