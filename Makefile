@@ -15,7 +15,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,notebook,mlflow]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,notebook,mlflow,timm]' 2>&1 | $(QUIET_PIP)
 	$(BIN)/python -c "import dask_cuda, distributed, torch, torchvision; print('installed torch', torch.__version__, '/ distributed', distributed.__version__, '/ dask-cuda', dask_cuda.__version__)"
 	touch $(STAMP)
 

@@ -1,28 +1,44 @@
 """Single-process reference training: the yardstick every strategy must match."""
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from workers.data import open_store, rank_epoch_indices
+from workers.losses import Criterion
 from workers.models import build_model
 from workflows.config import RunConfig
 
 
 def train_in_one_process(
-    config: RunConfig, *, world_size: int, steps: int, device: str = "cpu"
+    config: RunConfig,
+    *,
+    world_size: int,
+    steps: int,
+    device: str = "cpu",
+    factory: Callable[..., nn.Module] | None = None,
 ) -> dict:
     """``steps`` SGD steps on the full global batches that ``world_size`` ranks would see, on
     ``device``; the parameters come back on the CPU.
 
     Each global batch is the concatenation of the ranks' batches at that step; the mean loss over
-    it equals the mean of the ranks' mean losses, which is what DDP optimizes.
+    it equals the mean of the ranks' mean losses, which is what DDP optimizes. The model and
+    the loss are the config's (``factory``: a model given in Python, as to ``train``).
     """
     t, d = config.training, config.data.resolved()
     store = open_store(d.store_url)
     images = torch.from_numpy(np.asarray(store.train.images[:])).to(device)
     labels = torch.from_numpy(store.train.labels).to(device)
-    model = build_model(config.model.name, num_classes=store.num_classes, seed=t.seed).to(device)
+    criterion = Criterion.of(t)
+    model = build_model(
+        config.model,
+        num_classes=criterion.outputs(store.num_classes),
+        seed=t.seed,
+        input_shape=tuple(images.shape[1:]),
+        factory=factory,
+    ).to(device)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
@@ -48,7 +64,7 @@ def train_in_one_process(
             index = torch.from_numpy(np.concatenate([s[start : start + per_rank] for s in shards]))
             index = index.to(device)
             optimizer.zero_grad()
-            F.cross_entropy(model(images[index]), labels[index]).backward()
+            criterion(model(images[index]), labels[index]).backward()
             if t.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
             optimizer.step()

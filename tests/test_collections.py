@@ -362,6 +362,43 @@ def test_train_from_dask_arrays_validates_on_every_sample_once(cluster, make_con
     assert result.final["val_accuracy"] == pytest.approx((predicted == y_val).mean())
 
 
+def tabular_regressor(in_features: int, num_classes: int) -> nn.Module:
+    """A factory by import path (tests.test_collections:tabular_regressor): the trainer fills
+    in the feature count from the data, and one output for a regression loss."""
+    return nn.Sequential(nn.Linear(in_features, 16), nn.Tanh(), nn.Linear(16, num_classes))
+
+
+def test_a_tabular_regressor_trains_from_a_dask_dataframe_with_mse(cluster, make_config):
+    from sklearn.metrics import mean_squared_error, r2_score
+
+    from workers.models import build_model
+    from workflows.driver import train
+
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame(rng.normal(size=(900, 3)), columns=["a", "b", "c"]).astype("float32")
+    frame["price"] = (2 * frame.a - frame.b + 0.5 * frame.c).astype("float32")
+    train_frame = dd.from_pandas(frame[:600], npartitions=5)
+    val_frame = dd.from_pandas(frame[600:], npartitions=3)
+    features = ["a", "b", "c"]
+    data = {
+        "train": (train_frame[features], train_frame.price),
+        "val": (val_frame[features], val_frame.price),
+    }
+    name = "tests.test_collections:tabular_regressor"
+    config = make_config({"model": {"name": name}}, epochs=2, batch_size=60, lr=0.05, loss="mse")
+    result = train(config, cluster=cluster, data=data, on_event=None)
+    final = result.final
+    assert {"val_mse", "val_mae", "val_r2"} <= set(final) and "val_accuracy" not in final
+    # The validation figures are the returned model's on every validation row, once.
+    model = build_model(config.model, num_classes=1, seed=0, input_shape=(3,))
+    model.load_state_dict(result.state_dict)
+    with torch.no_grad():
+        predicted = model(torch.tensor(frame[features][600:].to_numpy())).squeeze(1)
+    truth = frame.price[600:].to_numpy()
+    assert final["val_mse"] == pytest.approx(mean_squared_error(truth, predicted), rel=1e-4)
+    assert final["val_r2"] == pytest.approx(r2_score(truth, predicted), rel=1e-4)
+
+
 def test_train_refuses_targets_that_are_not_class_labels(cluster, make_config):
     from workflows.driver import train
 
@@ -369,7 +406,7 @@ def test_train_refuses_targets_that_are_not_class_labels(cluster, make_config):
     floats = da.from_array(np.linspace(0, 1, 100), chunks=50)
     images = da.from_array(x, chunks=(50, 3, 8, 8))
     pair = (images, floats)
-    with pytest.raises(DataError, match=r"y must hold class labels"):
+    with pytest.raises(DataError, match=r"y must hold class labels.*training.loss = 'mse'"):
         train(make_config(), cluster=cluster, data={"train": pair, "val": pair})
     with pytest.raises(DataError, match=r"give a 'val' split too"):
         train(make_config(), cluster=cluster, data={"train": (images, floats)})

@@ -62,7 +62,8 @@ class Progress:
     epoch: int = 0  # the epoch in progress (0-based)
     batch: int = 0  # the next batch of that epoch
     step: int = 0  # optimizer steps taken
-    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss, correct, count
+    # Loss, the task's metric sums, samples (workers/strategies/base.py EpochSums); []: none.
+    sums: list[float] = field(default_factory=list)
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -238,7 +239,8 @@ def load_checkpoint(
     # Another world size has other ranks: a rank with no saved sums or RNG starts them afresh.
     sums_key, rng_key = f"sums.rank{rank}", f"rng.rank{rank}"
     if sums_key in metadata.state_dict_metadata:
-        state[sums_key] = torch.zeros(3, dtype=torch.float64)
+        saved = metadata.state_dict_metadata[sums_key]
+        state[sums_key] = torch.zeros(saved.size, dtype=torch.float64)  # the task's length
     if rng_key in metadata.state_dict_metadata:
         state[rng_key] = torch.get_rng_state()
     dcp.load(state, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner())
@@ -261,7 +263,7 @@ def load_checkpoint(
         epoch=epoch,
         batch=batch,
         step=step,
-        sums=state[sums_key].tolist() if sums_key in state else [0.0, 0.0, 0.0],
+        sums=state[sums_key].tolist() if sums_key in state else [],
         history=manifest["history"],
     )
 

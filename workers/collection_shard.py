@@ -307,9 +307,8 @@ def trainer_splits(
     return train, StoreSplit(images, labels, chunk_size=max(1, len(rows)))  # type: ignore[arg-type]
 
 
-def collections_model_inputs(plan: CollectionPlan, data_config: Any) -> tuple[int, int]:
-    """(classes, image size) of the built-in models, from the data: labels 0 .. C-1 over both
-    splits, and the side of (C, H, W) samples (else the config's ``data.image_size``)."""
+def collections_model_inputs(plan: CollectionPlan) -> tuple[int, tuple[int, ...]]:
+    """(classes, sample shape) from the data: labels 0 .. C-1 over both splits (0 for a
+    regression target), and the shape of one sample of ``X``."""
     classes = max(split.num_classes or 0 for split in plan.splits.values())
-    shape = plan["train"].sample_shape
-    return classes, shape[-1] if len(shape) == 3 else data_config.image_size
+    return classes, tuple(plan["train"].sample_shape)

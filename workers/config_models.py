@@ -6,11 +6,13 @@ They live here, apart from the code that uses them, because this module must not
 import. The components re-export their own section (``workers.data.DataConfig`` and so on).
 """
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from workers.model_sources import IMPORT_PATH, check_name
 from workers.strategies import STRATEGIES
 
 # The top-level modules of each registered model (workers/models.py): where a model can be cut
@@ -131,19 +133,47 @@ class DataConfig(BaseModel):
         return self.model_copy(update={"root": root, "store": self.store_url})
 
 
+# The losses by name, and the task each implies (workers/losses.py holds the functions).
+LOSSES: dict[str, str] = {
+    "cross_entropy": "classification",
+    "bce_with_logits": "classification",
+    "mse": "regression",
+    "l1": "regression",
+}
+
+# The figures each task reports besides the loss (workers/losses.py computes them; the epoch
+# lines, the Training page and /metrics show them).
+METRICS: dict[str, tuple[str, ...]] = {
+    "classification": ("accuracy",),
+    "regression": ("mse", "mae", "r2"),
+}
+
+
 class ModelConfig(BaseModel):
-    """Which registered model to train."""
+    """Which model to train (workers/model_sources/), and the arguments its factory takes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = "cifar_cnn"
+    name: str = Field(
+        default="cifar_cnn",
+        description="a built-in name, 'torchvision:<name>', 'timm:<name>' or an import path "
+        "'package.module:factory'",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the factory; num_classes, in_channels, image_size "
+        "and in_features are filled in from the data where it takes them",
+    )
 
     @field_validator("name")
     @classmethod
-    def _registered(cls, name: str) -> str:
-        if name not in MODEL_LAYERS:
-            raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODEL_LAYERS)}")
+    def _known_syntax(cls, name: str) -> str:
+        check_name(name, sorted(MODEL_LAYERS))
         return name
+
+    @property
+    def builtin(self) -> bool:
+        return self.name in MODEL_LAYERS
 
 
 class TrainingConfig(BaseModel):
@@ -165,6 +195,32 @@ class TrainingConfig(BaseModel):
     grad_clip_norm: float | None = Field(default=None, gt=0)
     seed: int = 0
     log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
+    loss: str = Field(
+        default="cross_entropy",
+        description=f"one of {list(LOSSES)}, or an import path 'package.module:loss' "
+        "(a function or an nn.Module class; the mean over the batch)",
+    )
+    task: Literal["classification", "regression"] | None = Field(
+        default=None,
+        description="what the metrics measure; unset: from the loss (mse, l1: regression)",
+    )
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, loss: str) -> str:
+        if loss in LOSSES or IMPORT_PATH.match(loss):
+            return loss
+        close = difflib.get_close_matches(loss, list(LOSSES), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"unknown loss {loss!r}; {hint}choose one of {list(LOSSES)} or an import path "
+            "'package.module:loss'"
+        )
+
+    @property
+    def resolved_task(self) -> str:
+        """The task the metrics follow: set, or implied by a named loss."""
+        return self.task or LOSSES.get(self.loss, "classification")
 
     @model_validator(mode="after")
     def _accumulation_fits(self) -> "TrainingConfig":

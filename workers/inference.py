@@ -26,7 +26,7 @@ import zarr
 from distributed import Worker, WorkerPlugin, get_worker
 from torch import nn
 
-from workers.models import build_model
+from workers.models import ModelConfig, build_model
 from workers.preprocessing import normalize_images
 from workers.sources import decode
 
@@ -44,10 +44,11 @@ class CheckpointError(ValueError):
 class ModelSpec:
     """What a worker needs to rebuild the trained model; travels once per worker."""
 
-    name: str
+    name: str  # model.name: built in, torchvision:, timm: or an import path
     num_classes: int
     image_size: int
     checkpoint: bytes = field(repr=False)  # a torch.save'd state_dict
+    kwargs: dict[str, Any] = field(default_factory=dict)  # model.kwargs of the run
     source: str = "checkpoint"  # where it came from, for messages
     precision: Precision = "fp32"
     threads: int | None = None  # torch intra-op threads while scoring; None: torch's default
@@ -55,7 +56,10 @@ class ModelSpec:
 
     def build(self, device: torch.device) -> nn.Module:
         model = build_model(
-            self.name, num_classes=self.num_classes, seed=0, image_size=self.image_size
+            ModelConfig(name=self.name, kwargs=self.kwargs),
+            num_classes=self.num_classes,
+            seed=0,
+            image_size=self.image_size,
         )
         try:
             state = torch.load(io.BytesIO(self.checkpoint), map_location="cpu", weights_only=True)

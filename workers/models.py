@@ -1,13 +1,20 @@
-"""Model registry. Models are plain ``nn.Module`` code: they never import torch.distributed, so
-the same class trains in one process, under DDP, or split into stages."""
+"""The built-in models, and how any model is built from its ``[model]`` section.
 
+Models are plain ``nn.Module`` code: they never import torch.distributed, so the same class
+trains in one process, under DDP, or split into stages. Where a model comes from (built in,
+torchvision, timm, an import path) is a source's (workers/model_sources/).
+"""
+
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 # Re-exported: the section's model lives in a torch-free module, for config checks.
 from workers.config_models import ModelConfig as ModelConfig
+from workers.model_sources import Factory, ModelError, resolve
 
 
 class CifarCNN(nn.Sequential):
@@ -74,17 +81,87 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def build_model(name: str, *, num_classes: int, seed: int, image_size: int = 32) -> nn.Module:
-    """Build a registered model with parameters drawn from ``seed``.
+def data_arguments(num_classes: int, input_shape: tuple[int, ...]) -> dict[str, int]:
+    """What the data says about a model's arguments, under the names factories use for them:
+    filled in where a factory takes them and the user did not set them."""
+    facts = {"num_classes": num_classes, "in_features": math.prod(input_shape)}
+    if len(input_shape) == 3:  # (channels, height, width)
+        facts |= {"in_channels": input_shape[0], "in_chans": input_shape[0]}  # timm: in_chans
+        if input_shape[1] == input_shape[2]:
+            facts |= {"image_size": input_shape[1], "img_size": input_shape[1]}
+    return facts
+
+
+def model_arguments(factory: Factory, kwargs: dict[str, Any], facts: dict[str, int]) -> dict:
+    """``model.kwargs`` with the data's facts added where ``factory`` takes them."""
+    if factory.parameters is None:
+        return dict(kwargs)
+    unknown = sorted(set(kwargs) - factory.parameters)
+    if unknown:
+        raise ModelError(
+            f"model.kwargs: factory {factory.label} takes no argument {unknown[0]!r}; it takes "
+            f"{sorted(factory.parameters)}"
+        )
+    filled = {k: v for k, v in facts.items() if k in factory.parameters and k not in kwargs}
+    return filled | kwargs
+
+
+def build_model(
+    model: str | ModelConfig,
+    *,
+    num_classes: int,
+    seed: int,
+    image_size: int = 32,
+    input_shape: tuple[int, ...] | None = None,
+    factory: Callable[..., nn.Module] | None = None,
+) -> nn.Module:
+    """Build ``model`` (a name or the ``[model]`` section) with parameters drawn from ``seed``;
+    ``factory`` (a callable given in Python) takes the place of the name.
 
     Seeding here (rather than relying on DDP's broadcast alone) makes the single-process
     reference and every rank start from the same numbers.
     """
-    if name not in MODELS:
-        raise ValueError(f"model.name: unknown model {name!r}; choose one of {sorted(MODELS)}")
+    config = model if isinstance(model, ModelConfig) else ModelConfig(name=model)
+    found = Factory.of(factory) if factory is not None else resolve(config.name)
+    facts = data_arguments(num_classes, input_shape or (3, image_size, image_size))
+    arguments = model_arguments(found, config.kwargs, facts)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MODELS[name](num_classes=num_classes, image_size=image_size)
+        try:
+            built = found.build(**arguments)
+        except TypeError as error:
+            # A factory behind **kwargs refuses a keyword only when called.
+            raise ModelError(f"model.kwargs: factory {found.label}: {error}") from None
+    if not isinstance(built, nn.Module):
+        raise ModelError(
+            f"model.name: factory {found.label} returned a {type(built).__name__}, not a "
+            "torch.nn.Module"
+        )
+    return built
+
+
+def check_model(
+    model: ModelConfig,
+    *,
+    num_classes: int,
+    input_shape: tuple[int, ...],
+    factory: Callable[..., nn.Module] | None = None,
+) -> nn.Module:
+    """Build the model once without allocating it (on the meta device) to find what is wrong
+    with its name or arguments before anything launches; a :class:`ModelError` naming the field.
+    """
+    with torch.device("meta"):
+        try:
+            return build_model(
+                model, num_classes=num_classes, seed=0, input_shape=input_shape, factory=factory
+            )
+        except ModelError:
+            raise
+        except (NotImplementedError, RuntimeError):
+            pass  # a factory that computes with its tensors: build it for real below
+    return build_model(
+        model, num_classes=num_classes, seed=0, input_shape=input_shape, factory=factory
+    )
 
 
 def layer_names(name: str) -> list[str]:

@@ -28,6 +28,7 @@ from workers.collection_shard import (
 from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store
 from workers.layout import Layout
+from workers.losses import Criterion
 from workers.models import ModelConfig, build_model
 from workers.precision import Precision
 from workers.process_group import Membership
@@ -50,6 +51,8 @@ class TrainJob:
     checkpoint: CheckpointConfig | None = None
     # train(data=...): Dask collections planned by the client, in place of the store.
     collections: CollectionPlan | None = None
+    # A model factory given in Python (train(config, model=...)), in place of model.name.
+    factory: Callable[..., nn.Module] | None = None
 
 
 @dataclass
@@ -184,6 +187,10 @@ class Trainer:
     throughput: Throughput
 
     @property
+    def criterion(self) -> Criterion:
+        return self.strategy.criterion
+
+    @property
     def checkpoint_state(self) -> CheckpointState:
         return CheckpointState(self.strategy.modules, self.optimizer, self.precision.scaler)
 
@@ -209,6 +216,7 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         membership=ctx.membership,
         layout=job.layout,
         pipeline=job.pipeline,
+        factory=job.factory,
         hooks=Hooks(report=ctx.emit, heartbeat=heartbeat, checkpoints=checkpoints),
         restore=None
         if ctx.resume_from is None
@@ -225,6 +233,7 @@ def train(
     membership: Membership,
     layout: Layout,
     pipeline: PipelineConfig | None = None,
+    factory: Callable[..., nn.Module] | None = None,
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
@@ -237,6 +246,7 @@ def train(
         membership=membership,
         layout=layout,
         pipeline=pipeline,
+        factory=factory,
         restore=restore,
         collections=collections,
     )
@@ -269,6 +279,7 @@ def build(
     membership: Membership,
     layout: Layout,
     pipeline: PipelineConfig | None = None,
+    factory: Callable[..., nn.Module] | None = None,
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
 ) -> Trainer:
@@ -277,18 +288,24 @@ def build(
     rank, device = membership.rank, membership.device
     torch.manual_seed(config.seed + rank)
     precision = Precision(config.precision, device)
+    criterion = Criterion.of(config)
     if collections is None:
         store = open_store(data_config.store_url, storage_options=data_config.storage_options)
-        num_classes, image_size = store.num_classes, data_config.image_size
+        num_classes, input_shape = store.num_classes, tuple(store.train.images.shape[1:])
     else:
-        num_classes, image_size = collections_model_inputs(collections, data_config)
+        num_classes, input_shape = collections_model_inputs(collections)
     model = build_model(
-        model_config.name, num_classes=num_classes, seed=config.seed, image_size=image_size
+        model_config,
+        num_classes=criterion.outputs(num_classes),
+        seed=config.seed,
+        input_shape=input_shape,
+        factory=factory,
     )
-    sample = torch.zeros((layout.micro_batch, *store.train.images.shape[1:]))
+    sample = torch.zeros((layout.micro_batch, *input_shape))
     strategy = get_strategy(config.strategy).prepare(
         model, layout=layout, rank=rank, device=device, pipeline=pipeline, sample=sample
     )
+    strategy.criterion = criterion
     if collections is None:
         batches: RankBatches | RankShard = RankBatches(
             store.train,
@@ -363,7 +380,9 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     config, start, checkpoints = trainer.config, trainer.start, hooks.checkpoints
     resumed = epoch == start.epoch
     start_batch = start.batch if resumed else 0
-    sums = EpochSums(start.sums if resumed else [0.0, 0.0, 0.0], device=trainer.device)
+    sums = EpochSums(
+        start.sums if resumed else None, device=trainer.device, criterion=trainer.criterion
+    )
     counted_before = sums.count
     trainer.strategy.train()
     epoch_started = time.perf_counter()
@@ -388,7 +407,7 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     train_seconds = time.perf_counter() - epoch_started
     trainer.throughput.seconds += train_seconds
 
-    loss_sum, correct, count = sums.all_reduced()
+    totals = sums.all_reduced()
     val = evaluate(trainer)
     if hooks.heartbeat:
         hooks.heartbeat(trainer.step)  # validation is progress too
@@ -397,11 +416,10 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         "epoch": epoch + 1,
         "epochs": config.epochs,
         "step": trainer.step,
-        "loss": loss_sum / count,
-        "accuracy": correct / count,
-        "val_loss": val["loss"],
-        "val_accuracy": val["accuracy"],
-        "samples_per_s": (count - counted_before) / train_seconds,
+        # The task's figures: loss and accuracy, or loss, mse, mae and r2.
+        **trainer.criterion.metrics(totals),
+        **{f"val_{name}": value for name, value in val.items()},
+        "samples_per_s": (sums.count - counted_before) / train_seconds,
         "lr": trainer.schedule.get_last_lr()[0],
     }
     trainer.history.append(record)
@@ -410,14 +428,15 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     if checkpoints and (checkpoints.at_epoch_end or trainer.step >= trainer.total_steps):
         _save(
             trainer,
-            Progress(epoch + 1, 0, trainer.step, [0.0, 0.0, 0.0], trainer.history),
+            Progress(epoch + 1, 0, trainer.step, _zeros(trainer), trainer.history),
             hooks=hooks,
         )
     return record
 
 
 def evaluate(trainer: Trainer) -> dict[str, float]:
-    """Validation loss and accuracy over the whole split, on every rank (collective)."""
+    """Validation loss and the task's metrics over the whole split, on every rank
+    (collective)."""
     return trainer.strategy.evaluate(
         trainer.val, batch_size=trainer.layout.per_rank_batch, precision=trainer.precision
     )
@@ -447,6 +466,11 @@ def _save(trainer: Trainer, progress: Progress, *, hooks: Hooks) -> None:
     hooks.checkpoints.save(trainer.checkpoint_state, progress)
     if hooks.heartbeat:
         hooks.heartbeat(trainer.step)
+
+
+def _zeros(trainer: Trainer) -> list[float]:
+    """The sums of an epoch not begun."""
+    return EpochSums(device=torch.device("cpu"), criterion=trainer.criterion).tolist()
 
 
 def _lr_factor(config: TrainingConfig, total_steps: int) -> Callable[[int], float]:

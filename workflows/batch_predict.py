@@ -48,8 +48,10 @@ from workers.inference import (
     write_zarr_partition,
     zarr_columns,
 )
+from workers.model_sources import ModelError, source_of
 from workers.sources import CIFAR_FOLDER, IMAGE_SUFFIXES, SourceError, _scan_classes
 from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, start_cluster
+from workflows.code_shipping import ship_modules
 from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
 from workflows.preprocess import read_manifest
 from workflows.tracking import TrackingConfig, track_prediction
@@ -407,9 +409,16 @@ def prepare(
     if not isinstance(settings, PredictConfig):
         settings = PredictConfig.from_dict(settings)
     trained = resolve_model(model, config)
+    if trained.config.training.resolved_task != "classification":
+        raise ConfigError(
+            f"--model: {trained.checkpoint} was trained for {trained.config.training.resolved_task}"
+            f" (training.loss = {trained.config.training.loss}); batch prediction scores "
+            "classifiers only"
+        )
     token = uuid.uuid4().hex
     spec = ModelSpec(
         name=trained.config.model.name,
+        kwargs=dict(trained.config.model.kwargs),
         num_classes=len(trained.classes),
         image_size=trained.image_size,
         checkpoint=Path(trained.checkpoint).read_bytes(),
@@ -420,7 +429,10 @@ def prepare(
     )
     import torch
 
-    shape = input_shape(spec.build(torch.device("cpu")), spec.image_size)  # checks the file
+    try:
+        shape = input_shape(spec.build(torch.device("cpu")), spec.image_size)  # checks the file
+    except ModelError as error:  # the run's model cannot be built here (its code is missing)
+        raise ConfigError(f"--model: {trained.checkpoint}: {error}") from None
     if settings.outputs == "top_k" and settings.top_k > len(trained.classes):
         raise ConfigError(
             f"predict.top_k: {settings.top_k} is more than the model's {len(trained.classes)} "
@@ -549,6 +561,9 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     predictions = f"{prepared.output.rstrip('/')}/{PREDICTIONS[settings.format]}"
     tag = job.token[:8]
     started = time.perf_counter()
+    # A model named by import path: its module goes to the workers that cannot import it.
+    if source_of(prepared.spec.name)[0] == "import_path":
+        ship_modules(client, {prepared.spec.name.partition(":")[0].split(".")[0]})
     # Every worker (and any that joins later) loads the model once, here.
     client.register_plugin(ModelPlugin(prepared.spec), name=ModelPlugin.name)
     futures: list[Any] = []

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from workers.config_models import LOSSES
 from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import LaunchError
@@ -234,6 +235,18 @@ def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool
 def validate(config: Path, overrides: tuple[str, ...]) -> None:
     """Check CONFIG and print it resolved, without starting anything."""
     resolved = _load(config, overrides)
+    if not resolved.model.builtin or resolved.training.loss not in LOSSES:
+        # Code named by import path, torchvision or timm: import it and build the model once
+        # on the meta device (this imports torch, which built-in models never need here).
+        from workflows.config import check_model
+        from workflows.preprocess import read_manifest
+
+        data = resolved.data.resolved()
+        manifest = read_manifest(data.store_url, storage_options=data.storage_options)
+        try:
+            check_model(resolved, num_classes=len(manifest["classes"]) if manifest else 10)
+        except ConfigError as error:
+            _fail(EXIT_INVALID, f"invalid config: {error}")
     click.echo(resolved.model_dump_json(indent=2))
 
 
@@ -377,10 +390,13 @@ def run(
         outputs = [run_directory.path / "model.pt", run_directory.path / "summary.json"]
         tracker.finish(summary, outputs)
     final = summary["final"]
+    # The task's headline figure: accuracy, or R² for regression.
+    headline = "val_accuracy" if "val_accuracy" in final else "val_r2"
     click.echo(
-        f"done: {summary['strategy']} on {summary['world_size']} ranks, val accuracy "
-        f"{final['val_accuracy']:.4f}, {summary['samples_per_s']:.0f} samples/s, "
-        f"{summary['wall_s']:.1f} s; results in {run_directory.path}"
+        f"done: {summary['strategy']} on {summary['world_size']} ranks, "
+        f"{headline.replace('_', ' ')} {final[headline]:.4f}, "
+        f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f} s; results in "
+        f"{run_directory.path}"
     )
 
 

@@ -87,10 +87,16 @@ def prepared_data(
 
 @contextlib.contextmanager
 def trainer_data(
-    client: Client, data: Mapping[str, Any], strategy: str, settings: LaunchConfig
+    client: Client,
+    data: Mapping[str, Any],
+    strategy: str,
+    settings: LaunchConfig,
+    *,
+    classification: bool = True,
 ) -> Iterator[PreparedData]:
-    """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split
-    of class labels; validation in the contiguous shares its evaluation reads."""
+    """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split,
+    of class labels where the task is ``classification``; validation in the contiguous shares
+    its evaluation reads."""
     from workers.strategies import STAGED
 
     if strategy in STAGED:
@@ -106,11 +112,12 @@ def trainer_data(
         )
     with prepared_data(client, data, settings, shares={"val": "contiguous"}) as prepared:
         for split in prepared.plan.splits.values():
-            # The built-in loss is cross-entropy over class labels 0 .. C-1.
-            if not split.integral_target or split.target_range[0] < 0:
+            # A classification loss reads the target as class indices 0 .. C-1.
+            if classification and (not split.integral_target or split.target_range[0] < 0):
                 raise DataError(
-                    f"data[{split.name!r}]: y must hold class labels (integers from 0) for the "
-                    "built-in trainer; train other targets with launch(fn, data=...)"
+                    f"data[{split.name!r}]: y must hold class labels (integers from 0) for "
+                    "training.loss = cross_entropy; for a numeric target set training.loss = "
+                    "'mse' or 'l1'"
                 )
         yield prepared
 

@@ -6,6 +6,7 @@ names the field.
 """
 
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ class RunConfig(BaseModel):
                 "launch.world_size: data_parallel runs in one worker (over the GPUs it sees); "
                 "set world_size = 1, or use strategy = 'ddp'"
             )
-        if self.data.image_size % 4:
+        if self.model.builtin and self.data.image_size % 4:
             raise ValueError(
                 f"data.image_size: {self.model.name} pools twice, so the size must be a "
                 f"multiple of 4 (got {self.data.image_size})"
@@ -106,6 +107,11 @@ class RunConfig(BaseModel):
                 "pipeline.dp: model_parallel runs one copy of the model, one stage per rank; "
                 "for replicas or interleaving use strategy = 'pipeline'"
             )
+        if self.training.loss != "cross_entropy":
+            raise ValueError(
+                f"training.loss: {strategy} trains with cross_entropy only; use strategy = "
+                f"'ddp' for {self.training.loss}"
+            )
         layers = MODEL_LAYERS.get(self.model.name)
         names = self._checked_cut() if layers is None else list(layers)
         if layers is not None and p.split_points is not None:
@@ -137,9 +143,7 @@ class RunConfig(BaseModel):
         m = p.n_microbatches if self.training.strategy == "pipeline" else 1
         micro_batch = max(1, self.training.batch_size // p.dp // m)  # whatever the world size
         # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
-        model = build_model(
-            self.model.name, num_classes=10, seed=self.training.seed, image_size=size
-        )
+        model = build_model(self.model, num_classes=10, seed=self.training.seed, image_size=size)
         if is_traced(model) and p.dp > 1 and p.dp_mode == "ddp":
             raise ValueError(
                 f"pipeline.dp_mode: the stages of a traced model ({self.model.name}) replicate "
@@ -174,6 +178,37 @@ class RunConfig(BaseModel):
     def check_batch(self, world_size: int) -> None:
         """The global batch must split evenly into ranks and accumulation micro-batches."""
         self.layout(world_size)
+
+
+def check_model(
+    config: RunConfig,
+    *,
+    num_classes: int,
+    factory: Callable[..., Any] | None = None,
+) -> None:
+    """Resolve the loss and build the model once on the meta device (imports torch): a factory
+    that is missing, refuses ``model.kwargs`` or returns no module is a :class:`ConfigError`
+    here, before anything launches. ``factory``: a model given in Python."""
+    from workers.losses import Criterion
+    from workers.model_sources import ModelError
+    from workers.models import check_model as build_on_meta
+
+    if factory is not None and config.training.strategy in STAGED:
+        raise ConfigError(
+            f"model: {config.training.strategy} cuts the built-in models only; train a model "
+            "given in Python with strategy = 'ddp'"
+        )
+    size = config.data.image_size
+    try:
+        criterion = Criterion.of(config.training)
+        build_on_meta(
+            config.model,
+            num_classes=criterion.outputs(num_classes),
+            input_shape=(3, size, size),  # the store's images (workflows/preprocess.py)
+            factory=factory,
+        )
+    except ModelError as error:
+        raise ConfigError(str(error)) from None
 
 
 def load_config(

@@ -14,6 +14,8 @@ from typing import Any
 
 from tornado import web
 
+from workers.config_models import METRICS
+
 ROUTE = "/training"
 REFRESH_S = 5
 
@@ -71,29 +73,31 @@ def render_page(jobs: dict[str, dict[str, Any]], *, refresh: bool = True) -> str
         )
         blocks.append(Div(text=facts))
         epochs = [r["epoch"] for r in history]
+        # The task's figures (workers/losses.py): accuracy, or MSE, MAE and R² for regression.
+        figures = [name for names in METRICS.values() for name in names]
+        shown = [name for name in figures if any(name in r for r in history)] or ["accuracy"]
         source = ColumnDataSource(
-            {
-                "epoch": epochs,
-                "loss": [r.get("loss") for r in history],
-                "val_loss": [r.get("val_loss") for r in history],
-                "accuracy": [r.get("accuracy") for r in history],
-                "val_accuracy": [r.get("val_accuracy") for r in history],
+            {"epoch": epochs}
+            | {
+                key: [r.get(key) for r in history]
+                for name in ("loss", *shown)
+                for key in (name, f"val_{name}")
             }
         )
-        loss = figure(title="loss", width=420, height=260, x_axis_label="epoch")
-        loss.line("epoch", "loss", source=source, legend_label="train", line_width=2)
-        loss.line("epoch", "val_loss", source=source, legend_label="validation", color="orange")
-        accuracy = figure(title="accuracy", width=420, height=260, x_axis_label="epoch")
-        accuracy.line("epoch", "accuracy", source=source, legend_label="train", line_width=2)
-        accuracy.line(
-            "epoch", "val_accuracy", source=source, legend_label="validation", color="orange"
-        )
+        plots = []
+        for name in ("loss", *shown):
+            plot = figure(title=name, width=420, height=260, x_axis_label="epoch")
+            plot.line("epoch", name, source=source, legend_label="train", line_width=2)
+            plot.line(
+                "epoch", f"val_{name}", source=source, legend_label="validation", color="orange"
+            )
+            plots.append(plot)
         names = [str(rank) for rank in sorted(ranks)]
         throughput = figure(
             title="samples/s per rank", x_range=names or ["-"], width=300, height=260
         )
         throughput.vbar(x=names, top=[ranks[int(n)] for n in names], width=0.6)
-        blocks.append(row(loss, accuracy, throughput))
+        blocks.append(row(*plots, throughput))
         reports = state.get("reports", [])
         if reports:
             blocks.append(row(*_report_plots(reports, figure)))

@@ -7,7 +7,7 @@
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,16 +16,19 @@ import torch
 from distributed import Client
 
 from workers.collection_shard import CollectionPlan
+from workers.config_models import LOSSES
+from workers.model_sources import source_of
 from workers.strategies import STAGED
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
+from workflows.code_shipping import ship_modules
 from workflows.collections import trainer_data
-from workflows.config import ConfigError, RunConfig, load_config
+from workflows.config import ConfigError, RunConfig, check_model, load_config
 from workflows.events import EventHandler
 from workflows.jobs import TrainingFailed, launch_on
 from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
-from workflows.preprocess import StoreManifest, prepare_store
+from workflows.preprocess import StoreManifest, prepare_store, read_manifest
 from workflows.tracking import Tracker
 from workflows.user_datasets import USER_DATASETS, read_user_dataset
 
@@ -61,17 +64,24 @@ def print_progress(record: dict[str, Any]) -> None:
         print(format_epoch(record), flush=True)
 
 
+# The figures an epoch line shows, where the task reports them: classification reports
+# accuracy, regression MSE, MAE and R² (workers/losses.py).
+_FIGURES = {"loss": "Loss", "accuracy": "Acc", "mse": "MSE", "mae": "MAE", "r2": "R2"}
+
+
 def format_epoch(r: dict[str, Any]) -> str:
-    return (
-        f"Epoch [{r['epoch']}/{r['epochs']}], Loss: {r['loss']:.4f}, Acc: {r['accuracy']:.4f}, "
-        f"Val Loss: {r['val_loss']:.4f}, Val Acc: {r['val_accuracy']:.4f}, "
-        f"{r['samples_per_s']:.0f} samples/s"
-    )
+    shown = [(key, label) for key, label in _FIGURES.items() if key in r]
+    shown += [
+        (f"val_{key}", f"Val {label}") for key, label in _FIGURES.items() if f"val_{key}" in r
+    ]
+    figures = ", ".join(f"{label}: {r[key]:.4f}" for key, label in shown)
+    return f"Epoch [{r['epoch']}/{r['epochs']}], {figures}, {r['samples_per_s']:.0f} samples/s"
 
 
 def train(
     config: RunConfig | str | Path | dict[str, Any],
     *,
+    model: Callable[..., torch.nn.Module] | None = None,
     cluster: TrainingCluster | Client | None = None,
     on_event: EventHandler | None = print_progress,
     tracker: Tracker | None = None,
@@ -79,9 +89,14 @@ def train(
 ) -> TrainResult:
     """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
 
-    ``data={"train": (X, y), "val": (X_val, y_val)}`` (Dask arrays or dataframes, integer
-    class labels) takes the place of ``config.data``'s dataset: the partitions are read where
-    they lie (``workflows/collections.py``).
+    ``data={"train": (X, y), "val": (X_val, y_val)}`` (Dask arrays or dataframes) takes the
+    place of ``config.data``'s dataset: the partitions are read where they lie
+    (``workflows/collections.py``).
+
+    ``model``: a callable returning an ``nn.Module``, used in place of ``model.name`` (which
+    the run's records then do not describe); it is called with ``model.kwargs``, plus
+    ``num_classes`` and the input shape where it takes them. Code the workers cannot import
+    travels to them (workflows/code_shipping.py).
 
     ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
     ``training.log_every_steps`` is set) while the job runs. The records also go to
@@ -101,7 +116,9 @@ def train(
             cluster = start_cluster(config.cluster)
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
-            result = _train_on(client, config, handler, called_at=called_at, data=data)
+            result = _train_on(
+                client, config, handler, called_at=called_at, data=data, factory=model
+            )
         finally:
             if owned:
                 cluster.close()
@@ -117,15 +134,24 @@ def _train_on(
     *,
     called_at: float,
     data: Mapping[str, tuple[Any, Any]] | None = None,
+    factory: Callable[..., torch.nn.Module] | None = None,
 ) -> TrainResult:
     if data is None and config.data.dataset in USER_DATASETS:
         data = read_user_dataset(config.data.resolved(), seed=config.training.seed)
     if data is None:
-        return _train_prepared(client, config, on_event, called_at=called_at)
+        return _train_prepared(client, config, on_event, called_at=called_at, factory=factory)
     settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
-    with trainer_data(client, data, config.training.strategy, settings) as prepared:
+    classification = config.training.resolved_task == "classification"
+    with trainer_data(
+        client, data, config.training.strategy, settings, classification=classification
+    ) as prepared:
         return _train_prepared(
-            client, config, on_event, called_at=called_at, collections=prepared.plan
+            client,
+            config,
+            on_event,
+            called_at=called_at,
+            collections=prepared.plan,
+            factory=factory,
         )
 
 
@@ -142,15 +168,27 @@ def _train_prepared(
     *,
     called_at: float,
     collections: CollectionPlan | None = None,
+    factory: Callable[..., torch.nn.Module] | None = None,
 ) -> TrainResult:
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
     world_size = _world_size(client, config)
     layout = config.layout(world_size)
-    # Preprocess on the same cluster first, unless a complete store for these inputs exists.
     data = config.data.resolved()
+    if factory is not None or not config.model.builtin or config.training.loss not in LOSSES:
+        # The model's and the loss's code, checked before the store is built or a rank starts.
+        known = (
+            read_manifest(data.store_url, storage_options=data.storage_options)
+            if collections is None
+            else None
+        )
+        check_model(config, num_classes=len(known["classes"]) if known else 10, factory=factory)
+        # Modules named by import path that the workers lack travel to them; a factory given
+        # in Python travels inside the job, and launch_on ships what that refers to.
+        ship_modules(client, _imported_modules(config))
     manifest = None
     if collections is None:
+        # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, data, seed=config.training.seed)
     pipeline = None
     if config.training.strategy in STAGED:
@@ -174,6 +212,7 @@ def _train_prepared(
         if checkpoints
         else None,
         collections=collections,
+        factory=factory,
     )
     launched_at = time.time()
     launched = launch_on(
@@ -213,6 +252,15 @@ def _train_prepared(
         recoveries=launched.recoveries,
         split_points=None if pipeline is None else pipeline.split_points,
     )
+
+
+def _imported_modules(config: RunConfig) -> set[str]:
+    """The top-level modules of the import paths in ``model.name`` and ``training.loss``."""
+    paths = [config.training.loss] if config.training.loss not in LOSSES else []
+    source, _ = source_of(config.model.name)
+    if source == "import_path":
+        paths.append(config.model.name)
+    return {path.partition(":")[0].split(".")[0] for path in paths}
 
 
 __all__ = [

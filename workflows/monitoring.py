@@ -25,6 +25,13 @@ GAUGES = (
     ("dask_train_accuracy", "accuracy", "Training accuracy (all ranks)"),
     ("dask_train_val_loss", "val_loss", "Validation loss"),
     ("dask_train_val_accuracy", "val_accuracy", "Validation accuracy"),
+    # Regression's figures (workers/losses.py), for a job whose loss is mse or l1.
+    ("dask_train_mse", "mse", "Training mean squared error (all ranks)"),
+    ("dask_train_mae", "mae", "Training mean absolute error (all ranks)"),
+    ("dask_train_r2", "r2", "Training coefficient of determination R^2 (all ranks)"),
+    ("dask_train_val_mse", "val_mse", "Validation mean squared error"),
+    ("dask_train_val_mae", "val_mae", "Validation mean absolute error"),
+    ("dask_train_val_r2", "val_r2", "Validation coefficient of determination R^2"),
     ("dask_train_samples_per_second", "samples_per_s", "Training samples per second, all ranks"),
     ("dask_train_learning_rate", "lr", "Current learning rate"),
     ("dask_train_world_size", "world_size", "Ranks in the job"),

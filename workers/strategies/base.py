@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from workers.data import StoreSplit, eval_batches
 from workers.layout import Layout
+from workers.losses import CROSS_ENTROPY, TERMS, Criterion
 from workers.precision import Precision
 from workers.strategies import STRATEGIES
 
@@ -26,32 +26,39 @@ if TYPE_CHECKING:
 
 
 class EpochSums:
-    """Loss, correct predictions and samples of the epoch so far on this rank.
+    """The loss sum, the task's metric sums (``workers.losses.TERMS``) and the samples of the
+    epoch so far on this rank.
 
     The sums stay on the device: adding to them needs no host sync inside the step.
     """
 
-    def __init__(self, sums: list[float], *, device: torch.device) -> None:
-        self.loss = torch.tensor(sums[0], dtype=torch.float64, device=device)
-        self.correct = torch.tensor(int(sums[1]), dtype=torch.int64, device=device)
-        self.count = int(sums[2])
+    def __init__(
+        self,
+        sums: list[float] | None = None,
+        *,
+        device: torch.device,
+        criterion: Criterion = CROSS_ENTROPY,
+    ) -> None:
+        self.criterion = criterion
+        sums = sums or [0.0] * (len(TERMS[criterion.task]) + 2)
+        self.values = torch.tensor(sums[:-1], dtype=torch.float64, device=device)
+        self.count = int(sums[-1])
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
         """``loss`` is the mean over the rows of ``y``."""
-        self.loss += loss.detach().double() * len(y)
-        self.correct += (logits.argmax(1) == y).sum()
+        self.values[0] += loss.detach().double() * len(y)
+        self.values[1:] += self.criterion.terms(logits, y)
         self.count += len(y)
 
     def tolist(self) -> list[float]:
         """This rank's sums, as a checkpoint keeps them."""
-        return [self.loss.item(), float(self.correct.item()), float(self.count)]
+        return [*self.values.tolist(), float(self.count)]
 
     def all_reduced(self) -> list[float]:
         """The sums over every rank (collective). Ranks without the loss add zeros."""
-        sums = torch.stack(
-            [self.loss, self.correct.double(), self.loss.new_tensor(float(self.count))]
-        )
-        dist.all_reduce(sums)
+        sums = torch.cat([self.values, self.values.new_tensor([float(self.count)])])
+        if dist.is_initialized():
+            dist.all_reduce(sums)
         return sums.tolist()
 
 
@@ -59,6 +66,9 @@ class Strategy(ABC):
     """How one parallelism lays the model over the ranks and runs one step on it."""
 
     name: ClassVar[str]
+    # The loss and the task's metrics; the trainer sets it. Staged strategies train with
+    # cross-entropy only (the config refuses other losses for them).
+    criterion: Criterion = CROSS_ENTROPY
 
     @classmethod
     @abstractmethod
@@ -102,7 +112,8 @@ class Strategy(ABC):
     def evaluate(
         self, split: StoreSplit, *, batch_size: int, precision: Precision
     ) -> dict[str, float]:
-        """Loss and accuracy over the whole ``split`` (collective): every rank gets them."""
+        """Loss and the task's metrics over the whole ``split`` (collective): every rank gets
+        them."""
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -171,7 +182,7 @@ class WholeModel(Strategy):
             with sync:
                 with precision.autocast():
                     logits = self.wrapped(mx)
-                    loss = F.cross_entropy(logits, my)
+                    loss = self.criterion(logits, my)
                 # Weight by share of the rank's batch: accumulation equals one batch.
                 precision.scale(loss * (len(my) / len(y))).backward()
             sums.add(loss, logits, my)
@@ -191,18 +202,14 @@ class WholeModel(Strategy):
         batches = eval_batches(
             split, rank=self.rank, world_size=self.layout.world_size, batch_size=batch_size
         )
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        sums = EpochSums(device=self.device, criterion=self.criterion)
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with precision.autocast():
                 logits = module(x)
-            sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
-            sums[1] += (logits.argmax(1) == y).sum().double()
-            sums[2] += len(y)
-        if dist.is_initialized():
-            dist.all_reduce(sums)
-        loss_sum, correct, count = sums.tolist()
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
+            logits = logits.float()
+            sums.add(self.criterion(logits, y), logits, y)
+        return self.criterion.metrics(sums.all_reduced())
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.rank != 0:
