@@ -277,6 +277,10 @@ def test_a_model_given_in_python_trains_on_the_shared_cluster(cluster, make_conf
     bad = make_config({"name": "py-factory", "model": {"kwargs": {"depth": 2}}}, **BASE)
     with pytest.raises(ConfigError, match=r"^model\.kwargs: factory .*small_cnn takes no arg"):
         train(bad, model=small_cnn, cluster=cluster, on_event=None)
+    # A staged strategy cuts what model.name names, checked on the client: say so.
+    staged = make_config({"data": {"drop_last": True}}, strategy="model_parallel", **BASE)
+    with pytest.raises(ConfigError, match=r"^training\.strategy: model_parallel .*model\.name ="):
+        train(staged, model=small_cnn, cluster=cluster, on_event=None)
 
 
 @pytest.mark.slow

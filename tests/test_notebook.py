@@ -1,5 +1,6 @@
 """The notebook driver runs end to end on a real cluster, as a person would run it."""
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -32,6 +33,9 @@ def test_training_notebook_executes_end_to_end(store_dir, monkeypatch):
     assert "pipeline cut at ['" in text  # the pipeline strategy, with a planned cut
     assert "accuracy of each rank's shard:" in text  # the user's own loop on launch()
     assert "reports from rank 0" in text
+    # The tabular section: a factory from the notebook trained on a Parquet dataframe learns.
+    accuracy = re.search(r"validation accuracy (\d\.\d+)", text)
+    assert accuracy and float(accuracy.group(1)) > 0.8, text[-2000:]
     assert any(
         "image/png" in output.get("data", {})
         for cell in notebook.cells

@@ -253,14 +253,15 @@ def test_the_planner_plans_a_traced_model_on_a_worker(cluster, make_config):
     assert first.layers + second.layers == tuple(RESNET18_CUT_POINTS)
     assert second.layers[0] == point
     assert f"Split into 2 stages at ['{point}']" in result.render()
-    # The equal-layers cut of the same candidates, without a profile.
+    # The equal-layers cut of the same candidates, without a profile; here from the config's
+    # model.name (torchvision's own resnet18, the same module paths), as `dask-train plan` does.
     by_layers = config.pipeline.model_copy(update={"balance": "layers"})
+    named = config.model.model_copy(update={"name": "torchvision:resnet18"})
     even = resolve_split_points(
         cluster.client,
-        config.model_copy(update={"pipeline": by_layers}),
+        config.model_copy(update={"pipeline": by_layers, "model": named}),
         layout=config.layout(2),
         num_classes=10,
-        build=resnet18,
     )
     assert even == ("layer3",)  # 13 pieces: 7 in the first stage, 6 in the second
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from workers.models import build_model
+from workers.models import ModelConfig, build_model
 from workers.strategies.pipeline import cut_points, is_traced, trace_stages
 
 
@@ -37,7 +37,7 @@ class DeviceProfile:
 
 
 def profile_model(
-    model_name: str,
+    model: str | ModelConfig,
     *,
     num_classes: int,
     image_size: int,
@@ -46,15 +46,15 @@ def profile_model(
     repeats: int = 7,
     build: Callable[[], nn.Module] | None = None,
 ) -> DeviceProfile:
-    """Profile a registered model, or the one ``build`` returns, on this process's device (a
-    Dask task on a rank worker)."""
+    """Profile a model (a name or the ``[model]`` section, with its kwargs), or the one
+    ``build`` returns, on this process's device (a Dask task on a rank worker)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else (torch.device("cpu"))
     )
     if build is None:
-        model = build_model(model_name, num_classes=num_classes, seed=0, image_size=image_size)
+        model = build_model(model, num_classes=num_classes, seed=0, image_size=image_size)
     else:
         model = build()
     sample = torch.randn(micro_batch, in_channels, image_size, image_size)

@@ -172,6 +172,13 @@ def _train_prepared(
 ) -> TrainResult:
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
+    if factory is not None and config.training.strategy in STAGED:
+        # The cut is checked and planned on the client from model.name, before any rank runs.
+        raise ConfigError(
+            f"training.strategy: {config.training.strategy} cuts the model that model.name "
+            "names; give the factory as model.name = 'package.module:factory' instead of "
+            "train(model=...), or use strategy = 'ddp'"
+        )
     world_size = _world_size(client, config)
     layout = config.layout(world_size)
     data = config.data.resolved()

@@ -152,7 +152,7 @@ def plan(
     workers = sorted(live_workers(client))
     profile: DeviceProfile = client.submit(
         profile_model,
-        config.model.name,
+        config.model,
         num_classes=num_classes,
         image_size=config.data.image_size,
         in_channels=3,
@@ -305,7 +305,7 @@ def _cut_points(
     size = config.data.image_size
     if build is None:
         model = build_model(
-            config.model.name, num_classes=num_classes, seed=config.training.seed, image_size=size
+            config.model, num_classes=num_classes, seed=config.training.seed, image_size=size
         )
     else:
         model = build()
