@@ -75,8 +75,13 @@ def _user_module(folder: Path, monkeypatch) -> str:
         ({"model": {"name": "my models:f"}}, r"^model\.name: .*not an import path"),
         ({"training": {"loss": "crossentropy"}}, r"^training\.loss: unknown .*'cross_entropy'\?"),
         (
-            {"model": {"name": "torchvision:resnet18"}, "training": {"strategy": "pipeline"}},
-            r"^model\.name: pipeline cuts the built-in models only .* strategy = 'ddp'",
+            {
+                "model": {"name": "torchvision:resnet18"},
+                "data": {"drop_last": True},
+                "training": {"strategy": "pipeline"},
+                "pipeline": {"split_points": ["layer9"]},
+            },
+            r"^pipeline\.split_points: \['layer9'\] name no module of ResNet; .*'layer3'",
         ),
         (
             {"training": {"strategy": "model_parallel", "loss": "mse"}},
