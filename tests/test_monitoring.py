@@ -5,25 +5,27 @@ import urllib.request
 from workflows.driver import train
 
 
-def _training_gauges(dashboard_link: str) -> dict[str, float]:
+def _training_gauges(dashboard_link: str, job_label: str) -> dict[str, float]:
+    """The gauges of the jobs whose label contains ``job_label`` (e.g. 'job="name-')."""
     url = dashboard_link.replace("/status", "/metrics")
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     gauges = {}
     for line in text.splitlines():
-        if line.startswith("dask_train_") and 'job="metrics-' in line:
+        if line.startswith("dask_train_") and job_label in line:
             name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
             gauges[name] = value
     return gauges
 
 
 def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
-    config = make_config({"name": "metrics"}, epochs=3, batch_size=64)
+    # Other tests' jobs stay on this scheduler's /metrics: this name is no prefix of theirs.
+    config = make_config({"name": "metrics-running"}, epochs=3, batch_size=64)
     during = []
 
     def on_event(record):
         if record["kind"] == "epoch" and record["epoch"] == 1:
-            during.append(_training_gauges(cluster.dashboard_link))
+            during.append(_training_gauges(cluster.dashboard_link, 'job="metrics-running-'))
 
     result = train(config, cluster=cluster, on_event=on_event)
     (first,) = during
@@ -37,18 +39,20 @@ def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     # Every rank's own throughput, from its heartbeats; heartbeats are no job of their own.
+    # The scheduler keeps earlier jobs' last figures too: this job is the one with its own id.
+    assert result.job_id.startswith("metrics-running-")
     for rank in (0, 1):
         (line,) = [
             line
             for line in text.splitlines()
             if line.startswith("dask_train_rank_samples_per_second{")
-            and 'job="metrics-' in line
+            and f'job="{result.job_id}"' in line
             and f'rank="{rank}"' in line
         ]
         assert float(line.rsplit(" ", 1)[1]) > 0
     assert "heartbeat-" not in text and "-heartbeat" not in text
 
-    after = _training_gauges(cluster.dashboard_link)
+    after = _training_gauges(cluster.dashboard_link, f'job="{result.job_id}"')
     assert after["dask_train_epoch"] == 3
     assert after["dask_train_step"] == result.final["step"]
     assert abs(after["dask_train_val_accuracy"] - result.final["val_accuracy"]) < 1e-9

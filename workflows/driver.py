@@ -52,6 +52,7 @@ class TrainResult:
     split_points: tuple[str, ...] | None = None  # where staged strategies cut the model
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # one per restart
     first_step_after_launch_s: float = float("nan")  # from the ranks' launch, the store ready
+    job_id: str = ""  # the job's label on /metrics and the Training page: <name>-<8 hex>
 
     @property
     def final(self) -> dict[str, float]:
@@ -258,6 +259,7 @@ def _train_prepared(
         state_dict=state_dict,
         recoveries=launched.recoveries,
         split_points=None if pipeline is None else pipeline.split_points,
+        job_id=launched.job_id,
     )
 
 

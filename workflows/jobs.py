@@ -71,6 +71,7 @@ class LaunchResult:
     first_step_s: float  # from the call to the first report or heartbeat of any rank
     attempts: int = 1
     outcomes: list[RankOutcome] = field(default_factory=list, repr=False)
+    job_id: str = ""  # the job's label on /metrics and the Training page: <name>-<8 hex>
 
 
 @dataclass
@@ -315,6 +316,7 @@ def launch_on(
         first_step_s=first_step_at - called_at,
         attempts=attempt + 1,
         outcomes=outcomes,
+        job_id=job_id,
     )
 
 
