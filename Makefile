@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-collections gpu-check test-shuffled clean
+.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-collections bench-store gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -64,6 +64,9 @@ bench-launch: $(STAMP)
 
 bench-collections: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.collections
+
+bench-store: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.array_store
 
 # The GPU checks (.ci/gpu-check): the gpu tests and a short DDP benchmark on nccl, within
 # 10 minutes on one GPU. In this project's .venv by default; `make gpu-check PYTHON_ENV=system`

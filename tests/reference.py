@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from workers.data import open_store, rank_epoch_indices
+from workers.data import as_features, open_store, rank_epoch_indices
 from workers.losses import Criterion
 from workers.models import build_model
 from workflows.config import RunConfig
@@ -29,7 +29,7 @@ def train_in_one_process(
     """
     t, d = config.training, config.data.resolved()
     store = open_store(d.store_url)
-    images = torch.from_numpy(np.asarray(store.train.images[:])).to(device)
+    images = torch.from_numpy(as_features(store.train.images[:])).to(device)
     labels = torch.from_numpy(store.train.labels).to(device)
     criterion = Criterion.of(t)
     model = build_model(

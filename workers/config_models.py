@@ -91,7 +91,15 @@ class DataConfig(BaseModel):
     )
     download: bool = Field(default=False, description="cifar10: fetch the archive into root")
     store: str | None = Field(
-        default=None, description="zarr store (path or URL); default data/stores/<dataset>"
+        default=None,
+        description="zarr store (path or URL); default data/stores/<dataset>, and for Dask "
+        "collections written into a store data/stores/collections-<their fingerprint>",
+    )
+    collections: Literal["persist", "store"] = Field(
+        default="persist",
+        description="Dask collections (train(data=...), parquet, zarr): 'persist' them on the "
+        "rank workers and read them where they lie, or write them into data.store as Dask "
+        "tasks and read its chunks (data larger than the cluster's memory)",
     )
     storage_options: dict[str, Any] = Field(default_factory=dict, description="for fsspec URLs")
     image_size: int = Field(default=32, ge=8, le=1024)

@@ -80,15 +80,29 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Op
     if attrs.get("complete") is not True:
         raise FileNotFoundError(f"data.store: {url} holds no complete dataset store")
 
+    # Image stores hold images/labels; stores of Dask collections name theirs in the manifest.
+    names = attrs.get("arrays", {"features": "images", "targets": "labels"})
+
     def split(name: str) -> StoreSplit:
-        images = group[f"{name}/images"]
-        return StoreSplit(images, np.asarray(group[f"{name}/labels"][:]), images.chunks[0])
+        images = group[f"{name}/{names['features']}"]
+        labels = as_targets(np.asarray(group[f"{name}/{names['targets']}"][:]))
+        return StoreSplit(images, labels, images.chunks[0])
 
     return OpenedStore(
         train=split("train"),
         val=split("val"),
         num_classes=len(attrs["classes"]),
     )
+
+
+def as_features(values: Any) -> np.ndarray:
+    """Samples as a model takes them: float32, whatever dtype the store keeps."""
+    return np.asarray(values, dtype=np.float32)
+
+
+def as_targets(values: np.ndarray) -> np.ndarray:
+    """Class indices (integers) as int64, numeric targets as float32."""
+    return values.astype(np.int64 if values.dtype.kind in "biu" else np.float32, copy=False)
 
 
 class _ChunkCache:
@@ -100,7 +114,7 @@ class _ChunkCache:
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         if isinstance(self.split.images, np.ndarray):
-            return self.split.images[indices]
+            return as_features(self.split.images[indices])
         size = self.split.chunk_size
         out = np.empty((len(indices), *self.split.images.shape[1:]), dtype=np.float32)
         chunk_of = indices // size
@@ -263,7 +277,7 @@ def eval_batches(
     for begin in range(start, stop, batch_size):
         end = min(stop, begin + batch_size)
         yield (
-            torch.from_numpy(np.asarray(split.images[begin:end])),
+            torch.from_numpy(as_features(split.images[begin:end])),
             torch.from_numpy(split.labels[begin:end]),
         )
 
@@ -287,6 +301,6 @@ def fixed_shape_eval_batches(
         images = torch.zeros((batch_size, *shape), dtype=torch.float32)
         labels = torch.zeros(batch_size, dtype=torch.int64)
         if real:
-            images[:real] = torch.from_numpy(np.asarray(split.images[begin:end]))
+            images[:real] = torch.from_numpy(as_features(split.images[begin:end]))
             labels[:real] = torch.from_numpy(split.labels[begin:end])
         yield images, labels, real

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -97,6 +97,18 @@ def trainer_data(
     """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split,
     of class labels where the task is ``classification``; validation in the contiguous shares
     its evaluation reads."""
+    check_trainer_data(data, strategy)
+    with prepared_data(client, data, settings, shares={"val": "contiguous"}) as prepared:
+        if classification:
+            for split in prepared.plan.splits.values():
+                where, low = f"data[{split.name!r}]", split.target_range[0]
+                require_class_labels(where, integral=split.integral_target, low=low)
+        yield prepared
+
+
+def check_trainer_data(data: Any, strategy: str) -> None:
+    """What the built-in trainer needs of ``train(config, data=...)``, whether the collections
+    are persisted or written into a store: a flat strategy, and both splits."""
     from workers.strategies import STAGED
 
     if strategy in STAGED:
@@ -110,16 +122,20 @@ def trainer_data(
             f"data: the built-in trainer validates every epoch; give a {missing[0]!r} split "
             "too: data={'train': (X, y), 'val': (X_val, y_val)}"
         )
-    with prepared_data(client, data, settings, shares={"val": "contiguous"}) as prepared:
-        for split in prepared.plan.splits.values():
-            # A classification loss reads the target as class indices 0 .. C-1.
-            if classification and (not split.integral_target or split.target_range[0] < 0):
-                raise DataError(
-                    f"data[{split.name!r}]: y must hold class labels (integers from 0) for "
-                    "training.loss = cross_entropy; for a numeric target set training.loss = "
-                    "'mse' or 'l1'"
-                )
-        yield prepared
+
+
+def require_no_nan(where: str, nan_rows: int) -> None:
+    if nan_rows:
+        raise DataError(f"{where}: y has {nan_rows} rows with NaN; drop or fill them first")
+
+
+def require_class_labels(where: str, *, integral: bool, low: float) -> None:
+    """A classification loss reads the target as class indices 0 .. C-1."""
+    if not integral or low < 0:
+        raise DataError(
+            f"{where}: y must hold class labels (integers from 0) for training.loss = "
+            "cross_entropy; for a numeric target set training.loss = 'mse' or 'l1'"
+        )
 
 
 def prepare_data(
@@ -134,14 +150,7 @@ def prepare_data(
     """Check, persist and assign every split; ``workers[r]`` is rank r's worker (fewer
     addresses than ranks: the rest have no locality). Raises :class:`DataError` in one line
     before anything launches."""
-    if not isinstance(data, Mapping) or not data:
-        raise DataError(
-            "data: give a dict of splits, e.g. data={'train': (X, y), 'val': (X_val, y_val)}"
-        )
-    unknown = [name for name in data if name not in SPLITS]
-    if unknown:
-        raise DataError(f"data: unknown split {unknown[0]!r}; the splits are {list(SPLITS)}")
-    checked = {name: _checked(name, pair) for name, pair in data.items()}
+    checked = checked_splits(data)
     rank_workers = list(workers[:world_size])
     futures: list[Future] = []
     splits = {}
@@ -180,6 +189,18 @@ def prepare_data(
 
 
 # -- checks ------------------------------------------------------------------------------------
+
+
+def checked_splits(data: Any) -> dict[str, tuple[Any, Any]]:
+    """Every split's (X, y), checked as far as that needs no data (:func:`_checked`)."""
+    if not isinstance(data, Mapping) or not data:
+        raise DataError(
+            "data: give a dict of splits, e.g. data={'train': (X, y), 'val': (X_val, y_val)}"
+        )
+    unknown = [name for name in data if name not in SPLITS]
+    if unknown:
+        raise DataError(f"data: unknown split {unknown[0]!r}; the splits are {list(SPLITS)}")
+    return {name: _checked(name, pair) for name, pair in data.items()}
 
 
 def _checked(name: str, pair: Any) -> tuple[Any, Any]:
@@ -249,7 +270,7 @@ def _partition_rows(part: Any) -> int:
     return len(part)
 
 
-def _target_facts(part: Any) -> tuple[int, int, bool, float, float]:
+def target_facts(part: Any) -> tuple[int, int, bool, float, float]:
     """(rows, rows with a NaN, integral, min, max) of a partition of y."""
     values = np.asarray(part)
     missing = np.isnan(values) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
@@ -315,7 +336,7 @@ def _plan_split(
 
     where = f"data[{name!r}]"
     x_futures = _persisted(client, x, workers, timeout_s, where)
-    x_rows = client.gather(client.map(_partition_rows, x_futures, pure=False))
+    x_rows = _where_held(client, _partition_rows, x_futures, timeout_s, where)
     n = sum(x_rows)
     if isinstance(y, da.Array):
         if y.shape[0] != n:
@@ -323,7 +344,7 @@ def _plan_split(
         if list(y.chunks[0]) != x_rows:
             y = y.rechunk({0: tuple(x_rows)})  # partitioned as X, so a rank reads both alike
     y_futures = _persisted(client, y, workers, timeout_s, where)
-    facts = client.gather(client.map(_target_facts, y_futures, pure=False))
+    facts = _where_held(client, target_facts, y_futures, timeout_s, where)
     y_rows = [f[0] for f in facts]
     if sum(y_rows) != n:
         raise DataError(f"{where}: X has {n} rows but y has {sum(y_rows)}")
@@ -331,10 +352,8 @@ def _plan_split(
         # A Series partitioned otherwise: as an array with known chunks, cut like X.
         y_array = y.to_dask_array(lengths=y_rows).rechunk({0: tuple(x_rows)})
         y_futures = _persisted(client, y_array, workers, timeout_s, where)
-        facts = client.gather(client.map(_target_facts, y_futures, pure=False))
-    nan_rows = sum(f[1] for f in facts)
-    if nan_rows:
-        raise DataError(f"{where}: y has {nan_rows} rows with NaN; drop or fill them first")
+        facts = _where_held(client, target_facts, y_futures, timeout_s, where)
+    require_no_nan(where, sum(f[1] for f in facts))
     if n < world_size:
         raise DataError(f"{where}: {n} samples cannot give each of {world_size} ranks one")
     integral = all(f[2] for f in facts)
@@ -353,6 +372,7 @@ def _plan_split(
     keep = [*x_futures, *y_futures]
     pieces: list[list[Piece]] = []
     moved: list[Future] = []
+    cuts: list[Future] = []
     moved_rows = 0
     for rank, ranges in enumerate(assignment):
         rank_pieces = []
@@ -368,15 +388,17 @@ def _plan_split(
                     start,
                     stop,
                     key=f"dask-train-cut-{uuid.uuid4().hex}",
+                    # Strictly where the partition lies (see _where_held), until it ran.
                     workers=[workers[r] for r in held_by[p]] or None,
-                    allow_other_workers=True,
+                    allow_other_workers=False,
                 )
+                cuts.append(cut)
                 staged = client.submit(
                     _held,
                     cut,
                     key=f"dask-train-moved-{uuid.uuid4().hex}",
                     workers=[workers[rank]],
-                    allow_other_workers=True,
+                    allow_other_workers=False,
                 )
                 moved.append(staged)
                 keys.append((staged.key, 0, stop - start))
@@ -385,7 +407,12 @@ def _plan_split(
             rank_pieces.append(Piece(x_key, y_key, x_start, y_start, x_stop - x_start))
         pieces.append(rank_pieces)
     _wait(moved, timeout_s, where)
-    moved_bytes = sum(client.gather(client.map(_nbytes, moved, pure=False))) if moved else 0
+    # Pinned so that no idle worker steals them, which would copy whole partitions; once they
+    # ran, any worker may recompute them (after a worker loss, the pinned one may be gone).
+    lifted = {future.key: None for future in [*cuts, *moved]}
+    if lifted:
+        client.sync(client.scheduler.set_restrictions, worker=lifted)
+    moved_bytes = sum(_where_held(client, _nbytes, moved, timeout_s, where))
     keep += moved
     split = SplitPlan(
         name=name,
@@ -402,6 +429,30 @@ def _plan_split(
         moved_bytes=moved_bytes,
     )
     return split, keep
+
+
+def _where_held(
+    client: Client, fn: Callable[[Any], Any], futures: list[Future], timeout_s: float, where: str
+) -> list[Any]:
+    """``fn`` of each value, computed on a worker that holds it.
+
+    Pinned there strictly: a task that may run elsewhere can be stolen by an idle worker, which
+    copies the whole partition to run it; of the two replicas the active memory manager then
+    drops one, perhaps the one the plan counts on being local.
+    """
+    holders = client.who_has(futures)
+    done = [
+        client.submit(
+            fn,
+            future,
+            workers=list(holders.get(future.key, ())) or None,
+            allow_other_workers=False,
+            pure=False,
+        )
+        for future in futures
+    ]
+    _wait(done, timeout_s, where)
+    return client.gather(done)
 
 
 def _nbytes(part: Any) -> int:

@@ -20,9 +20,10 @@ from workers.config_models import LOSSES
 from workers.model_sources import source_of
 from workers.strategies import STAGED
 from workers.train import RankResult, TrainJob, run_rank
+from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
-from workflows.collections import trainer_data
+from workflows.collections import check_trainer_data, trainer_data
 from workflows.config import ConfigError, RunConfig, check_model, load_config
 from workflows.events import EventHandler
 from workflows.jobs import TrainingFailed, launch_on
@@ -141,8 +142,23 @@ def _train_on(
         data = read_user_dataset(config.data.resolved(), seed=config.training.seed)
     if data is None:
         return _train_prepared(client, config, on_event, called_at=called_at, factory=factory)
-    settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
     classification = config.training.resolved_task == "classification"
+    if config.data.collections == "store":
+        # Written into a store by Dask tasks, then read chunk by chunk: larger than memory.
+        check_trainer_data(data, config.training.strategy)
+        manifest = write_array_store(
+            client, data, config.data.resolved(), classification=classification
+        )
+        stored = config.data.model_copy(update={"store": manifest.url})
+        return _train_prepared(
+            client,
+            config.model_copy(update={"data": stored}),
+            on_event,
+            called_at=called_at,
+            factory=factory,
+            manifest=manifest,
+        )
+    settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
     with trainer_data(
         client, data, config.training.strategy, settings, classification=classification
     ) as prepared:
@@ -170,7 +186,10 @@ def _train_prepared(
     called_at: float,
     collections: CollectionPlan | None = None,
     factory: Callable[..., torch.nn.Module] | None = None,
+    manifest: StoreManifest | None = None,
 ) -> TrainResult:
+    """Train from ``collections``, or from the store ``manifest`` describes, or else from the
+    store that preprocessing ``config.data`` builds (or finds complete)."""
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
     if factory is not None and config.training.strategy in STAGED:
@@ -194,8 +213,7 @@ def _train_prepared(
         # Modules named by import path that the workers lack travel to them; a factory given
         # in Python travels inside the job, and launch_on ships what that refers to.
         ship_modules(client, _imported_modules(config))
-    manifest = None
-    if collections is None:
+    if collections is None and manifest is None:
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, data, seed=config.training.seed)
     pipeline = None

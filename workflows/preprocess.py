@@ -59,19 +59,31 @@ def prepare_store(
     listing = list_source(config, seed=seed)
     fingerprint = _fingerprint(listing, config, seed)
     url = config.store_url
-    attrs = _store_attrs(url, config.storage_options)  # one read decides reuse and safety
+    reusable = reusable_store(url, config.storage_options, fingerprint, force=force)
+    if reusable is not None:
+        return manifest_of(url, reusable, reused=True, seconds=time.perf_counter() - started)
+    attrs = _build(client, config, listing, fingerprint, seed)
+    return manifest_of(url, attrs, reused=False, seconds=time.perf_counter() - started)
+
+
+def reusable_store(
+    url: str, storage_options: dict[str, Any] | None, fingerprint: str, *, force: bool = False
+) -> dict[str, Any] | None:
+    """The manifest of the complete store at ``url`` if it was built for ``fingerprint``;
+    otherwise None, once it is clear that ``url`` may be (re)written: a location holding
+    anything but a store of ours is refused."""
+    attrs = _store_attrs(url, storage_options)  # one read decides reuse and safety
     if _is_complete(attrs) and attrs.get("fingerprint") == fingerprint and not force:
         logger.info("reusing the complete store at %s", url)
-        return _manifest(url, attrs, reused=True, seconds=time.perf_counter() - started)
-    if not _is_complete(attrs) and _has_content(url, config.storage_options):
+        return attrs
+    if not _is_complete(attrs) and _has_content(url, storage_options):
         if attrs is None or attrs.get("format") != STORE_FORMAT:
             raise SourceError(
                 f"data.store: {url} exists and is not a dask-train dataset store; refusing to "
                 "overwrite it (point data.store at a new or empty location)"
             )
         logger.warning("rebuilding %s: it holds no complete store (an interrupted run?)", url)
-    attrs = _build(client, config, listing, fingerprint, seed)
-    return _manifest(url, attrs, reused=False, seconds=time.perf_counter() - started)
+    return None
 
 
 def list_source(config: DataConfig, *, seed: int) -> Listing:
@@ -141,7 +153,7 @@ def _build(
     statistics = client.submit(
         combine_statistics, decoded["train"], key=f"statistics-train-{tag}", pure=False
     )
-    results = _gather_settled(client, [*decoded["train"], *decoded["val"], statistics])
+    results = gather_settled(client, [*decoded["train"], *decoded["val"], statistics])
     n_train = len(decoded["train"])
     outcomes = {"train": results[:n_train], "val": results[n_train:-1]}
     mean, std = results[-1]
@@ -190,7 +202,7 @@ def _build(
             url, name=f"{split}/labels", data=labels, overwrite=True, storage_options=options
         )
         counts[split] = len(labels)
-    _gather_settled(client, writes)
+    gather_settled(client, writes)
 
     group = zarr.open_group(url, mode="a", storage_options=options)
     del group["raw"]
@@ -212,7 +224,7 @@ def _build(
     return {**attrs, "complete": True}
 
 
-def _gather_settled(client: Client, futures: list[Future]) -> list[Any]:
+def gather_settled(client: Client, futures: list[Future]) -> list[Any]:
     """Results of all futures; on the first failure, wait until the others have finished too,
     so that none of them still writes into the store when the caller (or a rebuild) moves on."""
     try:
@@ -240,7 +252,7 @@ def _fingerprint(listing: Listing, config: DataConfig, seed: int) -> str:
     return digest(listing.fingerprint, params, listing.train, listing.val)
 
 
-def _manifest(url: str, attrs: dict[str, Any], *, reused: bool, seconds: float) -> StoreManifest:
+def manifest_of(url: str, attrs: dict[str, Any], *, reused: bool, seconds: float) -> StoreManifest:
     return StoreManifest(
         url=url,
         fingerprint=attrs["fingerprint"],
