@@ -14,17 +14,18 @@ import torch.nn.functional as F
 
 from tests.traced_models import build
 from workers.config_models import PipelineConfig, TrainingConfig
+from workers.data import StoreSplit
 from workers.layout import Layout
 from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
-from workers.strategies.base import EpochSums, get_strategy
-from workers.strategies.pipeline import apply_pipeline, check_cut, cut_points, trace_stages
+from workers.strategies.base import EpochSums, Strategy, get_strategy
+from workers.strategies.pipeline import check_cut, cut_points, trace_stages
 from workflows import launch
 from workflows.cluster import start_cluster
 from workflows.planner import balanced_split, plan, resolve_split_points
 
-BATCH, STEPS, LR, SAMPLES = 16, 3, 0.05, 64
+BATCH, STEPS, LR, SAMPLES, VAL_SAMPLES = 16, 3, 0.05, 64, 40
 IMAGE = (3, 32, 32)
 RESNET18_CUT_POINTS = [
     "conv1",
@@ -49,6 +50,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 10, (SAMPLES,), generator=generator)
 
 
+def _val_data() -> tuple[torch.Tensor, torch.Tensor]:
+    # Not a multiple of the batch: the last validation batch is padded.
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(VAL_SAMPLES, *IMAGE, generator=generator)
+    return x, torch.randint(0, 10, (VAL_SAMPLES,), generator=generator)
+
+
 def _rows(step: int) -> slice:
     start = step * BATCH % SAMPLES
     return slice(start, start + BATCH)
@@ -59,6 +67,25 @@ def cut_and_trained(
 ) -> dict[str, torch.Tensor] | None:
     """A rank of ``strategy`` over the traced cut ``pipeline`` describes: ``steps`` SGD steps
     through the strategy's own forward and backward; this rank's stages' parameters back."""
+    return _trained(ctx, model_name, strategy, pipeline, steps).full_state_dict()
+
+
+def cut_trained_and_validated(
+    ctx, model_name: str, strategy: str, pipeline: dict, steps: int
+) -> tuple[dict | None, dict[str, float], dict | None]:
+    """:func:`cut_and_trained`, then the strategy's validation over ``_val_data``: this
+    rank's stages' state before validating, the metrics, and the state after."""
+    prepared = _trained(ctx, model_name, strategy, pipeline, steps)
+    before = prepared.full_state_dict()
+    x, y = _val_data()
+    split = StoreSplit(images=x.numpy(), labels=y.numpy(), chunk_size=len(y))
+    metrics = prepared.evaluate(
+        split, batch_size=prepared.layout.per_rank_batch, precision=Precision("fp32", ctx.device)
+    )
+    return before, metrics, prepared.full_state_dict()
+
+
+def _trained(ctx, model_name: str, strategy: str, pipeline: dict, steps: int) -> Strategy:
     x, y = _data()
     config = PipelineConfig(**pipeline)
     training = TrainingConfig(strategy=strategy, batch_size=BATCH)
@@ -82,7 +109,7 @@ def cut_and_trained(
         xs, ys = x[_rows(step)][mine], y[_rows(step)][mine]
         prepared.forward_backward(xs, ys, precision=precision, sums=sums)
         optimizer.step()
-    return prepared.full_state_dict()
+    return prepared
 
 
 def _one_process(model_name: str, steps: int) -> dict[str, torch.Tensor]:
@@ -163,19 +190,64 @@ def test_a_traced_cut_times_fsdp_matches_one_process(four_workers):
     _assert_matches_one_process(result.results, "residual_net")
 
 
-def test_ddp_replicas_of_traced_stages_are_refused_naming_the_field():
-    # build_stage reads the traced graph off the stage module; DDP's wrapper hides it.
-    config = PipelineConfig(split_points=("blocks.1",), dp=2, dp_mode="ddp")
-    layout = Layout.of(TrainingConfig(strategy="pipeline", batch_size=BATCH), config, world_size=4)
-    with pytest.raises(ValueError, match=r"pipeline\.dp_mode: the stages of a traced model"):
-        apply_pipeline(
-            build("residual_net", seed=0),
-            config=config,
-            layout=layout,
-            loss_fn=F.cross_entropy,
-            device=torch.device("cpu"),
-            sample=torch.zeros(layout.micro_batch, *IMAGE),
-        )
+@pytest.mark.slow
+def test_a_traced_cut_times_ddp_matches_one_process(four_workers):
+    # 2 stages x 2 replicas; each replica's stage runs under DDP, which averages the gradients
+    # over the replicas at the last micro-batch's backward.
+    pipeline = {"split_points": ["blocks.1"], "n_microbatches": 2, "dp": 2, "dp_mode": "ddp"}
+    result = launch(
+        cut_and_trained, "residual_net", "pipeline", pipeline, STEPS, cluster=four_workers
+    )
+    assert len(result.results) == 4
+    _assert_matches_one_process(result.results, "residual_net")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "pipeline"),
+    [
+        ("pipeline", {"split_points": ["blocks.1"], "n_microbatches": 4}),
+        ("model_parallel", {"split_points": ["head"]}),
+    ],
+    ids=["pipeline-1f1b", "model-parallel"],
+)
+def test_a_traced_cut_validates_in_eval_mode(cluster, strategy, pipeline):
+    # BatchNorm and Dropout: validation in training mode would normalize each micro-batch by
+    # its own statistics and drop activations; eval mode uses the running statistics.
+    result = launch(
+        cut_trained_and_validated,
+        "norm_dropout_net",
+        strategy,
+        pipeline,
+        STEPS,
+        cluster=cluster,
+        world_size=2,
+    )
+    state: dict[str, torch.Tensor] = {}
+    for before, _, after in result.results:
+        # Validating moved no running statistic (nor anything else).
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[name], after[name]) for name in before), "state moved"
+        state.update(before)
+    model = build("norm_dropout_net", seed=0)
+    untrained = model.state_dict()
+    assert not torch.equal(state["stem.1.running_mean"], untrained["stem.1.running_mean"])
+    model.load_state_dict(state)
+    model.eval()
+    x, y = _val_data()
+    with torch.no_grad():
+        logits = model(x)
+    expected = {
+        "loss": F.cross_entropy(logits, y).item(),
+        "accuracy": (logits.argmax(1) == y).float().mean().item(),
+    }
+    for _, metrics, _ in result.results:  # every rank gets the same figures
+        assert metrics.keys() == expected.keys()
+        assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert metrics["accuracy"] == pytest.approx(expected["accuracy"])
+    # The same parameters in training mode score otherwise: the test tells the modes apart.
+    model.train()
+    with torch.no_grad():
+        assert F.cross_entropy(model(x), y).item() != pytest.approx(expected["loss"], rel=1e-3)
 
 
 def test_a_model_that_does_not_trace_is_refused_with_the_tracers_reason():

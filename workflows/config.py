@@ -137,18 +137,13 @@ class RunConfig(BaseModel):
         import torch
 
         from workers.models import build_model
-        from workers.strategies.pipeline import check_cut, is_traced
+        from workers.strategies.pipeline import check_cut
 
         p, size = self.pipeline, self.data.image_size
         m = p.n_microbatches if self.training.strategy == "pipeline" else 1
         micro_batch = max(1, self.training.batch_size // p.dp // m)  # whatever the world size
         # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
         model = build_model(self.model, num_classes=10, seed=self.training.seed, image_size=size)
-        if is_traced(model) and p.dp > 1 and p.dp_mode == "ddp":
-            raise ValueError(
-                f"pipeline.dp_mode: the stages of a traced model ({self.model.name}) replicate "
-                "with FSDP only; use dp_mode = 'fsdp'"
-            )
         return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)
 
     @property
