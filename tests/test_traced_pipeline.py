@@ -11,8 +11,10 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from tests.traced_models import build
+from tests.reference import train_in_one_process
+from tests.traced_models import DataDependent, ResidualNet, build
 from workers.config_models import PipelineConfig, TrainingConfig
 from workers.data import StoreSplit
 from workers.layout import Layout
@@ -23,6 +25,8 @@ from workers.strategies.base import EpochSums, Strategy, get_strategy
 from workers.strategies.pipeline import check_cut, cut_points, trace_stages
 from workflows import launch
 from workflows.cluster import start_cluster
+from workflows.config import ConfigError
+from workflows.driver import train
 from workflows.planner import balanced_split, plan, resolve_split_points
 
 BATCH, STEPS, LR, SAMPLES, VAL_SAMPLES = 16, 3, 0.05, 64, 40
@@ -354,3 +358,33 @@ def test_check_cut_keeps_the_sequential_path_and_traces_any_other_model():
     ]
     with pytest.raises(ValueError, match="does not trace"):
         check_cut(build("data_dependent", seed=0), sample, None)
+
+
+@pytest.mark.slow
+def test_a_model_given_in_python_is_traced_cut_and_matches_one_process(cluster, make_config):
+    # Defined here, in a function: it travels to the workers by value. The client calls it as
+    # the ranks do (num_classes and in_channels from the data) to check and plan the cut.
+    def residual(num_classes: int, in_channels: int) -> nn.Module:
+        return ResidualNet(num_classes=num_classes, in_channels=in_channels, width=8)
+
+    training = {"lr": 0.05, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
+    config = make_config(
+        {"name": "traced-factory", "pipeline": {"n_microbatches": 4}},
+        strategy="pipeline",
+        max_steps=STEPS,
+        **training,
+    )
+    result = train(config, model=residual, cluster=cluster, on_event=None)
+    # Planned on the factory's model: a cut point of the residual net, not of model.name's.
+    (point,) = result.split_points
+    assert point in ["blocks.0", "blocks.1", "blocks.2", "head"]
+    expected = train_in_one_process(config, world_size=1, steps=STEPS, factory=residual)
+    assert result.state_dict.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    untrained = train_in_one_process(config, world_size=1, steps=0, factory=residual)
+    assert not torch.equal(result.state_dict["head.weight"], untrained["head.weight"])
+    # A factory whose model does not trace is refused on the client, before any rank starts.
+    with pytest.raises(ConfigError, match=r"^model: DataDependent does not trace") as error:
+        train(config, model=DataDependent, cluster=cluster, on_event=None)
+    assert "\n" not in str(error.value)

@@ -7,6 +7,7 @@ names the field.
 
 import tomllib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +189,6 @@ def check_model(
     from workers.model_sources import ModelError
     from workers.models import check_model as build_on_meta
 
-    if factory is not None and config.training.strategy in STAGED:
-        raise ConfigError(
-            f"model: {config.training.strategy} cuts the built-in models only; train a model "
-            "given in Python with strategy = 'ddp'"
-        )
     size = config.data.image_size
     try:
         criterion = Criterion.of(config.training)
@@ -204,6 +200,26 @@ def check_model(
         )
     except ModelError as error:
         raise ConfigError(str(error)) from None
+
+
+def model_builder(
+    config: RunConfig, num_classes: int, factory: Callable[..., Any]
+) -> Callable[[], Any]:
+    """What builds ``factory``'s model as every rank of ``config``'s run builds it (its
+    ``model.kwargs``, the data's facts, the seed): the client traces, checks and plans the cut
+    of that model. Picklable, for the planner's profile on a worker."""
+    from workers.losses import Criterion
+    from workers.models import build_model
+
+    size = config.data.image_size
+    return partial(
+        build_model,
+        config.model,
+        num_classes=Criterion.of(config.training).outputs(num_classes),
+        seed=config.training.seed,
+        input_shape=(3, size, size),  # the store's images (workflows/preprocess.py)
+        factory=factory,
+    )
 
 
 def load_config(
