@@ -83,10 +83,6 @@ def _user_module(folder: Path, monkeypatch) -> str:
             },
             r"^pipeline\.split_points: \['layer9'\] name no module of ResNet; .*'layer3'",
         ),
-        (
-            {"training": {"strategy": "model_parallel", "loss": "mse"}},
-            r"^training\.loss: model_parallel trains with cross_entropy only",
-        ),
     ],
 )
 def test_the_config_refuses_bad_model_names_and_losses_in_one_line(raw, message):

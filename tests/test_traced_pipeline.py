@@ -8,6 +8,7 @@ model that does not trace, and a point where no stage can begin, are refused nam
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,8 +17,9 @@ from torch import nn
 from tests.reference import train_in_one_process
 from tests.traced_models import DataDependent, ResidualNet, build
 from workers.config_models import PipelineConfig, TrainingConfig
-from workers.data import StoreSplit
+from workers.data import StoreSplit, open_store
 from workers.layout import Layout
+from workers.losses import Criterion
 from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
@@ -388,3 +390,47 @@ def test_a_model_given_in_python_is_traced_cut_and_matches_one_process(cluster, 
     with pytest.raises(ConfigError, match=r"^model: DataDependent does not trace") as error:
         train(config, model=DataDependent, cluster=cluster, on_event=None)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_regression_on_a_traced_cut_reports_what_ddp_reports(cluster, make_config):
+    # The digits' labels read as numbers, one output: the schedule trains with training.loss,
+    # and validation reports the regression figures (MSE, MAE, R²) as DDP's does.
+    config = make_config(
+        {
+            "name": "traced-mse",
+            "model": {"name": "tests.traced_models:ResidualNet", "kwargs": {"width": 8}},
+            "pipeline": {"split_points": ["blocks.1"], "n_microbatches": 4},
+        },
+        strategy="pipeline",
+        loss="mse",
+        max_steps=STEPS,
+        lr=0.002,
+        momentum=0.9,
+        batch_size=32,
+        epochs=1,
+        seed=3,
+    )
+    result = train(config, cluster=cluster, on_event=None)
+    expected = train_in_one_process(config, world_size=1, steps=STEPS)
+    assert result.state_dict["head.weight"].shape == (1, 8)
+    for name, value in expected.items():
+        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    # Validation of the trained parameters in one process, scored by the same criterion.
+    store = open_store(config.data.resolved().store_url)
+    x = torch.from_numpy(np.asarray(store.val.images[:]))
+    y = torch.from_numpy(store.val.labels)
+    model = build_model(config.model, num_classes=1, seed=0, input_shape=tuple(x.shape[1:]))
+    model.load_state_dict(result.state_dict)
+    model.eval()
+    criterion = Criterion.of(config.training)
+    sums = EpochSums(device=torch.device("cpu"), criterion=criterion)
+    with torch.no_grad():
+        output = model(x)
+    sums.add(criterion(output, y), output, y)
+    figures = criterion.metrics(sums.all_reduced())
+    (epoch,) = result.history
+    assert {"loss", "mse", "mae", "r2"} <= epoch.keys() and "accuracy" not in epoch
+    for key in ("loss", "mse", "mae", "r2"):
+        assert epoch[f"val_{key}"] == pytest.approx(figures[key], rel=1e-5), key
+    assert epoch["val_loss"] == pytest.approx(epoch["val_mse"])

@@ -108,11 +108,6 @@ class RunConfig(BaseModel):
                 "pipeline.dp: model_parallel runs one copy of the model, one stage per rank; "
                 "for replicas or interleaving use strategy = 'pipeline'"
             )
-        if self.training.loss != "cross_entropy":
-            raise ValueError(
-                f"training.loss: {strategy} trains with cross_entropy only; use strategy = "
-                f"'ddp' for {self.training.loss}"
-            )
         layers = MODEL_LAYERS.get(self.model.name)
         names = self._checked_cut() if layers is None else list(layers)
         if layers is not None and p.split_points is not None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
@@ -568,15 +567,16 @@ class PipelineStrategy(Strategy):
     ) -> "PipelineStrategy":
         if pipeline is None:
             raise ValueError(f"{cls.name}: needs the [pipeline] section, split points resolved")
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # The trainer sets the criterion after prepare: read it when the schedule calls.
+            return strategy.criterion(output, target)
+
         pipe = apply_pipeline(
-            model,
-            config=pipeline,
-            layout=layout,
-            loss_fn=F.cross_entropy,
-            device=device,
-            sample=sample,
+            model, config=pipeline, layout=layout, loss_fn=loss, device=device, sample=sample
         )
-        return cls(pipe, layout=layout, device=device)
+        strategy = cls(pipe, layout=layout, device=device)
+        return strategy
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -618,7 +618,7 @@ class PipelineStrategy(Strategy):
         restore = pipe.traced and pipe.eval_schedule is None
         buffers = [b for stage in pipe.stages for b in stage.buffers()] if restore else []
         kept = [b.clone() for b in buffers]
-        sums = torch.zeros(3, dtype=torch.float64, device=device)
+        sums = EpochSums(device=device, criterion=self.criterion)
         for x, y, real in fixed_shape_eval_batches(
             split, rank=pipe.dp_rank, world_size=pipe.dp_size, batch_size=batch_size
         ):
@@ -631,16 +631,14 @@ class PipelineStrategy(Strategy):
                     # The eval-mode stages' schedule computes no loss, so it takes no target.
                     target=y.to(device) if pipe.is_last and pipe.eval_schedule is None else None,
                 )
-            if pipe.is_last:
+            if pipe.is_last and real:
+                # Scored as the whole-model strategies score (Strategy.criterion, EpochSums).
                 logits, y = logits[:real].float(), y[:real].to(device)
-                sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
-                sums[1] += (logits.argmax(1) == y).sum().double()
-                sums[2] += real
+                sums.add(self.criterion(logits, y), logits, y)
         for buffer, value in zip(buffers, kept, strict=True):
             buffer.copy_(value)
-        dist.all_reduce(sums)
-        loss_sum, correct, count = sums.tolist()
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
+        # The other ranks add zeros: every rank gets the last stages' figures.
+        return self.criterion.metrics(sums.all_reduced())
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         state = full_state_dict(self.pipe)  # gathers FSDP shards: every replica takes part
