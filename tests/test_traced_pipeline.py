@@ -213,8 +213,18 @@ def test_a_traced_cut_times_ddp_matches_one_process(four_workers):
     [
         ("pipeline", {"split_points": ["blocks.1"], "n_microbatches": 4}),
         ("model_parallel", {"split_points": ["head"]}),
+        pytest.param(
+            "pipeline",
+            {
+                "split_points": ["blocks.0", "blocks.1", "head"],
+                "schedule": "interleaved_1f1b",
+                "stages_per_rank": 2,
+                "n_microbatches": 4,
+            },
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["pipeline-1f1b", "model-parallel"],
+    ids=["pipeline-1f1b", "model-parallel", "interleaved"],
 )
 def test_a_traced_cut_validates_in_eval_mode(cluster, strategy, pipeline):
     # BatchNorm and Dropout: validation in training mode would normalize each micro-batch by
@@ -228,8 +238,32 @@ def test_a_traced_cut_validates_in_eval_mode(cluster, strategy, pipeline):
         cluster=cluster,
         world_size=2,
     )
+    _assert_validated_in_eval_mode(result.results)
+
+
+@pytest.mark.slow
+def test_ddp_replicas_of_a_traced_cut_validate_in_eval_mode(four_workers):
+    # The eval-mode stages share the parameters and buffers of the stages DDP wraps.
+    pipeline = {"split_points": ["blocks.1"], "n_microbatches": 2, "dp": 2, "dp_mode": "ddp"}
+    result = launch(
+        cut_trained_and_validated,
+        "norm_dropout_net",
+        "pipeline",
+        pipeline,
+        STEPS,
+        cluster=four_workers,
+    )
+    assert len(result.results) == 4
+    _assert_validated_in_eval_mode(result.results)
+
+
+def _assert_validated_in_eval_mode(results: list) -> None:
+    """The ranks' validation figures are the uncut model's in eval mode, on the parameters
+    and running statistics they trained, which validating left as they were."""
     state: dict[str, torch.Tensor] = {}
-    for before, _, after in result.results:
+    for before, _, after in results:
+        if before is None:  # a replica after the first hands back nothing
+            continue
         # Validating moved no running statistic (nor anything else).
         assert before.keys() == after.keys()
         assert all(torch.equal(before[name], after[name]) for name in before), "state moved"
@@ -246,7 +280,7 @@ def test_a_traced_cut_validates_in_eval_mode(cluster, strategy, pipeline):
         "loss": F.cross_entropy(logits, y).item(),
         "accuracy": (logits.argmax(1) == y).float().mean().item(),
     }
-    for _, metrics, _ in result.results:  # every rank gets the same figures
+    for _, metrics, _ in results:  # every rank gets the same figures
         assert metrics.keys() == expected.keys()
         assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
         assert metrics["accuracy"] == pytest.approx(expected["accuracy"])

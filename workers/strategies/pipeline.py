@@ -611,6 +611,13 @@ class PipelineStrategy(Strategy):
     ) -> dict[str, float]:
         pipe, device = self.pipe, self.device
         pipe.train(False)
+        if pipe.dp_group is not None:
+            # Replicas' running statistics drift apart: each sees its own micro-batches, and
+            # the schedule runs DDP's forward under no_sync, where DDP broadcasts no buffers.
+            # Validate with the first replica's, which the run hands back.
+            first = dist.get_global_rank(pipe.dp_group, 0)
+            for buffer in (b for stage in pipe.stages for b in stage.buffers()):
+                dist.broadcast(buffer, src=first, group=pipe.dp_group)
         schedule = pipe.schedule if pipe.eval_schedule is None else pipe.eval_schedule
         # Traced stages without eval-mode twins (FSDP-sharded) normalize validation
         # micro-batches in training mode, which would move BatchNorm's running statistics:
