@@ -420,6 +420,10 @@ def test_a_model_given_in_python_is_traced_cut_and_matches_one_process(cluster, 
         torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
     untrained = train_in_one_process(config, world_size=1, steps=0, factory=residual)
     assert not torch.equal(result.state_dict["head.weight"], untrained["head.weight"])
+    # Split points are checked against model.name's model when the config loads; where that
+    # is the default, the message says how to cut a model given in Python.
+    with pytest.raises(ConfigError, match=r"leave split_points to the planner\)$"):
+        make_config({"pipeline": {"split_points": ["blocks.1"]}}, strategy="pipeline", **training)
     # A factory whose model does not trace is refused on the client, before any rank starts.
     with pytest.raises(ConfigError, match=r"^model: DataDependent does not trace") as error:
         train(config, model=DataDependent, cluster=cluster, on_event=None)

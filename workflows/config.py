@@ -113,9 +113,18 @@ class RunConfig(BaseModel):
         if layers is not None and p.split_points is not None:
             unknown = [point for point in p.split_points if point not in names]
             if unknown:
+                # The config cannot know of a model given to train(model=...): say so where
+                # the model is the default one, which such a config leaves as it is.
+                given = "name" in self.model.model_fields_set
                 raise ValueError(
                     f"pipeline.split_points: {unknown} name no top-level module of "
                     f"{self.model.name}; its modules are {names}"
+                    + (
+                        ""
+                        if given
+                        else " (a model given as train(model=...) is checked when it is cut: "
+                        "leave split_points to the planner)"
+                    )
                 )
         if world_size is None:
             return
