@@ -2,8 +2,11 @@
 ``torch.distributed.pipelining.pipeline()`` and cut at module paths.
 
 On a real cluster over gloo, k steps of a traced cut leave the parameters one process leaves
-(models without batch statistics: a micro-batch then computes what the whole batch does). A
-model that does not trace, and a point where no stage can begin, are refused naming why.
+(models without batch statistics: a micro-batch then computes what the whole batch does),
+alone or with FSDP or DDP replicas, given by name or as ``train(model=...)``, under
+cross-entropy or a regression loss. Validation of a model with BatchNorm and Dropout scores
+what one process scores in eval mode. A model that does not trace, and a point where no stage
+can begin, are refused naming why.
 """
 
 from functools import partial
