@@ -83,10 +83,6 @@ def _user_module(folder: Path, monkeypatch) -> str:
             },
             r"^pipeline\.split_points: \['layer9'\] name no module of ResNet; .*'layer3'",
         ),
-        (
-            {"training": {"strategy": "model_parallel", "loss": "mse"}},
-            r"^training\.loss: model_parallel trains with cross_entropy only",
-        ),
     ],
 )
 def test_the_config_refuses_bad_model_names_and_losses_in_one_line(raw, message):
@@ -124,12 +120,10 @@ def test_code_that_cannot_build_the_model_is_one_line_naming_the_field(tmp_path,
         assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match=r"^training\.loss: module 'torch\.nn' has no attribute"):
         check_model(load_config({"training": {"loss": "torch.nn:NoSuchLoss"}}), num_classes=10)
-    # A factory given in Python is checked alike, and staged strategies refuse it.
+    # A factory given in Python is checked alike (staged strategies check its cut later, when
+    # they plan it: tests/test_traced_pipeline.py).
     with pytest.raises(ConfigError, match=r"^model\.name: factory .*returned a str"):
         check_model(load_config({}), num_classes=10, factory=lambda num_classes: "model")
-    staged = load_config({"training": {"strategy": "pipeline"}, "launch": {"world_size": 2}})
-    with pytest.raises(ConfigError, match=r"^model: pipeline cuts the built-in models only"):
-        check_model(staged, num_classes=10, factory=lambda num_classes: nn.Linear(1, 1))
 
 
 def test_timm_names_without_timm_installed_say_how_to_install_it(monkeypatch):
@@ -282,10 +276,6 @@ def test_a_model_given_in_python_trains_on_the_shared_cluster(cluster, make_conf
     bad = make_config({"name": "py-factory", "model": {"kwargs": {"depth": 2}}}, **BASE)
     with pytest.raises(ConfigError, match=r"^model\.kwargs: factory .*small_cnn takes no arg"):
         train(bad, model=small_cnn, cluster=cluster, on_event=None)
-    # A staged strategy cuts what model.name names, checked on the client: say so.
-    staged = make_config({"data": {"drop_last": True}}, strategy="model_parallel", **BASE)
-    with pytest.raises(ConfigError, match=r"^training\.strategy: model_parallel .*model\.name ="):
-        train(staged, model=small_cnn, cluster=cluster, on_event=None)
 
 
 @pytest.mark.slow

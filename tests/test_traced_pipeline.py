@@ -2,29 +2,39 @@
 ``torch.distributed.pipelining.pipeline()`` and cut at module paths.
 
 On a real cluster over gloo, k steps of a traced cut leave the parameters one process leaves
-(models without batch statistics: a micro-batch then computes what the whole batch does). A
-model that does not trace, and a point where no stage can begin, are refused naming why.
+(models without batch statistics: a micro-batch then computes what the whole batch does),
+alone or with FSDP or DDP replicas, given by name or as ``train(model=...)``, under
+cross-entropy or a regression loss. Validation of a model with BatchNorm and Dropout scores
+what one process scores in eval mode. A model that does not trace, and a point where no stage
+can begin, are refused naming why.
 """
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from tests.traced_models import build
+from tests.reference import train_in_one_process
+from tests.traced_models import DataDependent, ResidualNet, build
 from workers.config_models import PipelineConfig, TrainingConfig
+from workers.data import StoreSplit, open_store
 from workers.layout import Layout
+from workers.losses import Criterion
 from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
-from workers.strategies.base import EpochSums, get_strategy
-from workers.strategies.pipeline import apply_pipeline, check_cut, cut_points, trace_stages
+from workers.strategies.base import EpochSums, Strategy, get_strategy
+from workers.strategies.pipeline import check_cut, cut_points, trace_stages
 from workflows import launch
 from workflows.cluster import start_cluster
+from workflows.config import ConfigError
+from workflows.driver import train
 from workflows.planner import balanced_split, plan, resolve_split_points
 
-BATCH, STEPS, LR, SAMPLES = 16, 3, 0.05, 64
+BATCH, STEPS, LR, SAMPLES, VAL_SAMPLES = 16, 3, 0.05, 64, 40
 IMAGE = (3, 32, 32)
 RESNET18_CUT_POINTS = [
     "conv1",
@@ -49,6 +59,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 10, (SAMPLES,), generator=generator)
 
 
+def _val_data() -> tuple[torch.Tensor, torch.Tensor]:
+    # Not a multiple of the batch: the last validation batch is padded.
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(VAL_SAMPLES, *IMAGE, generator=generator)
+    return x, torch.randint(0, 10, (VAL_SAMPLES,), generator=generator)
+
+
 def _rows(step: int) -> slice:
     start = step * BATCH % SAMPLES
     return slice(start, start + BATCH)
@@ -59,6 +76,25 @@ def cut_and_trained(
 ) -> dict[str, torch.Tensor] | None:
     """A rank of ``strategy`` over the traced cut ``pipeline`` describes: ``steps`` SGD steps
     through the strategy's own forward and backward; this rank's stages' parameters back."""
+    return _trained(ctx, model_name, strategy, pipeline, steps).full_state_dict()
+
+
+def cut_trained_and_validated(
+    ctx, model_name: str, strategy: str, pipeline: dict, steps: int
+) -> tuple[dict | None, dict[str, float], dict | None]:
+    """:func:`cut_and_trained`, then the strategy's validation over ``_val_data``: this
+    rank's stages' state before validating, the metrics, and the state after."""
+    prepared = _trained(ctx, model_name, strategy, pipeline, steps)
+    before = prepared.full_state_dict()
+    x, y = _val_data()
+    split = StoreSplit(images=x.numpy(), labels=y.numpy(), chunk_size=len(y))
+    metrics = prepared.evaluate(
+        split, batch_size=prepared.layout.per_rank_batch, precision=Precision("fp32", ctx.device)
+    )
+    return before, metrics, prepared.full_state_dict()
+
+
+def _trained(ctx, model_name: str, strategy: str, pipeline: dict, steps: int) -> Strategy:
     x, y = _data()
     config = PipelineConfig(**pipeline)
     training = TrainingConfig(strategy=strategy, batch_size=BATCH)
@@ -82,7 +118,7 @@ def cut_and_trained(
         xs, ys = x[_rows(step)][mine], y[_rows(step)][mine]
         prepared.forward_backward(xs, ys, precision=precision, sums=sums)
         optimizer.step()
-    return prepared.full_state_dict()
+    return prepared
 
 
 def _one_process(model_name: str, steps: int) -> dict[str, torch.Tensor]:
@@ -163,19 +199,98 @@ def test_a_traced_cut_times_fsdp_matches_one_process(four_workers):
     _assert_matches_one_process(result.results, "residual_net")
 
 
-def test_ddp_replicas_of_traced_stages_are_refused_naming_the_field():
-    # build_stage reads the traced graph off the stage module; DDP's wrapper hides it.
-    config = PipelineConfig(split_points=("blocks.1",), dp=2, dp_mode="ddp")
-    layout = Layout.of(TrainingConfig(strategy="pipeline", batch_size=BATCH), config, world_size=4)
-    with pytest.raises(ValueError, match=r"pipeline\.dp_mode: the stages of a traced model"):
-        apply_pipeline(
-            build("residual_net", seed=0),
-            config=config,
-            layout=layout,
-            loss_fn=F.cross_entropy,
-            device=torch.device("cpu"),
-            sample=torch.zeros(layout.micro_batch, *IMAGE),
-        )
+@pytest.mark.slow
+def test_a_traced_cut_times_ddp_matches_one_process(four_workers):
+    # 2 stages x 2 replicas; each replica's stage runs under DDP, which averages the gradients
+    # over the replicas at the last micro-batch's backward.
+    pipeline = {"split_points": ["blocks.1"], "n_microbatches": 2, "dp": 2, "dp_mode": "ddp"}
+    result = launch(
+        cut_and_trained, "residual_net", "pipeline", pipeline, STEPS, cluster=four_workers
+    )
+    assert len(result.results) == 4
+    _assert_matches_one_process(result.results, "residual_net")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "pipeline"),
+    [
+        ("pipeline", {"split_points": ["blocks.1"], "n_microbatches": 4}),
+        ("model_parallel", {"split_points": ["head"]}),
+        pytest.param(
+            "pipeline",
+            {
+                "split_points": ["blocks.0", "blocks.1", "head"],
+                "schedule": "interleaved_1f1b",
+                "stages_per_rank": 2,
+                "n_microbatches": 4,
+            },
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["pipeline-1f1b", "model-parallel", "interleaved"],
+)
+def test_a_traced_cut_validates_in_eval_mode(cluster, strategy, pipeline):
+    # BatchNorm and Dropout: validation in training mode would normalize each micro-batch by
+    # its own statistics and drop activations; eval mode uses the running statistics.
+    result = launch(
+        cut_trained_and_validated,
+        "norm_dropout_net",
+        strategy,
+        pipeline,
+        STEPS,
+        cluster=cluster,
+        world_size=2,
+    )
+    _assert_validated_in_eval_mode(result.results)
+
+
+@pytest.mark.slow
+def test_ddp_replicas_of_a_traced_cut_validate_in_eval_mode(four_workers):
+    # The eval-mode stages share the parameters and buffers of the stages DDP wraps.
+    pipeline = {"split_points": ["blocks.1"], "n_microbatches": 2, "dp": 2, "dp_mode": "ddp"}
+    result = launch(
+        cut_trained_and_validated,
+        "norm_dropout_net",
+        "pipeline",
+        pipeline,
+        STEPS,
+        cluster=four_workers,
+    )
+    assert len(result.results) == 4
+    _assert_validated_in_eval_mode(result.results)
+
+
+def _assert_validated_in_eval_mode(results: list) -> None:
+    """The ranks' validation figures are the uncut model's in eval mode, on the parameters
+    and running statistics they trained, which validating left as they were."""
+    state: dict[str, torch.Tensor] = {}
+    for before, _, after in results:
+        if before is None:  # a replica after the first hands back nothing
+            continue
+        # Validating moved no running statistic (nor anything else).
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[name], after[name]) for name in before), "state moved"
+        state.update(before)
+    model = build("norm_dropout_net", seed=0)
+    untrained = model.state_dict()
+    assert not torch.equal(state["stem.1.running_mean"], untrained["stem.1.running_mean"])
+    model.load_state_dict(state)
+    model.eval()
+    x, y = _val_data()
+    with torch.no_grad():
+        logits = model(x)
+    expected = {
+        "loss": F.cross_entropy(logits, y).item(),
+        "accuracy": (logits.argmax(1) == y).float().mean().item(),
+    }
+    for _, metrics, _ in results:  # every rank gets the same figures
+        assert metrics.keys() == expected.keys()
+        assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert metrics["accuracy"] == pytest.approx(expected["accuracy"])
+    # The same parameters in training mode score otherwise: the test tells the modes apart.
+    model.train()
+    with torch.no_grad():
+        assert F.cross_entropy(model(x), y).item() != pytest.approx(expected["loss"], rel=1e-3)
 
 
 def test_a_model_that_does_not_trace_is_refused_with_the_tracers_reason():
@@ -282,3 +397,81 @@ def test_check_cut_keeps_the_sequential_path_and_traces_any_other_model():
     ]
     with pytest.raises(ValueError, match="does not trace"):
         check_cut(build("data_dependent", seed=0), sample, None)
+
+
+@pytest.mark.slow
+def test_a_model_given_in_python_is_traced_cut_and_matches_one_process(cluster, make_config):
+    # Defined here, in a function: it travels to the workers by value. The client calls it as
+    # the ranks do (num_classes and in_channels from the data) to check and plan the cut.
+    def residual(num_classes: int, in_channels: int) -> nn.Module:
+        return ResidualNet(num_classes=num_classes, in_channels=in_channels, width=8)
+
+    training = {"lr": 0.05, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
+    config = make_config(
+        {"name": "traced-factory", "pipeline": {"n_microbatches": 4}},
+        strategy="pipeline",
+        max_steps=STEPS,
+        **training,
+    )
+    result = train(config, model=residual, cluster=cluster, on_event=None)
+    # Planned on the factory's model: a cut point of the residual net, not of model.name's.
+    (point,) = result.split_points
+    assert point in ["blocks.0", "blocks.1", "blocks.2", "head"]
+    expected = train_in_one_process(config, world_size=1, steps=STEPS, factory=residual)
+    assert result.state_dict.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    untrained = train_in_one_process(config, world_size=1, steps=0, factory=residual)
+    assert not torch.equal(result.state_dict["head.weight"], untrained["head.weight"])
+    # Split points are checked against model.name's model when the config loads; where that
+    # is the default, the message says how to cut a model given in Python.
+    with pytest.raises(ConfigError, match=r"leave split_points to the planner\)$"):
+        make_config({"pipeline": {"split_points": ["blocks.1"]}}, strategy="pipeline", **training)
+    # A factory whose model does not trace is refused on the client, before any rank starts.
+    with pytest.raises(ConfigError, match=r"^model: DataDependent does not trace") as error:
+        train(config, model=DataDependent, cluster=cluster, on_event=None)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_regression_on_a_traced_cut_reports_what_ddp_reports(cluster, make_config):
+    # The digits' labels read as numbers, one output: the schedule trains with training.loss,
+    # and validation reports the regression figures (MSE, MAE, R²) as DDP's does.
+    config = make_config(
+        {
+            "name": "traced-mse",
+            "model": {"name": "tests.traced_models:ResidualNet", "kwargs": {"width": 8}},
+            "pipeline": {"split_points": ["blocks.1"], "n_microbatches": 4},
+        },
+        strategy="pipeline",
+        loss="mse",
+        max_steps=STEPS,
+        lr=0.002,
+        momentum=0.9,
+        batch_size=32,
+        epochs=1,
+        seed=3,
+    )
+    result = train(config, cluster=cluster, on_event=None)
+    expected = train_in_one_process(config, world_size=1, steps=STEPS)
+    assert result.state_dict["head.weight"].shape == (1, 8)
+    for name, value in expected.items():
+        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    # Validation of the trained parameters in one process, scored by the same criterion.
+    store = open_store(config.data.resolved().store_url)
+    x = torch.from_numpy(np.asarray(store.val.images[:]))
+    y = torch.from_numpy(store.val.labels)
+    model = build_model(config.model, num_classes=1, seed=0, input_shape=tuple(x.shape[1:]))
+    model.load_state_dict(result.state_dict)
+    model.eval()
+    criterion = Criterion.of(config.training)
+    sums = EpochSums(device=torch.device("cpu"), criterion=criterion)
+    with torch.no_grad():
+        output = model(x)
+    sums.add(criterion(output, y), output, y)
+    figures = criterion.metrics(sums.all_reduced())
+    (epoch,) = result.history
+    assert {"loss", "mse", "mae", "r2"} <= epoch.keys() and "accuracy" not in epoch
+    for key in ("loss", "mse", "mae", "r2"):
+        assert epoch[f"val_{key}"] == pytest.approx(figures[key], rel=1e-5), key
+    assert epoch["val_loss"] == pytest.approx(epoch["val_mse"])

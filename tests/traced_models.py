@@ -30,6 +30,35 @@ class ResidualNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class NormDropoutNet(nn.Module):
+    """A residual network with BatchNorm and Dropout: it computes differently in training and
+    in eval mode, and training moves its running statistics."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, kernel_size=3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+        )
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv2d(width, width, kernel_size=3, padding=1),
+                nn.BatchNorm2d(width),
+                nn.ReLU(),
+                nn.Dropout(0.25),
+            )
+            for _ in range(2)
+        )
+        self.head = nn.Sequential(nn.Dropout(0.25), nn.Linear(width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
 def resnet18_group_norm(num_classes: int = 10) -> nn.Module:
     """torchvision's resnet18 with GroupNorm, which keeps no batch statistics."""
     return torchvision.models.resnet18(
@@ -69,6 +98,7 @@ class SharedLayer(nn.Module):
 
 MODELS = {
     "residual_net": ResidualNet,
+    "norm_dropout_net": NormDropoutNet,
     "resnet18_group_norm": resnet18_group_norm,
     "data_dependent": DataDependent,
     "shared_layer": SharedLayer,

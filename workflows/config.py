@@ -7,6 +7,7 @@ names the field.
 
 import tomllib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -107,19 +108,23 @@ class RunConfig(BaseModel):
                 "pipeline.dp: model_parallel runs one copy of the model, one stage per rank; "
                 "for replicas or interleaving use strategy = 'pipeline'"
             )
-        if self.training.loss != "cross_entropy":
-            raise ValueError(
-                f"training.loss: {strategy} trains with cross_entropy only; use strategy = "
-                f"'ddp' for {self.training.loss}"
-            )
         layers = MODEL_LAYERS.get(self.model.name)
         names = self._checked_cut() if layers is None else list(layers)
         if layers is not None and p.split_points is not None:
             unknown = [point for point in p.split_points if point not in names]
             if unknown:
+                # The config cannot know of a model given to train(model=...): say so where
+                # the model is the default one, which such a config leaves as it is.
+                given = "name" in self.model.model_fields_set
                 raise ValueError(
                     f"pipeline.split_points: {unknown} name no top-level module of "
                     f"{self.model.name}; its modules are {names}"
+                    + (
+                        ""
+                        if given
+                        else " (a model given as train(model=...) is checked when it is cut: "
+                        "leave split_points to the planner)"
+                    )
                 )
         if world_size is None:
             return
@@ -137,18 +142,13 @@ class RunConfig(BaseModel):
         import torch
 
         from workers.models import build_model
-        from workers.strategies.pipeline import check_cut, is_traced
+        from workers.strategies.pipeline import check_cut
 
         p, size = self.pipeline, self.data.image_size
         m = p.n_microbatches if self.training.strategy == "pipeline" else 1
         micro_batch = max(1, self.training.batch_size // p.dp // m)  # whatever the world size
         # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
         model = build_model(self.model, num_classes=10, seed=self.training.seed, image_size=size)
-        if is_traced(model) and p.dp > 1 and p.dp_mode == "ddp":
-            raise ValueError(
-                f"pipeline.dp_mode: the stages of a traced model ({self.model.name}) replicate "
-                "with FSDP only; use dp_mode = 'fsdp'"
-            )
         return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)
 
     @property
@@ -193,11 +193,6 @@ def check_model(
     from workers.model_sources import ModelError
     from workers.models import check_model as build_on_meta
 
-    if factory is not None and config.training.strategy in STAGED:
-        raise ConfigError(
-            f"model: {config.training.strategy} cuts the built-in models only; train a model "
-            "given in Python with strategy = 'ddp'"
-        )
     size = config.data.image_size
     try:
         criterion = Criterion.of(config.training)
@@ -209,6 +204,26 @@ def check_model(
         )
     except ModelError as error:
         raise ConfigError(str(error)) from None
+
+
+def model_builder(
+    config: RunConfig, num_classes: int, factory: Callable[..., Any]
+) -> Callable[[], Any]:
+    """What builds ``factory``'s model as every rank of ``config``'s run builds it (its
+    ``model.kwargs``, the data's facts, the seed): the client traces, checks and plans the cut
+    of that model. Picklable, for the planner's profile on a worker."""
+    from workers.losses import Criterion
+    from workers.models import build_model
+
+    size = config.data.image_size
+    return partial(
+        build_model,
+        config.model,
+        num_classes=Criterion.of(config.training).outputs(num_classes),
+        seed=config.training.seed,
+        input_shape=(3, size, size),  # the store's images (workflows/preprocess.py)
+        factory=factory,
+    )
 
 
 def load_config(

@@ -24,7 +24,7 @@ from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.collections import check_trainer_data, trainer_data
-from workflows.config import ConfigError, RunConfig, check_model, load_config
+from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.jobs import TrainingFailed, launch_on
 from workflows.launcher import select_workers
@@ -192,13 +192,6 @@ def _train_prepared(
     store that preprocessing ``config.data`` builds (or finds complete)."""
     # Resolve the world size before anything starts, so a batch that does not split is a
     # config error rather than a failed job.
-    if factory is not None and config.training.strategy in STAGED:
-        # The cut is checked and planned on the client from model.name, before any rank runs.
-        raise ConfigError(
-            f"training.strategy: {config.training.strategy} cuts the model that model.name "
-            "names; give the factory as model.name = 'package.module:factory' instead of "
-            "train(model=...), or use strategy = 'ddp'"
-        )
     world_size = _world_size(client, config)
     layout = config.layout(world_size)
     data = config.data.resolved()
@@ -220,8 +213,13 @@ def _train_prepared(
     if config.training.strategy in STAGED:
         # Cut once on the client, so every rank holds the same stages.
         assert manifest is not None  # staged strategies take no collections (trainer_data)
+        # A factory is built here as every rank builds it, to check and plan its cut.
         points = resolve_split_points(
-            client, config, layout=layout, num_classes=manifest.num_classes
+            client,
+            config,
+            layout=layout,
+            num_classes=manifest.num_classes,
+            build=None if factory is None else model_builder(config, manifest.num_classes, factory),
         )
         pipeline = config.pipeline.model_copy(update={"split_points": points})
     # Workers may run elsewhere: they get the checkpoint folder as an absolute path.

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from distributed import Client
 from torch import nn
 
@@ -17,9 +18,9 @@ from workers.config_models import MODEL_LAYERS
 from workers.layout import Layout
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
 from workers.strategies import STAGED
-from workers.strategies.pipeline import cut_points, even_split
+from workers.strategies.pipeline import check_cut, cut_points, even_split
 from workflows.cluster import live_workers
-from workflows.config import RunConfig
+from workflows.config import ConfigError, RunConfig
 
 # Per parameter byte a stage also holds its gradient and SGD's momentum buffer.
 _PARAM_COPIES = 3
@@ -275,8 +276,16 @@ def resolve_split_points(
     build: Callable[[], nn.Module] | None = None,
 ) -> tuple[str, ...]:
     """The cut every rank will use: the configured one, an even one, or a planned one.
-    ``build`` gives the model instead of ``config.model``."""
+    ``build`` gives the model instead of ``config.model``; it is checked here first, traced
+    as the ranks will trace it: a :class:`ConfigError` naming the field where it fails."""
     p = config.pipeline
+    if build is not None:
+        # The config checked the cut of model.name's model when it loaded, not this one's.
+        size = config.data.image_size
+        try:
+            check_cut(build(), torch.zeros(layout.micro_batch, 3, size, size), p.split_points)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if p.split_points is not None:
         return p.split_points
     if p.balance == "layers":
@@ -298,8 +307,6 @@ def _cut_points(
     build: Callable[[], nn.Module] | None,
 ) -> list[str]:
     """A model's cut points, found on the client (one forward of a micro-batch)."""
-    import torch
-
     from workers.models import build_model
 
     size = config.data.image_size

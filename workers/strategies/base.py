@@ -66,8 +66,7 @@ class Strategy(ABC):
     """How one parallelism lays the model over the ranks and runs one step on it."""
 
     name: ClassVar[str]
-    # The loss and the task's metrics; the trainer sets it. Staged strategies train with
-    # cross-entropy only (the config refuses other losses for them).
+    # The loss and the task's metrics; the trainer sets it after prepare.
     criterion: Criterion = CROSS_ENTROPY
 
     @classmethod

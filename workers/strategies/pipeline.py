@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
@@ -32,6 +31,7 @@ from torch.distributed.pipelining import (
     pipeline,
 )
 from torch.distributed.pipelining._IR import _modify_graph_op_device
+from torch.nn.parallel import DistributedDataParallel
 
 from workers.config_models import PipelineConfig
 from workers.data import StoreSplit, fixed_shape_eval_batches
@@ -328,8 +328,11 @@ class Pipeline:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup | None
     mesh: DeviceMesh
-    # Traced stages keep the mode they were traced in (training): .eval() does not switch
-    # BatchNorm to its running statistics or Dropout off.
+    # Traced stages keep the mode they were traced in: .eval() does not switch BatchNorm to
+    # its running statistics or Dropout off. So validation runs through stages traced in eval
+    # mode that share the training stages' parameters and buffers; None where FSDP shards
+    # them (validation then runs the training stages, and restores the running statistics).
+    eval_schedule: object | None = None
     traced: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
@@ -354,14 +357,9 @@ def apply_pipeline(
     The default process group must be initialized with ``layout.world_size`` ranks, which form
     the layout's ``(pp, dp)`` mesh. ``config.split_points`` must be resolved. One micro-batch is
     plain model parallelism. A model that is not an ``nn.Sequential`` is traced on ``sample``,
-    one micro-batch of inputs on the CPU.
+    one micro-batch of inputs on the CPU, once as it trains and, unless FSDP shards its stages,
+    once in eval mode for validation.
     """
-    if is_traced(model) and config.dp > 1 and config.dp_mode == "ddp":
-        # build_stage reads the traced graph off the stage module, which DDP's wrapper hides.
-        raise ValueError(
-            f"pipeline.dp_mode: the stages of a traced model ({type(model).__name__}) "
-            "replicate with FSDP only; use dp_mode = 'fsdp'"
-        )
     if dist.get_world_size() != layout.world_size:
         raise ValueError(
             f"pipeline: the layout is for {layout.world_size} ranks, the process group has "
@@ -370,13 +368,16 @@ def apply_pipeline(
     if config.split_points is None:
         raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
     pp, dp, n_stages = layout.pp, layout.dp, layout.n_stages
-    pipe = None
+    sharded = dp > 1 and config.dp_mode == "fsdp"
+    pipe = eval_pipe = None
     if is_traced(model):
         if sample is None:
             raise ValueError(f"pipeline: {type(model).__name__} is traced, which needs a sample")
         # Every rank traces the whole model the same way and keeps its own stages.
         pipe = trace_stages(model, sample, config.split_points)
         stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+        if not sharded:
+            eval_pipe = trace_eval_stages(model, sample, config.split_points)
     else:
         stages = cut_into_stages(model, config.split_points)
     if len(stages) != n_stages:
@@ -393,14 +394,14 @@ def apply_pipeline(
 
     # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
     mine = list(range(pp_rank, n_stages, pp))
-    modules, pipeline_stages = [], []
+    modules, pipeline_stages, eval_stages = [], [], []
     for index in mine:
         stage = stages[index].to(device)
         if pipe is not None:
             # The tracer burns the trace's device into ops that make tensors (torch.zeros …);
             # Pipe.build_stage moves them the same way, but builds on the unwrapped module.
             _modify_graph_op_device(stage, device)
-        module = _replicate(stage, config=config, mesh=mesh, device=device)
+        module = _replicate(stage, config=config, mesh=mesh, device=device, traced=pipe is not None)
         modules.append(module)
         if pipe is None:
             pipeline_stages.append(PipelineStage(module, index, n_stages, device, group=pp_group))
@@ -408,16 +409,21 @@ def apply_pipeline(
             # The traced stage reads from the pipe's graph which stage sends each input, so
             # a value that skips a stage still arrives.
             pipeline_stages.append(build_stage(module, index, pipe.info(), device, pp_group))
+        if eval_pipe is not None:
+            evaluating = eval_pipe.get_stage_module(index)
+            # Moving the stage to the device gave it new buffers: share them again.
+            share_state(evaluating, stage)
+            _modify_graph_op_device(evaluating, device)
+            eval_stages.append(build_stage(evaluating, index, eval_pipe.info(), device, pp_group))
     n_microbatches = layout.n_microbatches
     schedule_class = ScheduleGPipe if n_microbatches == 1 else SCHEDULES[config.schedule]
-    if schedule_class is ScheduleInterleaved1F1B:
-        schedule = schedule_class(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-    else:
-        (stage,) = pipeline_stages
-        schedule = schedule_class(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
     return Pipeline(
         stages=modules,
-        schedule=schedule,
+        schedule=_schedule(schedule_class, pipeline_stages, n_microbatches, loss_fn=loss_fn),
+        # Run forward only (schedule.eval), without a loss: the caller scores the real rows.
+        eval_schedule=_schedule(schedule_class, eval_stages, n_microbatches, loss_fn=None)
+        if eval_stages
+        else None,
         is_first=0 in mine,
         is_last=n_stages - 1 in mine,
         pp_rank=pp_rank,
@@ -431,18 +437,73 @@ def apply_pipeline(
     )
 
 
+def _schedule(
+    schedule_class: type,
+    stages: list,
+    n_microbatches: int,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> object:
+    if schedule_class is ScheduleInterleaved1F1B:
+        return schedule_class(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    (stage,) = stages
+    return schedule_class(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def trace_eval_stages(model: nn.Module, sample: torch.Tensor, split_points: Sequence[str]) -> Pipe:
+    """:func:`trace_stages` with ``model`` in eval mode: stages whose BatchNorm normalizes by
+    the running statistics and whose Dropout is off, sharing ``model``'s parameters and
+    buffers. ``model`` keeps its modes."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        return trace_stages(model, sample, split_points)
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+def share_state(target: nn.Module, source: nn.Module) -> None:
+    """Make ``target``'s parameters and buffers ``source``'s tensors of the same names: one
+    set of numbers, whatever updates or moves them (no copies)."""
+    tensors = dict(source.named_parameters(remove_duplicate=False))
+    tensors |= dict(source.named_buffers(remove_duplicate=False))
+    named = [
+        *((name, "_parameters") for name, _ in target.named_parameters(remove_duplicate=False)),
+        *((name, "_buffers") for name, _ in target.named_buffers(remove_duplicate=False)),
+    ]
+    for name, kind in named:
+        owner, _, attribute = name.rpartition(".")
+        getattr(target.get_submodule(owner), kind)[attribute] = tensors[name]
+
+
+class _TracedStageDDP(DistributedDataParallel):
+    """DDP over a traced stage. ``build_stage``'s stage reads the traced graph (its inputs and
+    outputs) off the module it runs; DDP's wrapper would hide it. Running the wrapper, rather
+    than the bare stage, keeps the schedule's DDP handling: no all-reduce until the last
+    micro-batch's backward, which averages the gradients over the stage's replicas."""
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.module.graph
+
+
 def _replicate(
-    module: nn.Module, *, config: PipelineConfig, mesh: DeviceMesh, device: torch.device
+    module: nn.Module,
+    *,
+    config: PipelineConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    traced: bool = False,
 ) -> nn.Module:
     """Make the dp replicas of one stage average their gradients."""
     if config.dp == 1:
         return module
     if config.dp_mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
+        wrapper = _TracedStageDDP if traced else DistributedDataParallel
         # static_graph=True looks tempting for a fixed pipeline but gives silently wrong
         # parameters with torch 2.14 (measured), so the dynamic reducer stays.
-        return DistributedDataParallel(
+        return wrapper(
             module,
             process_group=mesh.get_group("dp"),
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -506,15 +567,16 @@ class PipelineStrategy(Strategy):
     ) -> "PipelineStrategy":
         if pipeline is None:
             raise ValueError(f"{cls.name}: needs the [pipeline] section, split points resolved")
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # The trainer sets the criterion after prepare: read it when the schedule calls.
+            return strategy.criterion(output, target)
+
         pipe = apply_pipeline(
-            model,
-            config=pipeline,
-            layout=layout,
-            loss_fn=F.cross_entropy,
-            device=device,
-            sample=sample,
+            model, config=pipeline, layout=layout, loss_fn=loss, device=device, sample=sample
         )
-        return cls(pipe, layout=layout, device=device)
+        strategy = cls(pipe, layout=layout, device=device)
+        return strategy
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -549,11 +611,21 @@ class PipelineStrategy(Strategy):
     ) -> dict[str, float]:
         pipe, device = self.pipe, self.device
         pipe.train(False)
-        # A traced stage normalizes validation micro-batches in training mode, which would
-        # move BatchNorm's running statistics: evaluating must leave the model as it was.
-        buffers = [b for stage in pipe.stages for b in stage.buffers()] if pipe.traced else []
+        if pipe.dp_group is not None:
+            # Replicas' running statistics drift apart: each sees its own micro-batches, and
+            # the schedule runs DDP's forward under no_sync, where DDP broadcasts no buffers.
+            # Validate with the first replica's, which the run hands back.
+            first = dist.get_global_rank(pipe.dp_group, 0)
+            for buffer in (b for stage in pipe.stages for b in stage.buffers()):
+                dist.broadcast(buffer, src=first, group=pipe.dp_group)
+        schedule = pipe.schedule if pipe.eval_schedule is None else pipe.eval_schedule
+        # Traced stages without eval-mode twins (FSDP-sharded) normalize validation
+        # micro-batches in training mode, which would move BatchNorm's running statistics:
+        # evaluating must leave the model as it was.
+        restore = pipe.traced and pipe.eval_schedule is None
+        buffers = [b for stage in pipe.stages for b in stage.buffers()] if restore else []
         kept = [b.clone() for b in buffers]
-        sums = torch.zeros(3, dtype=torch.float64, device=device)
+        sums = EpochSums(device=device, criterion=self.criterion)
         for x, y, real in fixed_shape_eval_batches(
             split, rank=pipe.dp_rank, world_size=pipe.dp_size, batch_size=batch_size
         ):
@@ -561,20 +633,19 @@ class PipelineStrategy(Strategy):
                 # Forward only: no activations are kept for a backward that never comes.
                 # The schedule computes its loss_fn on the last stage too; padded rows make that
                 # loss wrong, so the sums below come from the real rows of the logits instead.
-                logits = pipe.schedule.eval(
+                logits = schedule.eval(
                     *([x.to(device)] if pipe.is_first else []),
-                    target=y.to(device) if pipe.is_last else None,
+                    # The eval-mode stages' schedule computes no loss, so it takes no target.
+                    target=y.to(device) if pipe.is_last and pipe.eval_schedule is None else None,
                 )
-            if pipe.is_last:
+            if pipe.is_last and real:
+                # Scored as the whole-model strategies score (Strategy.criterion, EpochSums).
                 logits, y = logits[:real].float(), y[:real].to(device)
-                sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
-                sums[1] += (logits.argmax(1) == y).sum().double()
-                sums[2] += real
+                sums.add(self.criterion(logits, y), logits, y)
         for buffer, value in zip(buffers, kept, strict=True):
             buffer.copy_(value)
-        dist.all_reduce(sums)
-        loss_sum, correct, count = sums.tolist()
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1)}
+        # The other ranks add zeros: every rank gets the last stages' figures.
+        return self.criterion.metrics(sums.all_reduced())
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         state = full_state_dict(self.pipe)  # gathers FSDP shards: every replica takes part
