@@ -4,7 +4,6 @@ Exit codes a scheduler can act on: 0 success, 2 invalid config or arguments (one
 traceback), 1 training (or prediction) failure, 130 interrupted.
 """
 
-import _thread
 import contextlib
 import errno
 import logging
@@ -22,6 +21,7 @@ import click
 from workers.config_models import LOSSES
 from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
+from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError
 
 if TYPE_CHECKING:
@@ -39,47 +39,27 @@ INTERRUPT_EXIT_BOUND_S = 180.0
 
 class _Interrupts:
     """Ctrl-C and SIGTERM (a scheduler's kill, handled alike: stop the ranks, close the
-    cluster) become a KeyboardInterrupt in the main thread, and are never lost.
-
-    Python raises the KeyboardInterrupt at whatever the main thread executes when the signal
-    arrives. Inside a finalizer (a ``__del__``, a coroutine that the garbage collector closes:
-    Dask and tornado leave many) Python reports it as "Exception ignored" and drops it, and the
-    run would go on as if nothing happened. Such a dropped interrupt is delivered again; and
-    whatever else might still hold the process, it exits 130 once the bound has passed.
+    cluster) become a KeyboardInterrupt in the main thread, and are never lost: one that Python
+    drops in a finalizer is raised again (``workflows/interrupts.py``), and whatever else might
+    still hold the process, it exits 130 once the bound has passed.
     """
 
     def __init__(self) -> None:
         self.received = threading.Event()
-        self._dropped = threading.Event()
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
-        previous = sys.unraisablehook
-
-        def hook(unraisable: Any) -> None:
-            if self.received.is_set() and issubclass(unraisable.exc_type, KeyboardInterrupt):
-                self._dropped.set()  # raised again by the thread below
-                return
-            previous(unraisable)
-
-        sys.unraisablehook = hook
+        DroppedInterrupts(only_if=self.received.is_set).install()
 
     def _handle(self, signum: int, frame: object) -> None:
         if not self.received.is_set():
             self.received.set()
-            threading.Thread(target=self._after, name="dask-train-interrupt", daemon=True).start()
+            threading.Thread(target=self._after, name="dask-train-exit", daemon=True).start()
         raise KeyboardInterrupt
 
     def _after(self) -> None:
-        deadline = time.monotonic() + INTERRUPT_EXIT_BOUND_S
-        while (left := deadline - time.monotonic()) > 0:
-            if self._dropped.wait(left):
-                self._dropped.clear()
-                # Let the main thread leave the finalizer and the hook first (both drop what is
-                # raised in them); should it land in another finalizer, it comes back here.
-                time.sleep(0.1)
-                _thread.interrupt_main(signal.SIGINT)
+        time.sleep(INTERRUPT_EXIT_BOUND_S)
         os.write(
             2,
             f"dask-train: interrupted; shutting down took over {INTERRUPT_EXIT_BOUND_S:g} s, "

@@ -26,6 +26,7 @@ from workflows.code_shipping import ship_modules
 from workflows.collections import check_trainer_data, trainer_data
 from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
 from workflows.events import EventHandler
+from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import TrainingFailed, launch_on
 from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
@@ -112,7 +113,8 @@ def train(
     if owned_tracker:
         tracker = Tracker.open(config.tracking, config.model_dump(mode="json"))
     handler = on_event if tracker is None else tracker.wrap(on_event)
-    with tracker.closing() if owned_tracker else contextlib.nullcontext():
+    # A Ctrl-C that Python drops in a finalizer while this waits is raised again.
+    with DroppedInterrupts(), tracker.closing() if owned_tracker else contextlib.nullcontext():
         owned = cluster is None
         if cluster is None:
             cluster = start_cluster(config.cluster)

@@ -38,6 +38,7 @@ from workflows.code_shipping import ship_code
 from workflows.collections import prepared_data
 from workflows.events import EventHandler, EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
+from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import (
     GroupFormationError,
     Heartbeats,
@@ -174,7 +175,8 @@ def launch(
         tracker = Tracker.open(tracked, run)
         on_event = tracker.wrap(on_event)
     owned = cluster is None
-    with tracker.closing() if tracker else contextlib.nullcontext():
+    # A Ctrl-C that Python drops in a finalizer while this waits is raised again.
+    with DroppedInterrupts(), tracker.closing() if tracker else contextlib.nullcontext():
         if cluster is None:
             cluster = start_cluster()
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
