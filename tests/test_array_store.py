@@ -202,3 +202,43 @@ def test_data_twice_the_size_of_what_a_worker_may_hold_trains_from_the_store(
     # No worker came near holding its half: each held a few chunks at a time.
     grown = {worker: after[worker] - before[worker] for worker in before}
     assert max(grown.values()) < 256 << 20, grown
+
+
+def test_parquet_files_go_through_the_store_once_and_again_when_they_change(
+    cluster, make_config, tmp_path
+):
+    n = 1000
+    frame = pd.DataFrame({"id": np.arange(n, dtype=np.float64), "b": np.arange(n) % 7})
+    frame["label"] = np.arange(n) % 5
+    frame["note"] = "text the features leave out"
+    dd.from_pandas(frame, npartitions=5).to_parquet(tmp_path / "table")
+    config = make_config(
+        {
+            "model": {"name": "tests.test_collections:tabular_regressor"},
+            "data": {
+                "dataset": "parquet",
+                "root": str(tmp_path / "table"),
+                "features": ["id", "b"],
+                "target": "label",
+                "collections": "store",
+                "store": str(tmp_path / "store"),
+            },
+        },
+        epochs=1,
+        batch_size=50,
+    )
+    first = train(config, cluster=cluster, on_event=None)
+    group = zarr.open_group(str(tmp_path / "store"), mode="r")
+    ids = np.concatenate([group["train/features"][:, 0], group["val/features"][:, 0]])
+    assert sorted(ids.astype(int).tolist()) == list(range(n))  # every row, once, in one split
+    labels = np.concatenate([group["train/targets"][:], group["val/targets"][:]])
+    np.testing.assert_array_equal(labels, ids.astype(int) % 5)  # rows stay paired
+
+    again = train(config, cluster=cluster, on_event=None)
+    assert not first.store.reused and again.store.reused
+    # Changed files make other collections: the store is written anew.
+    frame["b"] = frame["b"] + 1
+    dd.from_pandas(frame, npartitions=5).to_parquet(tmp_path / "table", overwrite=True)
+    changed = train(config, cluster=cluster, on_event=None)
+    assert not changed.store.reused
+    assert changed.store.fingerprint != first.store.fingerprint

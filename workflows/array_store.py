@@ -98,6 +98,9 @@ def _row_chunked(
     import dask.dataframe as dd
 
     where = f"data[{name!r}]"
+    # Optimized first: dask-expr fuses small partitions (of Parquet files, say) when it
+    # optimizes, so only the optimized collection has the partitions whose lengths count.
+    x, y = (c.optimize() if isinstance(c, dd.DataFrame | dd.Series) else c for c in (x, y))
     frames = [c for c in (x, y) if isinstance(c, dd.DataFrame | dd.Series)]
     if frames:
         # A dataframe does not know its partitions' lengths; one pass on the cluster counts them.
