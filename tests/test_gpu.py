@@ -248,3 +248,17 @@ def test_the_rank_api_runs_on_the_workers_gpu_and_checkpoints_cuda_state(gpu_clu
         checkpoint_dir=tmp_path / "ckpt",
     )
     assert again.results[0]["resumed"] == 1  # the CUDA state came back from the checkpoint
+
+
+def test_collections_written_into_the_store_train_on_the_gpu_as_in_one_process(
+    gpu_cluster, make_config, tmp_path
+):
+    # data.collections = "store": uint8 samples from Dask arrays, read as float32 on the GPU.
+    from tests.test_array_store import _image_data
+
+    data = {"collections": "store", "store": str(tmp_path / "arrays"), "chunk_size": 64}
+    config = make_config({"name": "gpu-store", "launch": {"world_size": 1}, "data": data}, **BASE)
+    result = train(config, cluster=gpu_cluster, data=_image_data(), on_event=None)
+    assert result.store is not None and result.history[-1]["step"] == 5
+    _assert_matches(result, config, world_size=1)
+    _trained_on_the_gpu(gpu_cluster)
