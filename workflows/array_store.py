@@ -29,7 +29,7 @@ from typing import Any
 import dask
 import zarr
 from dask.base import tokenize
-from distributed import Client, wait
+from distributed import Client
 
 from workers.config_models import DataConfig
 from workflows.collections import (
@@ -38,6 +38,7 @@ from workflows.collections import (
     require_class_labels,
     require_no_nan,
     target_facts,
+    wait_for_partitions,
 )
 from workflows.preprocess import (
     STORE_FORMAT,
@@ -65,7 +66,7 @@ def write_array_store(
     ``data/stores/collections-<fingerprint>``) as Dask tasks, or reuse the complete store of the
     same collections. The targets are checked first (NaN, class labels where the task is
     ``classification``): bad data fails in one line before anything is written.
-    ``timeout_s`` bounds each pass that only reads (row counts, target checks)."""
+    ``timeout_s`` bounds the one pass that reads before writing (row counts, target facts)."""
     started = time.perf_counter()
     splits = checked_splits(data)
     collections = [(name, *splits[name]) for name in sorted(splits)]
@@ -75,11 +76,11 @@ def write_array_store(
     reusable = reusable_store(url, options, fingerprint, force=force)
     if reusable is not None:
         return manifest_of(url, reusable, reused=True, seconds=time.perf_counter() - started)
-    arrays = {
-        name: _row_chunked(client, name, x, y, config.chunk_size, timeout_s)
-        for name, (x, y) in splits.items()
-    }
-    num_classes = _checked_targets(client, arrays, classification, timeout_s)
+    arrays, num_classes = {}, 0
+    for name, (x, y) in splits.items():
+        x, y, facts = _read_once(client, f"data[{name!r}]", x, y, timeout_s)
+        num_classes = max(num_classes, _checked_targets(f"data[{name!r}]", facts, classification))
+        arrays[name] = _whole_samples(x, config.chunk_size), _whole_samples(y, config.chunk_size)
     attrs = _write(client, url, options, arrays, fingerprint=fingerprint, num_classes=num_classes)
     logger.info("wrote %s into %s", {n: int(x.shape[0]) for n, (x, _) in arrays.items()}, url)
     return manifest_of(url, attrs, reused=False, seconds=time.perf_counter() - started)
@@ -90,64 +91,59 @@ def _default_url(fingerprint: str) -> str:
     return str(Path(f"data/stores/collections-{fingerprint[:16]}").resolve())
 
 
-def _row_chunked(
-    client: Client, name: str, x: Any, y: Any, chunk_rows: int, timeout_s: float
-) -> tuple[Any, Any]:
-    """X and y as dask arrays cut into chunks of ``chunk_rows`` whole samples, the store's
-    chunks: each write task then fills its own zarr chunks, and no two tasks share one."""
+def _read_once(
+    client: Client, where: str, x: Any, y: Any, timeout_s: float
+) -> tuple[Any, Any, list[tuple[int, int, bool, float, float]]]:
+    """X and y as dask arrays of known lengths, and the facts of y's partitions
+    (``target_facts``), from one pass over the data: a dataframe does not know its partitions'
+    lengths, and computed together, X and y that come from one read (the columns of one Parquet
+    dataset) are read once. The write then reads them a second time, chunk by chunk."""
     import dask.dataframe as dd
 
-    where = f"data[{name!r}]"
+    def is_frame(c: Any) -> bool:
+        return isinstance(c, dd.DataFrame | dd.Series)
+
     # Optimized first: dask-expr fuses small partitions (of Parquet files, say) when it
     # optimizes, so only the optimized collection has the partitions whose lengths count.
-    x, y = (c.optimize() if isinstance(c, dd.DataFrame | dd.Series) else c for c in (x, y))
-    frames = [c for c in (x, y) if isinstance(c, dd.DataFrame | dd.Series)]
-    if frames:
-        # A dataframe does not know its partitions' lengths; one pass on the cluster counts them.
-        counted = _bounded(client, [c.map_partitions(len) for c in frames], timeout_s, where)
-        lengths = iter([tuple(int(n) for n in counts) for counts in counted])
-        x, y = (
-            c.to_dask_array(lengths=next(lengths)) if isinstance(c, dd.DataFrame | dd.Series) else c
-            for c in (x, y)
-        )
+    x, y = (c.optimize() if is_frame(c) else c for c in (x, y))
+    if is_frame(y):
+        y_blocks = y.to_delayed()
+    else:  # blocks of whole rows
+        y_blocks = y.rechunk({axis: -1 for axis in range(1, y.ndim)}).to_delayed().ravel()
+    y_facts = [dask.delayed(target_facts)(block) for block in y_blocks]
+    x_lengths = [x.map_partitions(len)] if is_frame(x) else []
+    futures = client.compute([*y_facts, *x_lengths])
+    wait_for_partitions(futures, timeout_s, where)
+    computed = client.gather(futures)
+    facts = computed[: len(y_facts)]
+    if is_frame(x):
+        x = x.to_dask_array(lengths=tuple(int(n) for n in computed[-1]))
+    if is_frame(y):
+        y = y.to_dask_array(lengths=tuple(f[0] for f in facts))
     if x.shape[0] != y.shape[0]:
         raise DataError(f"{where}: X has {x.shape[0]} rows but y has {y.shape[0]}")
     if x.shape[0] == 0:
         raise DataError(f"{where}: X has no rows")
-
-    def whole_samples(array: Any) -> Any:
-        return array.rechunk({0: chunk_rows, **{axis: -1 for axis in range(1, array.ndim)}})
-
-    return whole_samples(x), whole_samples(y)
+    return x, y, facts
 
 
-def _bounded(client: Client, collections: list[Any], timeout_s: float, where: str) -> list[Any]:
-    """The computed values of ``collections``, within ``timeout_s``."""
-    futures = client.compute(collections)
-    try:
-        wait(futures, timeout=timeout_s)
-    except TimeoutError:
-        client.cancel(futures)
-        raise TimeoutError(f"{where}: reading the data took over {timeout_s:g} s") from None
-    return client.gather(futures)
+def _whole_samples(array: Any, chunk_rows: int) -> Any:
+    """``array`` cut into chunks of ``chunk_rows`` whole samples, the store's chunks: each write
+    task then fills its own zarr chunks, and no two tasks share one."""
+    return array.rechunk({0: chunk_rows, **{axis: -1 for axis in range(1, array.ndim)}})
 
 
 def _checked_targets(
-    client: Client, arrays: dict[str, tuple[Any, Any]], classification: bool, timeout_s: float
+    where: str, facts: list[tuple[int, int, bool, float, float]], classification: bool
 ) -> int:
-    """The number of classes (0 for regression), once every split's y has passed the checks
-    that persisted collections pass (``workflows/collections.py``)."""
-    num_classes = 0
-    for name, (_, y) in arrays.items():
-        where = f"data[{name!r}]"
-        blocks = [dask.delayed(target_facts)(block) for block in y.to_delayed().ravel()]
-        facts = _bounded(client, blocks, timeout_s, where)
-        require_no_nan(where, sum(f[1] for f in facts))
-        if classification:
-            low, high = min(f[3] for f in facts), max(f[4] for f in facts)
-            require_class_labels(where, integral=all(f[2] for f in facts), low=low)
-            num_classes = max(num_classes, int(high) + 1)
-    return num_classes
+    """The number of classes (0 for regression), once y has passed the checks that persisted
+    collections pass (``workflows/collections.py``)."""
+    require_no_nan(where, sum(f[1] for f in facts))
+    if not classification:
+        return 0
+    low, high = min(f[3] for f in facts), max(f[4] for f in facts)
+    require_class_labels(where, integral=all(f[2] for f in facts), low=low)
+    return int(high) + 1
 
 
 def _write(

@@ -303,11 +303,13 @@ def _persisted(
 ) -> list[Future]:
     persisted = client.persist(collection, workers=workers or None, allow_other_workers=True)
     futures = _ordered_futures(persisted)
-    _wait(futures, timeout_s, where)
+    wait_for_partitions(futures, timeout_s, where)
     return futures
 
 
-def _wait(futures: list[Future], timeout_s: float, where: str) -> None:
+def wait_for_partitions(futures: list[Future], timeout_s: float, where: str) -> None:
+    """Every future done within ``timeout_s``; a partition that failed to compute is a
+    DataError naming ``where`` (the split) and the error."""
     try:
         wait(futures, timeout=timeout_s)
     except TimeoutError:
@@ -406,7 +408,7 @@ def _plan_split(
             (x_key, x_start, x_stop), (y_key, y_start, _) = keys
             rank_pieces.append(Piece(x_key, y_key, x_start, y_start, x_stop - x_start))
         pieces.append(rank_pieces)
-    _wait(moved, timeout_s, where)
+    wait_for_partitions(moved, timeout_s, where)
     # Pinned so that no idle worker steals them, which would copy whole partitions; once they
     # ran, any worker may recompute them (after a worker loss, the pinned one may be gone).
     lifted = {future.key: None for future in [*cuts, *moved]}
@@ -451,7 +453,7 @@ def _where_held(
         )
         for future in futures
     ]
-    _wait(done, timeout_s, where)
+    wait_for_partitions(done, timeout_s, where)
     return client.gather(done)
 
 
