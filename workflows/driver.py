@@ -16,7 +16,7 @@ import torch
 from distributed import Client
 
 from workers.collection_shard import CollectionPlan
-from workers.config_models import LOSSES
+from workers.config_models import LOSSES, DataConfig
 from workers.model_sources import source_of
 from workers.strategies import STAGED
 from workers.train import RankResult, TrainJob, run_rank
@@ -180,6 +180,19 @@ def _world_size(client: Client, config: RunConfig) -> int:
     )
 
 
+def _known_classes(
+    data: DataConfig, collections: CollectionPlan | None, manifest: StoreManifest | None
+) -> int:
+    """The class count the model is checked with before the store is built: the store's, when
+    it is known; otherwise 10 (the check only builds the model on the meta device)."""
+    if manifest is not None:
+        return manifest.num_classes
+    if collections is not None:
+        return 10
+    known = read_manifest(data.store_url, storage_options=data.storage_options)
+    return len(known["classes"]) if known else 10
+
+
 def _train_prepared(
     client: Client,
     config: RunConfig,
@@ -199,12 +212,9 @@ def _train_prepared(
     data = config.data.resolved()
     if factory is not None or not config.model.builtin or config.training.loss not in LOSSES:
         # The model's and the loss's code, checked before the store is built or a rank starts.
-        known = (
-            read_manifest(data.store_url, storage_options=data.storage_options)
-            if collections is None
-            else None
+        check_model(
+            config, num_classes=_known_classes(data, collections, manifest), factory=factory
         )
-        check_model(config, num_classes=len(known["classes"]) if known else 10, factory=factory)
         # Modules named by import path that the workers lack travel to them; a factory given
         # in Python travels inside the job, and launch_on ships what that refers to.
         ship_modules(client, _imported_modules(config))
