@@ -31,26 +31,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workers.models import build_model
 from workers.script_runner import ScriptSpec, run_script
-from workflows.benchmarks.ddp_vs_torchrun import benchmark_config
-from workflows.cluster import TUNED_MALLOC, start_cluster
+from workflows.benchmarks.ddp_vs_torchrun import benchmark_config, run_torchrun
+from workflows.cluster import start_cluster
 from workflows.driver import train
 from workflows.jobs import launch, launch_on
 from workflows.launcher import LaunchConfig
 
 SCRIPT = "workflows.benchmarks.torchrun_rank"
-
-
-def torchrun(config_json: str, workers: int) -> tuple[float, float]:
-    """(steady samples/s, seconds from process start to the end of the run) under torchrun."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env |= {"OMP_NUM_THREADS": "1", **{k: str(v) for k, v in TUNED_MALLOC.items()}}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc_per_node={workers}", "-m", SCRIPT, config_json]
-    started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun failed:\n{done.stderr[-3000:]}")
-    return _result(done.stdout.splitlines())["steady_samples_per_s"], started
 
 
 def _result(lines: list[str]) -> dict:
@@ -189,7 +176,7 @@ def main() -> None:
         )
         train(warm, cluster=cluster, on_event=None)  # imports and first-touch, paid once
         for repeat in range(args.repeats):
-            rates["torchrun"].append(torchrun(config_json, args.workers)[0])
+            rates["torchrun"].append(run_torchrun(config, args.workers, tuned_malloc=True))
             rates["launch"].append(under_launch(cluster.client, config_json, args.workers))
             rates["train"].append(
                 train(config, cluster=cluster, on_event=None).steady_samples_per_s
