@@ -1,6 +1,6 @@
 """Single-process reference training: the yardstick every strategy must match."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -71,3 +71,13 @@ def train_in_one_process(
             done += 1
         epoch += 1
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_parameters(
+    got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], **tolerance: float
+) -> None:
+    """``got`` holds every tensor of ``expected`` under the same names, and no other, each equal
+    within ``tolerance`` (``torch.testing.assert_close``'s rtol and atol; its defaults if none)."""
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name, **tolerance)

@@ -10,7 +10,7 @@ import torch
 import zarr
 from distributed import get_task_stream
 
-from tests.reference import train_in_one_process
+from tests.reference import assert_same_parameters, train_in_one_process
 from workers.sources import SourceError
 from workflows.collections import DataError
 from workflows.driver import train
@@ -74,9 +74,7 @@ def test_collections_are_written_by_tasks_keeping_dtype_and_ddp_matches_one_proc
 
     # The ranks read it as they read an image store: DDP equals one process on the same batches.
     expected = train_in_one_process(config, world_size=2, steps=5)
-    assert result.state_dict.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, msg=name)
+    assert_same_parameters(result.state_dict, expected)
     untrained = train_in_one_process(config, world_size=2, steps=0)
     assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"])
 

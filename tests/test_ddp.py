@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.reference import train_in_one_process
+from tests.reference import assert_same_parameters, train_in_one_process
 from workflows.driver import train
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
@@ -24,9 +24,7 @@ def test_k_ddp_steps_equal_k_single_process_steps(cluster, config_of, grad_accum
     assert result.world_size == 2
     assert result.history[-1]["step"] == 5
     expected = train_in_one_process(config, world_size=2, steps=5)
-    assert result.state_dict.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, msg=name)
+    assert_same_parameters(result.state_dict, expected)
     # And the run did move the parameters: equality is not the initial state twice.
     untrained = train_in_one_process(config, world_size=2, steps=0)
     assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"])
@@ -41,8 +39,7 @@ def test_steps_across_an_epoch_boundary_match_too(cluster, config_of, drop_last)
     result = train(config, cluster=cluster, on_event=None)
     assert [r["epoch"] for r in result.history] == [1, 2]
     expected = train_in_one_process(config, world_size=2, steps=8)
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, msg=name)
+    assert_same_parameters(result.state_dict, expected)
 
 
 def test_data_parallel_strategy_matches_one_process(cluster, config_of):
@@ -50,8 +47,7 @@ def test_data_parallel_strategy_matches_one_process(cluster, config_of):
     result = train(config, cluster=cluster, on_event=None)
     assert result.world_size == 1
     expected = train_in_one_process(config, world_size=1, steps=4)
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, msg=name)
+    assert_same_parameters(result.state_dict, expected)
 
 
 def test_digits_with_ddp_learns_well_above_chance(cluster, make_config):

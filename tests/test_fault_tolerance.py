@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from tests.reference import assert_same_parameters
 from workers.checkpoint import (
     MANIFEST,
     CheckpointDamaged,
@@ -56,9 +57,7 @@ def _worker_pids(cluster) -> dict[str, int]:
 
 
 def _assert_same_parameters(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    assert_same_parameters(got, expected, rtol=1e-6, atol=1e-7)
 
 
 def _signal_at_step(cluster, pid: int, signum: int, step: int, sent: list):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.reference import train_in_one_process
+from tests.reference import assert_same_parameters, train_in_one_process
 from workers.checkpoint import MANIFEST, list_checkpoints
 from workers.data import RankBatches, open_store
 from workers.models import build_model
@@ -80,9 +80,7 @@ def _peak_gpu_bytes() -> int:
 
 def _assert_matches(result, config, *, world_size: int, steps: int = 5) -> None:
     expected = train_in_one_process(config, world_size=world_size, steps=steps, device="cuda")
-    assert result.state_dict.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, msg=name, **GPU_TOLERANCE)
+    assert_same_parameters(result.state_dict, expected, **GPU_TOLERANCE)
     # The run moved the parameters: equality is not the initial state twice.
     untrained = train_in_one_process(config, world_size=world_size, steps=0)
     assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"], atol=1e-3)

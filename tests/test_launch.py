@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.reference import assert_same_parameters
 from workflows import CodeNotShippable, launch
 from workflows.jobs import TrainingFailed
 
@@ -87,9 +88,7 @@ def _one_process(steps: int, lr: float) -> dict[str, torch.Tensor]:
 
 
 def _assert_same(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_parameters(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def _pids(cluster) -> dict[str, int]:

@@ -16,7 +16,7 @@ from distributed import Client
 from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 from torch import nn
 
-from tests.reference import train_in_one_process
+from tests.reference import assert_same_parameters, train_in_one_process
 from workers.config_models import ModelConfig
 from workers.data import open_store
 from workers.losses import Criterion
@@ -50,9 +50,7 @@ def not_a_model(num_classes):
 
 
 def _assert_equal_state(result_state: dict, expected: dict) -> None:
-    assert result_state.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(result_state[name], value, msg=name)
+    assert_same_parameters(result_state, expected)
 
 
 def _user_module(folder: Path, monkeypatch) -> str:

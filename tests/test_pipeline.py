@@ -7,7 +7,7 @@ reference leaves (PyTorch's own pipelining tests use rtol 1e-5, atol 4e-5).
 import pytest
 import torch
 
-from tests.reference import train_in_one_process
+from tests.reference import assert_same_parameters, train_in_one_process
 from workflows.cluster import start_cluster
 from workflows.config import ConfigError, load_config
 from workflows.driver import train
@@ -18,9 +18,7 @@ STEPS = 5
 
 def _assert_matches_reference(result, config, *, steps: int = STEPS) -> None:
     expected = train_in_one_process(config, world_size=config.pipeline.dp, steps=steps)
-    assert result.state_dict.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    assert_same_parameters(result.state_dict, expected, rtol=1e-5, atol=4e-5)
     # The run moved the parameters: equality is not the initial state twice.
     untrained = train_in_one_process(config, world_size=config.pipeline.dp, steps=0)
     assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"])

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.reference import train_in_one_process
+from tests.reference import assert_same_parameters, train_in_one_process
 from tests.traced_models import DataDependent, ResidualNet, build
 from workers.config_models import PipelineConfig, TrainingConfig
 from workers.data import StoreSplit, open_store
@@ -176,9 +176,8 @@ def _assert_matches_one_process(stages: list, model_name: str) -> None:
         assert not got.keys() & stage.keys(), "the stages hold different parameters"
         got.update(stage)
     expected = _one_process(model_name, STEPS)
-    assert got.keys() == expected.keys()  # the full model's names, every parameter once
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    # The full model's names, every parameter once.
+    assert_same_parameters(got, expected, rtol=1e-5, atol=4e-5)
     untrained = build(model_name, seed=0).state_dict()
     assert any(not torch.equal(got[name], untrained[name]) for name in expected)
 
@@ -418,9 +417,7 @@ def test_a_model_given_in_python_is_traced_cut_and_matches_one_process(cluster, 
     (point,) = result.split_points
     assert point in ["blocks.0", "blocks.1", "blocks.2", "head"]
     expected = train_in_one_process(config, world_size=1, steps=STEPS, factory=residual)
-    assert result.state_dict.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    assert_same_parameters(result.state_dict, expected, rtol=1e-5, atol=4e-5)
     untrained = train_in_one_process(config, world_size=1, steps=0, factory=residual)
     assert not torch.equal(result.state_dict["head.weight"], untrained["head.weight"])
     # Split points are checked against model.name's model when the config loads; where that
@@ -455,8 +452,7 @@ def test_a_regression_on_a_traced_cut_reports_what_ddp_reports(cluster, make_con
     result = train(config, cluster=cluster, on_event=None)
     expected = train_in_one_process(config, world_size=1, steps=STEPS)
     assert result.state_dict["head.weight"].shape == (1, 8)
-    for name, value in expected.items():
-        torch.testing.assert_close(result.state_dict[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    assert_same_parameters(result.state_dict, expected, rtol=1e-5, atol=4e-5)
     # Validation of the trained parameters in one process, scored by the same criterion.
     store = open_store(config.data.resolved().store_url)
     x = torch.from_numpy(np.asarray(store.val.images[:]))
