@@ -311,6 +311,37 @@ def test_code_the_stock_workers_cannot_import_is_shipped(tmp_path, monkeypatch):
         del sys.modules[module]
 
 
+def test_the_modules_a_pickled_job_imports_are_found_exactly():
+    # A function of a script's __main__ travels by value, and the modules it uses travel as
+    # cloudpickle's subimport(name). When a name string is memoized earlier in the pickle, the
+    # subimport's argument is a memo lookup: a scan that only matched the next string took the
+    # job's "args" field for a module and refused the launch (CodeNotShippable: 'args').
+    import cloudpickle
+
+    from workers.rank_context import RankJob
+    from workflows.code_shipping import referenced_modules
+
+    script = {"__name__": "__main__"}
+    exec(
+        "import time\nimport numpy\ndef loop(ctx):\n    time.sleep(0)\n    return numpy.zeros(1)\n",
+        script,
+    )
+    job = RankJob(
+        fn=script["loop"],
+        args=(),
+        kwargs={},
+        name="time",
+        generation="g",
+        attempt=0,
+        max_failures=3,
+        event_topic="events",
+        heartbeat_topic="beats",
+    )
+    pickled = cloudpickle.dumps(job)
+    assert b"args" in pickled and b"numpy" in pickled
+    assert referenced_modules(pickled) == {"cloudpickle", "numpy", "time", "workers"}
+
+
 def test_a_launch_with_tracking_writes_rank_0s_reports_to_tensorboard(cluster, tmp_path):
     from tests.test_tracking import _scalars
 

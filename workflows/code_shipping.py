@@ -16,15 +16,13 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from distributed import Client
 from distributed.diagnostics.plugin import UploadFile
 
 logger = logging.getLogger(__name__)
 
-_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"}
-_GET_OPS = {"BINGET", "LONG_BINGET", "GET"}
 _COMPILED = (".so", ".pyd", ".dylib")
 
 
@@ -33,39 +31,80 @@ class CodeNotShippable(RuntimeError):
 
 
 def referenced_modules(pickled: bytes) -> set[str]:
-    """The top-level modules that unpickling ``pickled`` imports."""
+    """The top-level modules that unpickling ``pickled`` imports: those of its globals, and
+    those a by-value function refers to (cloudpickle's ``subimport(name)``).
+
+    The pickle's stack is followed symbolically, op by op (``pickletools`` gives each op's
+    stack effect), so a memoized string is known for what it is wherever it is reused; nothing
+    is loaded or run.
+    """
     modules: set[str] = set()
-    recent: list[Any] = []  # what the pickle pushed last: a string, or None for anything else
-    memo: dict[int, Any] = {}
-    subimport = False
+    stack: list[Any] = []
+    memo: dict[Any, Any] = {}
     for opcode, argument, _ in pickletools.genops(pickled):
+        consumed = _pop(stack, opcode.stack_before)
+        pushed: list[Any] = [None] * len(opcode.stack_after)
         name = opcode.name
-        if name in _STRING_OPS:
-            if subimport:  # cloudpickle's subimport(name): a module a by-value function uses
-                modules.add(argument)
-                subimport = False
-            recent.append(argument)
-        elif name == "MEMOIZE":
-            memo[len(memo)] = recent[-1] if recent else None
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[int(argument)] = recent[-1] if recent else None
-        elif name in _GET_OPS:
-            recent.append(memo.get(int(argument)))
-        elif name == "STACK_GLOBAL" and len(recent) >= 2:
-            module, attribute = recent[-2], recent[-1]
+        if name in _STRINGS:
+            pushed = [argument]
+        elif name in _MEMO_GETS:
+            pushed = [memo.get(argument)]
+        elif name == "MEMOIZE" or name in _MEMO_PUTS:  # the top stays where it is
+            memo[len(memo) if name == "MEMOIZE" else argument] = consumed[0]
+            pushed = consumed
+        elif name == "MARK":
+            pushed = [_MARK]
+        elif name in ("GLOBAL", "STACK_GLOBAL"):
+            module, _, attribute = (
+                str(argument).partition(" ") if name == "GLOBAL" else (consumed[0], "", consumed[1])
+            )
             if isinstance(module, str):
                 modules.add(module)
-                subimport = module.startswith("cloudpickle") and attribute == "subimport"
-            recent.append(None)
-        elif name == "GLOBAL":
-            module, _, attribute = str(argument).partition(" ")
-            modules.add(module)
-            subimport = module.startswith("cloudpickle") and attribute == "subimport"
-            recent.append(None)
-        elif name not in ("FRAME", "PROTO", "STOP"):
-            recent.append(None)
-        del recent[:-4]
+            pushed = [_Global(module, attribute)]
+        elif name.startswith("TUPLE") or name == "EMPTY_TUPLE":
+            pushed = [tuple(consumed)]
+        elif name == "REDUCE":
+            function, arguments = consumed
+            if _is_subimport(function) and arguments and isinstance(arguments[0], str):
+                modules.add(arguments[0])
+        stack.extend(pushed)
     return {m.split(".")[0] for m in modules if m and m != "__main__"}
+
+
+class _Global(NamedTuple):
+    module: Any
+    attribute: Any
+
+
+_MARK = object()
+_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"}
+_MEMO_GETS = {"BINGET", "LONG_BINGET", "GET"}
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+
+
+def _pop(stack: list[Any], before: list[Any]) -> list[Any]:
+    """Take an op's operands off ``stack``: those above the topmost mark where the op reads
+    to the mark (TUPLE, APPENDS), and the fixed ones, in push order."""
+    taken: list[Any] = []
+    if pickletools.markobject in before:
+        mark = max((i for i, item in enumerate(stack) if item is _MARK), default=-1)
+        taken = stack[mark + 1 :]
+        del stack[max(mark, 0) :]
+        before = before[: before.index(pickletools.markobject)]
+    fixed = len(before)
+    below = stack[-fixed:] if fixed else []
+    del stack[len(stack) - len(below) :]
+    below = [None] * (fixed - len(below)) + below
+    return below + taken
+
+
+def _is_subimport(function: Any) -> bool:
+    return (
+        isinstance(function, _Global)
+        and isinstance(function.module, str)
+        and function.module.startswith("cloudpickle")
+        and function.attribute == "subimport"
+    )
 
 
 def _unimportable(names: list[str]) -> list[str]:
