@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -47,6 +48,12 @@ def repo_entries(repo: Path = REPO) -> set[str] | None:
 
 def pytest_sessionstart(session):
     session.config.stash[_BEFORE] = repo_entries()
+    # A suite started in the background by a non-interactive shell (`make test &`, nohup)
+    # inherits SIGINT ignored, and so do the processes it starts: then no Ctrl-C reaches
+    # anything, and the Ctrl-C tests would wait for one forever. They test our handling of
+    # Ctrl-C, so the suite takes Python's own handling back.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_sessionfinish(session, exitstatus):
