@@ -236,8 +236,7 @@ def test_a_local_cluster_start_is_bounded_and_what_it_started_is_closed(tmp_path
     assert done.returncode == 1
     # The abandoned start goes on logging until the interpreter exits, so its lines may follow
     # the traceback: the error is looked for among the lines, not taken as the last one.
-    errors = [line for line in done.stderr.splitlines() if line.startswith("TimeoutError")]
-    assert errors == [
+    assert (
         "TimeoutError: cluster.start_timeout_s: the local cluster did not start within 0.001 s "
         "(a loaded machine may need more; see the log for the workers' errors)"
-    ], done.stderr
+    ) in done.stderr.splitlines(), done.stderr
