@@ -111,13 +111,14 @@ def _read_once(
     else:  # blocks of whole rows
         y_blocks = y.rechunk({axis: -1 for axis in range(1, y.ndim)}).to_delayed().ravel()
     y_facts = [dask.delayed(target_facts)(block) for block in y_blocks]
-    x_lengths = [x.map_partitions(len)] if is_frame(x) else []
+    # Delayed, as y's facts are: one graph, in which X's and y's reads of a file are one task.
+    x_lengths = [dask.delayed(len)(part) for part in x.to_delayed()] if is_frame(x) else []
     futures = client.compute([*y_facts, *x_lengths])
     wait_for_partitions(futures, timeout_s, where)
     computed = client.gather(futures)
     facts = computed[: len(y_facts)]
     if is_frame(x):
-        x = x.to_dask_array(lengths=tuple(int(n) for n in computed[-1]))
+        x = x.to_dask_array(lengths=tuple(int(n) for n in computed[len(y_facts) :]))
     if is_frame(y):
         y = y.to_dask_array(lengths=tuple(f[0] for f in facts))
     if x.shape[0] != y.shape[0]:
