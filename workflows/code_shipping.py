@@ -15,8 +15,9 @@ import pickletools
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import UploadFile
@@ -65,13 +66,19 @@ def referenced_modules(pickled: bytes) -> set[str]:
             pushed = [tuple(consumed)]
         elif name == "REDUCE":
             function, arguments = consumed
-            if _is_subimport(function) and arguments and isinstance(arguments[0], str):
+            if (
+                _is_subimport(function)
+                and isinstance(arguments, tuple)
+                and arguments
+                and isinstance(arguments[0], str)
+            ):
                 modules.add(arguments[0])
         stack.extend(pushed)
     return {m.split(".")[0] for m in modules if m and m != "__main__"}
 
 
-class _Global(NamedTuple):
+@dataclass(frozen=True)
+class _Global:
     module: Any
     attribute: Any
 
