@@ -49,10 +49,6 @@ def not_a_model(num_classes):
 """
 
 
-def _assert_equal_state(result_state: dict, expected: dict) -> None:
-    assert_same_parameters(result_state, expected)
-
-
 def _user_module(folder: Path, monkeypatch) -> str:
     """Write USER_MODELS under a fresh name into ``folder``, importable here only."""
     name = f"user_models_{uuid.uuid4().hex[:8]}"
@@ -233,7 +229,7 @@ def test_a_torchvision_model_under_ddp_equals_one_process(cluster, make_config):
     assert result.world_size == 2 and result.final["step"] == 2
     # num_classes came from the store: digits' 10, not ImageNet's 1,000.
     assert result.state_dict["classifier.1.weight"].shape[0] == 10
-    _assert_equal_state(result.state_dict, train_in_one_process(config, world_size=2, steps=2))
+    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=2, steps=2))
     untrained = train_in_one_process(config, world_size=2, steps=0)
     assert not torch.equal(
         result.state_dict["classifier.1.weight"], untrained["classifier.1.weight"]
@@ -249,7 +245,7 @@ def test_a_timm_model_under_ddp_equals_one_process(cluster, make_config):
     )
     result = train(config, cluster=cluster, on_event=None)
     assert result.state_dict["head.weight"].shape[0] == 10
-    _assert_equal_state(result.state_dict, train_in_one_process(config, world_size=2, steps=2))
+    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=2, steps=2))
 
 
 @pytest.mark.slow
@@ -267,7 +263,7 @@ def test_a_model_given_in_python_trains_on_the_shared_cluster(cluster, make_conf
     result = train(config, model=small_cnn, cluster=cluster, on_event=None)
     assert result.state_dict["3.weight"].shape == (10, 8 * 32 * 32)
     expected = train_in_one_process(config, world_size=2, steps=2, factory=small_cnn)
-    _assert_equal_state(result.state_dict, expected)
+    assert_same_parameters(result.state_dict, expected)
     untrained = train_in_one_process(config, world_size=2, steps=0, factory=small_cnn)
     assert not torch.equal(result.state_dict["3.weight"], untrained["3.weight"])
     # A factory that refuses a kwarg is stopped before any rank starts.
@@ -321,7 +317,7 @@ def test_a_factory_outside_the_repository_is_shipped_to_stock_workers(
             sys.modules.pop(module, None)
     assert result.state_dict["1.weight"].shape == (16, 3 * 32 * 32)  # in_features, hidden
     assert result.state_dict["3.weight"].shape == (10, 16)  # num_classes
-    _assert_equal_state(result.state_dict, train_in_one_process(config, world_size=2, steps=3))
+    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=2, steps=3))
     assert from_python.state_dict["1.weight"].shape == (32, 3 * 32 * 32)  # hidden's default
     val = open_store(config.data.resolved().store_url).val
     model = nn.Sequential(
@@ -347,7 +343,7 @@ def test_regression_with_mse_equals_one_process_and_reports_its_metrics(
         result = train(config, cluster=cluster, on_event=events.append)
         run.finish(result)
     assert result.state_dict["fc2.weight"].shape == (1, 64)
-    _assert_equal_state(result.state_dict, train_in_one_process(config, world_size=2, steps=3))
+    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=2, steps=3))
     final = result.final
     assert {"loss", "mse", "mae", "r2", "val_loss", "val_mse", "val_mae", "val_r2"} <= set(final)
     assert "accuracy" not in final and "val_accuracy" not in final

@@ -96,8 +96,9 @@ def _read_once(
 ) -> tuple[Any, Any, list[tuple[int, int, bool, float, float]]]:
     """X and y as dask arrays of known lengths, and the facts of y's partitions
     (``target_facts``), from one pass over the data: a dataframe does not know its partitions'
-    lengths, and computed together, X and y that come from one read (the columns of one Parquet
-    dataset) are read once. The write then reads them a second time, chunk by chunk."""
+    lengths, and y's lengths come with its facts, so each column is read once here (dask-expr
+    reads X's and y's columns of one Parquet dataset in tasks of their own). The write then
+    reads them a second time, chunk by chunk."""
     import dask.dataframe as dd
 
     def is_frame(c: Any) -> bool:
@@ -111,7 +112,7 @@ def _read_once(
     else:  # blocks of whole rows
         y_blocks = y.rechunk({axis: -1 for axis in range(1, y.ndim)}).to_delayed().ravel()
     y_facts = [dask.delayed(target_facts)(block) for block in y_blocks]
-    # Delayed, as y's facts are: one graph, in which X's and y's reads of a file are one task.
+    # Delayed, as y's facts are: dask warns when one compute mixes expressions and graphs.
     x_lengths = [dask.delayed(len)(part) for part in x.to_delayed()] if is_frame(x) else []
     futures = client.compute([*y_facts, *x_lengths])
     wait_for_partitions(futures, timeout_s, where)
