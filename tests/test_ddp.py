@@ -34,13 +34,14 @@ def test_k_ddp_steps_equal_k_single_process_steps(cluster, config_of, grad_accum
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_steps_across_an_epoch_boundary_match_too(cluster, config_of, drop_last):
-    # 1,438 training digits, 719 per rank, 128 per rank and step: 6 steps per epoch with a last
-    # partial batch of 79 (5 without it), so 8 steps reshuffle once. Few, large steps: float
-    # rounding differences grow ~10x every 5 steps in this network.
-    config = config_of({"drop_last": drop_last}, max_steps=8, epochs=2, batch_size=256)
+    # 1,438 training digits, 719 per rank, 256 per rank and step: 3 steps per epoch with a last
+    # partial batch of 207 (2 without it), so 4 steps reshuffle once. Few, large steps: see
+    # FEW_STEPS_FLOAT32.
+    config = config_of({"drop_last": drop_last}, max_steps=4, epochs=2, batch_size=512)
     result = train(config, cluster=cluster, on_event=None)
     assert [r["epoch"] for r in result.history] == [1, 2]
-    expected = train_in_one_process(config, world_size=2, steps=8)
+    assert [r["step"] for r in result.history] == [2 if drop_last else 3, 4]
+    expected = train_in_one_process(config, world_size=2, steps=4)
     assert_same_parameters(result.state_dict, expected)
 
 

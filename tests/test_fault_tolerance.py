@@ -57,7 +57,10 @@ def _worker_pids(cluster) -> dict[str, int]:
 
 
 def _assert_same_parameters(got: dict, expected: dict) -> None:
-    assert_same_parameters(got, expected, rtol=1e-6, atol=1e-7)
+    # Both sides are this code on the same ranks and kernels (a recovered or resumed run
+    # against an uninterrupted one), so the same order of every sum: equal to the last bit on
+    # any CPU, however many steps.
+    assert_same_parameters(got, expected, rtol=0, atol=0)
 
 
 def _signal_at_step(cluster, pid: int, signum: int, step: int, sent: list):
@@ -75,7 +78,7 @@ def _signal_at_step(cluster, pid: int, signum: int, step: int, sent: list):
 def test_sigkill_of_a_worker_mid_epoch_is_survived_with_the_same_parameters(
     own_cluster, checkpointed
 ):
-    config = checkpointed("killed", epochs=3, checkpoint={"every_steps": 5})
+    config = checkpointed("killed", epochs=1, checkpoint={"every_steps": 5})
     victim = max(_worker_pids(own_cluster).values())  # one of the two rank workers
     sent: list = []
     result = train(
@@ -88,9 +91,9 @@ def test_sigkill_of_a_worker_mid_epoch_is_survived_with_the_same_parameters(
     (recovery,) = result.recoveries
     assert recovery["resumed_from_step"] >= 10 and recovery["resumed_from_step"] % 5 == 0
     assert recovery["seconds_lost"] > 0
-    assert [r["epoch"] for r in result.history] == [1, 2, 3]
+    assert [r["epoch"] for r in result.history] == [1]
 
-    uninterrupted = train(checkpointed("straight", epochs=3), cluster=own_cluster, on_event=None)
+    uninterrupted = train(checkpointed("straight", epochs=1), cluster=own_cluster, on_event=None)
     assert not uninterrupted.recoveries
     _assert_same_parameters(result.state_dict, uninterrupted.state_dict)
     assert result.history[-1]["loss"] == pytest.approx(uninterrupted.history[-1]["loss"])
@@ -100,7 +103,7 @@ def test_sigkill_of_a_worker_mid_epoch_is_survived_with_the_same_parameters(
 def test_sigstop_of_a_worker_is_detected_within_the_hang_timeout(own_cluster, checkpointed):
     config = checkpointed(
         "stopped",
-        epochs=3,
+        epochs=1,
         checkpoint={"every_steps": 5},
         launch={"hang_timeout_s": 4, "first_step_timeout_s": 120},
     )
@@ -118,25 +121,25 @@ def test_sigstop_of_a_worker_is_detected_within_the_hang_timeout(own_cluster, ch
     (recovery,) = result.recoveries
     assert "made no progress" in recovery["failure"]
     assert "launch.hang_timeout_s = 4" in recovery["failure"]
-    # The last heartbeat may precede the signal by up to a second (one a second at most),
-    # and the launcher polls twice a second: the timeout, give or take a small margin.
-    assert 3 <= recovery["detected_at_s"] - sent[0] < 4 + 6
-    assert [r["epoch"] for r in result.history] == [1, 2, 3]
+    # Not before the timeout: the last heartbeat may precede the signal by up to a second
+    # (one a second at most). How long after it is the machine's load, not a property.
+    assert recovery["detected_at_s"] - sent[0] >= 4 - 1
+    assert [r["epoch"] for r in result.history] == [1]
 
 
+# A run that gave up but then waited on (for the lost worker, for a release) times out here.
+@pytest.mark.timeout(150)
 def test_max_failures_bounds_the_restarts_with_a_clear_message(own_cluster, checkpointed):
     from workflows.driver import TrainingFailed
 
     config = checkpointed("fragile", epochs=3, launch={"max_failures": 0})
     victim = max(_worker_pids(own_cluster).values())
-    started = time.monotonic()
     with pytest.raises(TrainingFailed, match=r"giving up after 0 recoveries \(launch.max_fail"):
         train(
             config,
             cluster=own_cluster,
             on_event=_signal_at_step(own_cluster, victim, signal.SIGKILL, 5, []),
         )
-    assert time.monotonic() - started < 120
 
 
 def test_a_resumed_run_continues_exactly_where_its_checkpoint_left_off(cluster, checkpointed):

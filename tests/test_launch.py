@@ -87,24 +87,20 @@ def _one_process(steps: int, lr: float) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _assert_same(got: dict, expected: dict) -> None:
-    assert_same_parameters(got, expected, rtol=1e-5, atol=1e-6)
-
-
 def _pids(cluster) -> dict[str, int]:
     return cluster.client.run(os.getpid)
 
 
 def test_a_users_ddp_loop_matches_one_process_and_every_rank_returns(cluster):
     events: list[dict] = []
-    result = launch(ddp_loop, 20, 0.1, cluster=cluster, world_size=2, on_event=events.append)
+    result = launch(ddp_loop, 5, 0.1, cluster=cluster, world_size=2, on_event=events.append)
     assert result.world_size == 2 and len(result.results) == 2
     for parameters in result.results:  # every rank's return value, in rank order
-        _assert_same(parameters, _one_process(20, 0.1))
+        assert_same_parameters(parameters, _one_process(5, 0.1))
     # Every rank's reports come back, in order, and reached on_event once each.
-    assert [[r["step"] for r in rank] for rank in result.metrics] == [list(range(1, 21))] * 2
+    assert [[r["step"] for r in rank] for rank in result.metrics] == [list(range(1, 6))] * 2
     reports = [(e["rank"], e["step"]) for e in events if e.get("kind") == "report"]
-    assert sorted(reports) == sorted((rank, s) for rank in (0, 1) for s in range(1, 21))
+    assert sorted(reports) == sorted((rank, s) for rank in (0, 1) for s in range(1, 6))
     assert 0 < result.first_step_s < result.wall_s
     assert result.recoveries == [] and result.attempts == 1
 
@@ -136,11 +132,13 @@ def counted_then_raises(ctx, calls: str, error: str) -> None:
     dist.all_reduce(value)  # rank 0 waits here for a peer that never comes
 
 
+# Rank 0 waits in a collective whose timeout is launch's default 600 s: it must be released
+# by the launcher, or the test times out.
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("error", ["value", "shape"])
 def test_a_user_exception_is_raised_once_and_never_retried(cluster, tmp_path, error):
     calls = tmp_path / "calls"
     pids = _pids(cluster)
-    started = time.monotonic()
     expected = ValueError if error == "value" else RuntimeError
     with pytest.raises(expected) as raised:
         launch(counted_then_raises, str(calls), error, cluster=cluster, world_size=2)
@@ -149,8 +147,7 @@ def test_a_user_exception_is_raised_once_and_never_retried(cluster, tmp_path, er
     frames = traceback.extract_tb(raised.value.__traceback__)
     assert (__file__, "counted_then_raises") in [(f.filename, f.name) for f in frames]
     assert "raised by rank 1 on worker" in "".join(raised.value.__notes__)
-    # Rank 0 was waiting in a collective: it was released, not restarted, and promptly.
-    assert time.monotonic() - started < 60
+    # Rank 0 was waiting in a collective: it was released, not restarted.
     assert _pids(cluster) == pids
     assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
 
@@ -160,26 +157,26 @@ def test_a_users_checkpoints_survive_a_sigkill_with_the_same_parameters(own_clus
     pids = _pids(own_cluster)
     result = launch(
         ddp_loop,
-        30,
+        6,
         0.1,
-        5,
-        13,  # rank 1's worker is SIGKILLed at step 13, three steps after the checkpoint of 10
+        2,
+        3,  # rank 1's worker is SIGKILLed at step 3, a step after the checkpoint of 2
         cluster=own_cluster,
         world_size=2,
         checkpoint_dir=tmp_path / "checkpoints",
     )
     (recovery,) = result.recoveries
-    assert recovery["resumed_from_step"] == 10
+    assert recovery["resumed_from_step"] == 2
     assert recovery["restart_s"] is not None and recovery["seconds_lost"] > 0
     assert result.attempts == 2
     # Only the killed worker is new: the survivor let go of the group in place.
     assert len(set(_pids(own_cluster).values()) & set(pids.values())) == 1
     for parameters in result.results:
-        _assert_same(parameters, _one_process(30, 0.1))
+        assert_same_parameters(parameters, _one_process(6, 0.1))
     # The resumed attempt reported from the checkpoint's step on.
     final_attempt = [r for r in result.metrics[0] if r["attempt"] == 1]
-    assert final_attempt[0]["step"] == 11
-    assert final_attempt[-1]["step"] == 30
+    assert final_attempt[0]["step"] == 3
+    assert final_attempt[-1]["step"] == 6
 
 
 def sleeps_in_python(ctx) -> None:
@@ -193,12 +190,12 @@ def _ctrl_c_once_started(record: dict) -> None:
         _thread.interrupt_main()  # Ctrl-C, once both ranks are in the user's loop
 
 
+# The ranks sleep forever: a Ctrl-C that does not stop them times the test out.
+@pytest.mark.timeout(150)
 def test_ctrl_c_stops_the_ranks_without_restarting_workers(cluster):
     pids = _pids(cluster)
-    started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         launch(sleeps_in_python, cluster=cluster, world_size=2, on_event=_ctrl_c_once_started)
-    assert time.monotonic() - started < 30
     assert _pids(cluster) == pids  # stopped in place
     assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
 

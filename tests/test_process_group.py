@@ -51,10 +51,11 @@ def test_ranks_follow_the_worker_list_and_master_is_rank0s_host(cluster):
 
 
 def test_more_ranks_than_workers_fails_fast_with_the_field_named(cluster):
-    started = time.monotonic()
-    with pytest.raises(LaunchError, match=r"launch.world_size: 3 workers are needed.*has 2"):
+    # The message names the wait it gave up after: the configured 1 s, not the default 30 s.
+    with pytest.raises(
+        LaunchError, match=r"launch.world_size: 3 workers are needed.*has 2 after waiting 1 s"
+    ):
         ProcessGroup(cluster.client, LaunchConfig(world_size=3, worker_wait_s=1)).start()
-    assert time.monotonic() - started < 15
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has GPUs")
@@ -76,11 +77,10 @@ def test_rendezvous_with_a_missing_rank_times_out_with_a_message(own_cluster):
         init_timeout_s=2,
         collective_timeout_s=300,
     )
-    started = time.monotonic()
+    # Bounded by the rendezvous timeout, not the 300 s collective timeout: the message says
+    # which bound ended the wait, and the test's own timeout fails it if none did.
     with pytest.raises(Exception, match="rendezvous timed out after 2 s on rank 0"):
         client.register_plugin(ProcessGroupPlugin(spec), name=PLUGIN_NAME)
-    # Bounded by the rendezvous timeout, not the 300 s collective timeout.
-    assert time.monotonic() - started < 15
 
 
 def _free_port(cluster, address):
@@ -126,18 +126,17 @@ def _fail_on_rank_1(generation: str) -> int:
     return membership.rank
 
 
+# Rank 0 is released well before its 300 s collective timeout, or the test times out.
+@pytest.mark.timeout(150)
 def test_a_failing_rank_is_reported_and_the_cluster_recovers(own_cluster):
     client = own_cluster.client
     group = ProcessGroup(client, LaunchConfig(world_size=2, collective_timeout_s=300))
-    started = time.monotonic()
     with (
         pytest.raises(RankFailed, match=r"rank 1 .* failed: ValueError: rank 1 gave up") as info,
         group,
     ):
         group.run(_fail_on_rank_1, group.spec.generation)
     assert info.value.rank == 1
-    # Released well before the 300 s collective timeout.
-    assert time.monotonic() - started < 60
     client.wait_for_workers(2, timeout=60)
     with ProcessGroup(client, LaunchConfig(world_size=2)) as again:
         assert [r["sum"] for r in again.run(_all_reduce_probe, again.spec.generation)] == [3, 3]
@@ -149,7 +148,7 @@ def test_a_cluster_without_workers_is_a_clear_bounded_error():
         deadline = time.monotonic() + 30
         while empty.worker_addresses and time.monotonic() < deadline:
             time.sleep(0.1)
-        started = time.monotonic()
-        with pytest.raises(LaunchError, match=r"2 workers are needed, but the cluster has 0"):
+        with pytest.raises(
+            LaunchError, match=r"2 workers are needed, but the cluster has 0 after waiting 1 s"
+        ):
             ProcessGroup(empty.client, LaunchConfig(world_size=2, worker_wait_s=1)).start()
-        assert time.monotonic() - started < 15
