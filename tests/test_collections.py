@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.collection_shard import batch_sizes
+from workers.collection_shard import RankRows, RankShard, SplitPlan, batch_sizes
 from workflows import launch
 from workflows.collections import DataError, assign_rows, balanced_shares
 
@@ -146,6 +146,27 @@ def test_ranks_keep_their_own_partitions_and_only_the_shortfall_moves():
 def test_batches_are_never_empty(count, expected):
     # Shares of 3 and 4 samples, batches of 3: both ranks take 2 steps.
     assert batch_sizes(count, steps=2, batch_size=3) == expected
+
+
+def test_a_steps_rows_for_the_job_add_every_ranks_batch_of_uneven_shares():
+    # Shares of 5 and 4 samples in batches of 2 take 3 steps: rank 0's batches are 2, 2, 1 and
+    # rank 1's 2, 1, 1, so rank 1's own batch times the ranks would count 4, 2, 2.
+    split = SplitPlan(
+        name="train",
+        n=9,
+        n_partitions=2,
+        counts=(5, 4),
+        pieces=((), ()),
+        x_frame=False,
+        sample_shape=(1,),
+        integral_target=True,
+        target_range=(0.0, 1.0),
+        moved_rows=0,
+        moved_bytes=0,
+        dataset="unused",
+    )
+    shard = RankShard(RankRows([], []), split, rank=1, batch_size=2, seed=0)
+    assert [shard.job_rows(step) for step in range(len(shard))] == [4, 3, 2]
 
 
 # -- locality ---------------------------------------------------------------------------------

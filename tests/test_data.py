@@ -95,6 +95,12 @@ def test_rank_batches_read_exactly_the_indexed_samples(digits_store):
     assert torch.equal(x, everything[index])
     assert torch.equal(y, torch.from_numpy(store.train.labels)[index])
     assert len(batches) == -(-len(index) // 50)
+    # Every replica holds an equal share, so a step's rows for the job (its samples/s) are
+    # this rank's batch times the replicas, the last partial batch and drop_last's cut too.
+    for config in (digits_store, digits_store.model_copy(update={"drop_last": True})):
+        batches = RankBatches(store.train, config, rank=1, world_size=2, batch_size=50, seed=4)
+        sizes = [len(y) for _, y in batches.epoch(0)]
+        assert [batches.job_rows(step) for step in range(len(batches))] == [2 * n for n in sizes]
 
 
 def test_in_memory_prefetched_and_lazy_reads_give_the_same_batches(digits_store):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.reference import assert_same_parameters, train_in_one_process
-from workflows.driver import train
+from workflows.driver import format_epoch, train
+from workflows.run_directory import RunDirectory
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
 
@@ -64,6 +65,24 @@ def test_digits_with_ddp_learns_well_above_chance(cluster, make_config):
     # Every epoch record reached the client exactly once, and step records arrived live.
     assert [e["epoch"] for e in events if e["kind"] == "epoch"] == [1, 2, 3, 4]
     assert any(e["kind"] == "step" for e in events)
+
+
+def test_the_epoch_line_and_the_summary_give_the_same_samples_per_s_of_all_ranks(
+    cluster, config_of, tmp_path
+):
+    # Three steps of one epoch: too few for warm-up steps to be left out of the steady figure,
+    # so the epoch's samples/s and the run's are one measurement, which must count both ranks'
+    # samples on the epoch line as in summary.json and the CLI's closing line.
+    config = config_of(max_steps=3)
+    run = RunDirectory.create(config, tmp_path / "run")
+    with run:
+        result = train(config, cluster=cluster, on_event=None)
+        summary = run.finish(result)
+    record = result.final
+    assert [r["epoch"] for r in result.history] == [1] and record["step"] == 3
+    assert record["samples_per_s"] == pytest.approx(result.samples_per_s, rel=1e-9)
+    assert summary["samples_per_s"] == pytest.approx(result.samples_per_s, rel=1e-9)
+    assert format_epoch(record).endswith(f", {summary['samples_per_s']:.0f} samples/s")
 
 
 def test_bf16_autocast_and_clipping_and_cosine_schedule_train(cluster, config_of):

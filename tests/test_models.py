@@ -44,6 +44,14 @@ def make_mlp(num_classes, in_features, hidden=32):
     )
 
 
+def make_open_mlp(in_features, num_classes, hidden=32, **kwargs):
+    # A bare **kwargs forwarded to a strict callable: only what the user set may reach it.
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(in_features, hidden, **kwargs), nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )
+
+
 def not_a_model(num_classes):
     return {"num_classes": num_classes}
 """
@@ -167,6 +175,28 @@ def test_num_classes_and_the_input_shape_are_filled_in_where_the_factory_takes_t
     assert outputs == 1
 
 
+def test_a_factory_with_a_bare_kwargs_gets_the_facts_its_signature_names(tmp_path, monkeypatch):
+    seen = []
+
+    def mlp(in_features, num_classes, hidden=64, **kwargs):
+        seen.append((in_features, num_classes, hidden, kwargs))
+        return nn.Linear(in_features, num_classes)
+
+    config = ModelConfig(kwargs={"hidden": 8, "dropout": 0.5})
+    build_model(config, num_classes=7, seed=0, factory=mlp)
+    # Named facts filled in, the user's kwargs passed through, in_channels and image_size
+    # (which the signature does not name) kept out of **kwargs.
+    assert seen == [(3 * 32 * 32, 7, 8, {"dropout": 0.5})]
+    # By import path, forwarding its **kwargs to nn.Linear, which would refuse in_channels.
+    user = _user_module(tmp_path / "user_code", monkeypatch)
+    by_name = ModelConfig(name=f"{user}:make_open_mlp", kwargs={"bias": False})
+    model = build_model(by_name, num_classes=7, seed=0)
+    assert model[1].weight.shape == (32, 3 * 32 * 32) and model[1].bias is None
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 7)
+    # The config check (what train() runs before launching) accepts it too.
+    check_model(load_config({"model": {"name": f"{user}:make_open_mlp"}}), num_classes=10)
+
+
 # -- the loss and the task's metrics -------------------------------------------------------------
 
 
@@ -270,6 +300,19 @@ def test_a_model_given_in_python_trains_on_the_shared_cluster(cluster, make_conf
     bad = make_config({"name": "py-factory", "model": {"kwargs": {"depth": 2}}}, **BASE)
     with pytest.raises(ConfigError, match=r"^model\.kwargs: factory .*small_cnn takes no arg"):
         train(bad, model=small_cnn, cluster=cluster, on_event=None)
+
+
+def test_a_factory_with_a_bare_kwargs_trains_on_the_shared_cluster(cluster, make_config):
+    # num_classes and in_features come from the store although **kwargs hides what else it takes.
+    def mlp(in_features, num_classes, hidden=64, **kwargs):
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
+        )
+
+    config = make_config({"name": "py-open-factory"}, max_steps=1, **BASE)
+    result = train(config, model=mlp, cluster=cluster, on_event=None)
+    assert result.state_dict["1.weight"].shape == (64, 3 * 32 * 32)
+    assert result.state_dict["3.weight"].shape == (10, 64)
 
 
 @pytest.mark.slow

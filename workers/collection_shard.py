@@ -15,6 +15,7 @@ number of batches, makes its last two batches ``batch_size - 1`` and 1 rather th
 one). A resumed run starts an epoch at any step with the same batches it would have had.
 """
 
+import functools
 import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
@@ -191,7 +192,8 @@ class Batches:
 
 class RankShard:
     """A rank's rows of one split with the built-in trainer's interface
-    (``workers/data.py`` RankBatches): ``len()`` steps per epoch, ``epoch(e, start_batch=)``."""
+    (``workers/data.py`` RankBatches): ``len()`` steps per epoch, ``epoch(e, start_batch=)``,
+    ``job_rows(step)``."""
 
     def __init__(
         self, rows: RankRows, split: SplitPlan, *, rank: int, batch_size: int, seed: int
@@ -201,6 +203,18 @@ class RankShard:
 
     def __len__(self) -> int:
         return self.split.steps(self.batch_size)
+
+    def job_rows(self, batch: int) -> int:
+        """Rows all ranks together train on in step ``batch`` of an epoch. The shares may
+        differ by a few rows, so this is every rank's batch as the plan sizes it, not this
+        rank's times the ranks."""
+        return self._job_rows[batch]
+
+    @functools.cached_property
+    def _job_rows(self) -> list[int]:
+        steps = len(self)
+        sizes = [batch_sizes(c, steps=steps, batch_size=self.batch_size) for c in self.split.counts]
+        return [sum(step) for step in zip(*sizes, strict=True)]
 
     def epoch(self, epoch: int, *, start_batch: int = 0) -> Batches:
         return Batches(

@@ -179,6 +179,13 @@ class RankBatches:
         share = n // world if self.config.drop_last else -(-n // world)
         return share // self.batch_size if self.config.drop_last else -(-share // self.batch_size)
 
+    def job_rows(self, batch: int) -> int:
+        """Rows all replicas together train on in step ``batch`` of an epoch: every replica
+        holds an equal share (padded or cut), so this rank's batch times the replicas."""
+        n, world = len(self.split), self.world_size
+        share = n // world if self.config.drop_last else -(-n // world)
+        return min(self.batch_size, share - batch * self.batch_size) * world
+
     def epoch(
         self, epoch: int, *, start_batch: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -93,15 +93,21 @@ def data_arguments(num_classes: int, input_shape: tuple[int, ...]) -> dict[str, 
 
 
 def model_arguments(factory: Factory, kwargs: dict[str, Any], facts: dict[str, int]) -> dict:
-    """``model.kwargs`` with the data's facts added where ``factory`` takes them."""
-    if factory.parameters is None:
-        return dict(kwargs)
-    unknown = sorted(set(kwargs) - factory.parameters)
-    if unknown:
-        raise ModelError(
-            f"model.kwargs: factory {factory.label} takes no argument {unknown[0]!r}; it takes "
-            f"{sorted(factory.parameters)}"
-        )
+    """``model.kwargs`` with the data's facts added where ``factory`` names them.
+
+    A factory with a bare ``**kwargs`` (``Factory.more``) still gets the facts its signature
+    names, and ``model.kwargs`` it does not name pass through to its ``**kwargs`` unchecked:
+    the user chose them. The facts it does not name are not pushed into its ``**kwargs``: such
+    a factory often forwards them to something strict (``nn.Linear(**kwargs)``, a library's
+    builder), which would refuse ``in_channels`` or ``img_size`` it never asked for.
+    """
+    if not factory.more:
+        unknown = sorted(set(kwargs) - factory.parameters)
+        if unknown:
+            raise ModelError(
+                f"model.kwargs: factory {factory.label} takes no argument {unknown[0]!r}; it "
+                f"takes {sorted(factory.parameters)}"
+            )
     filled = {k: v for k, v in facts.items() if k in factory.parameters and k not in kwargs}
     return filled | kwargs
 

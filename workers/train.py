@@ -60,7 +60,7 @@ class RankResult:
     rank: int
     history: list[dict[str, float]]
     steps: int
-    samples_per_s: float
+    samples_per_s: float  # the job's (all replicas), as every rank counts it: Throughput
     steady_samples_per_s: float
     first_step_at: float
     state_dict: dict[str, torch.Tensor] | None = field(default=None, repr=False)
@@ -135,8 +135,16 @@ class Hooks:
 
 @dataclass
 class Throughput:
-    """Samples and seconds in training loops (validation excluded), in total and up to the
-    warm step: the first steps pay one-off costs, so ``steady`` leaves them out."""
+    """The job's samples (all replicas together) and seconds in training loops (validation
+    excluded), in total and up to the warm step: the first steps pay one-off costs, so
+    ``steady`` leaves them out.
+
+    The one place the job's samples/s is computed: the epoch records (the epoch line, the
+    ``dask_train_samples_per_second`` gauge, TensorBoard's ``perf/samples_per_s``) and
+    ``TrainResult.samples_per_s`` / ``steady_samples_per_s`` (``summary.json``, the CLI's
+    closing line) all mean the same figure. The stages of a pipeline work on the same samples,
+    so only replicas add up (``job_rows`` of the batches).
+    """
 
     warm_step: int
     steps: int = 0
@@ -147,6 +155,7 @@ class Throughput:
     first_step_at: float = math.nan  # wall clock, for the client's restart figures
 
     def step_done(self, samples: int, *, epoch_started: float) -> None:
+        """``samples``: what all replicas trained on in this step."""
         self.steps += 1
         self.samples += samples
         if self.steps == 1:
@@ -154,6 +163,12 @@ class Throughput:
         if self.steps == self.warm_step:
             self.warm_seconds = self.seconds + time.perf_counter() - epoch_started
             self.warm_samples = self.samples
+
+    def epoch_done(self, seconds: float, *, samples_before: int) -> float:
+        """Count the epoch's training ``seconds``; the job's samples/s over the epoch (the
+        samples since ``samples_before``)."""
+        self.seconds += seconds
+        return (self.samples - samples_before) / seconds if seconds else 0.0
 
     @property
     def overall(self) -> float:
@@ -383,7 +398,7 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     sums = EpochSums(
         start.sums if resumed else None, device=trainer.device, criterion=trainer.criterion
     )
-    counted_before = sums.count
+    samples_before = trainer.throughput.samples
     trainer.strategy.train()
     epoch_started = time.perf_counter()
     batches = trainer.batches.epoch(epoch, start_batch=start_batch)
@@ -391,7 +406,7 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         loss = train_step(trainer, x, y, sums=sums)
         if hooks.heartbeat:
             hooks.heartbeat(trainer.step)
-        trainer.throughput.step_done(len(y) * trainer.layout.dp, epoch_started=epoch_started)
+        trainer.throughput.step_done(trainer.batches.job_rows(batch), epoch_started=epoch_started)
         if hooks.report and config.log_every_steps and trainer.step % config.log_every_steps == 0:
             assert loss is not None  # the reporting rank holds the last stage
             at_step = {"kind": "step", "epoch": epoch + 1, "step": trainer.step}
@@ -405,7 +420,7 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
             at = Progress(epoch, batch + 1, trainer.step, sums.tolist(), trainer.history)
             _save(trainer, at, hooks=hooks)
     train_seconds = time.perf_counter() - epoch_started
-    trainer.throughput.seconds += train_seconds
+    samples_per_s = trainer.throughput.epoch_done(train_seconds, samples_before=samples_before)
 
     totals = sums.all_reduced()
     val = evaluate(trainer)
@@ -419,7 +434,7 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         # The task's figures: loss and accuracy, or loss, mse, mae and r2.
         **trainer.criterion.metrics(totals),
         **{f"val_{name}": value for name, value in val.items()},
-        "samples_per_s": (sums.count - counted_before) / train_seconds,
+        "samples_per_s": samples_per_s,  # the job's, as TrainResult's
         "lr": trainer.schedule.get_last_lr()[0],
     }
     trainer.history.append(record)

@@ -45,8 +45,10 @@ class TrainResult:
     strategy: str
     world_size: int
     history: list[dict[str, float]]
+    # The job's samples/s (all replicas together), as the epoch records' samples_per_s: one
+    # meaning on the epoch line, in summary.json and on /metrics (workers/train.py Throughput).
     samples_per_s: float
-    steady_samples_per_s: float
+    steady_samples_per_s: float  # the same after the first steps' one-off costs
     wall_s: float
     first_step_s: float  # from the train() call, preprocessing and planning included
     store: StoreManifest | None  # None: trained from Dask collections (train(data=...))
@@ -62,7 +64,7 @@ class TrainResult:
 
 
 def print_progress(record: dict[str, Any]) -> None:
-    """The seed article's epoch line, plus validation and throughput."""
+    """The seed article's epoch line, plus validation and the job's throughput (all ranks)."""
     if record.get("kind") == "epoch":
         print(format_epoch(record), flush=True)
 

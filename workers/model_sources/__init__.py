@@ -17,7 +17,7 @@ import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # Prefixes with a source module of the same name; any other "a.b:c" is an import path.
 PREFIXES = ("torchvision", "timm")
@@ -29,22 +29,33 @@ class ModelError(ValueError):
     """A model that cannot be built as configured; the message is one line naming the field."""
 
 
+class Parameters(NamedTuple):
+    """The keyword arguments a callable takes, as far as they can be known."""
+
+    names: frozenset[str]  # those it names: in its signature, or in the class it returns
+    more: bool  # it takes others besides (a bare **kwargs nothing resolves, no signature)
+
+
 @dataclass(frozen=True)
 class Factory:
     """A callable that builds the model, and what it is called with.
 
-    ``parameters``: the keyword arguments it takes; None where they cannot be known (a bare
-    ``**kwargs``), and then any keyword is passed on and nothing is filled in from the data.
+    ``parameters``: the keyword arguments it names; the data's facts (``num_classes``, the
+    input shape) are filled in for these. ``more``: it takes keywords besides, behind a bare
+    ``**kwargs`` that nothing resolves (or it has no signature to read): then ``model.kwargs``
+    it does not name are passed on unchecked, and the call itself says what it refuses.
     """
 
     build: Callable[..., Any]
     label: str
-    parameters: frozenset[str] | None
+    parameters: frozenset[str]
+    more: bool = False
 
     @classmethod
     def of(cls, build: Callable[..., Any], label: str | None = None) -> "Factory":
         label = label or f"{build.__module__}:{getattr(build, '__qualname__', build)}"
-        return cls(build=build, label=label, parameters=parameters_of(build))
+        names, more = parameters_of(build)
+        return cls(build=build, label=label, parameters=names, more=more)
 
 
 def source_of(name: str) -> tuple[str, str]:
@@ -96,22 +107,24 @@ def import_object(path: str, *, field: str) -> Any:
     return found
 
 
-def parameters_of(build: Callable[..., Any]) -> frozenset[str] | None:
-    """The keyword arguments ``build`` accepts. Behind a bare ``**kwargs``, the parameters of
-    the class the callable says it returns (torchvision's and timm's builders are annotated)."""
+def parameters_of(build: Callable[..., Any]) -> Parameters:
+    """The keyword arguments ``build`` takes. Behind a bare ``**kwargs``, also the parameters of
+    the class the callable says it returns (torchvision's and timm's builders are annotated);
+    where nothing says what the ``**kwargs`` takes, the names in the signature are still known
+    and ``more`` is set."""
     try:
         signature = inspect.signature(build)
     except (TypeError, ValueError):
-        return None
+        return Parameters(frozenset(), more=True)
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    names = {p.name for p in signature.parameters.values() if p.kind in kinds}
+    names = frozenset(p.name for p in signature.parameters.values() if p.kind in kinds)
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
-        return frozenset(names)
+        return Parameters(names, more=False)
     returned = _return_class(build)
     if returned is None or returned is build:
-        return None
+        return Parameters(names, more=True)
     behind = parameters_of(returned)
-    return None if behind is None else frozenset(names | behind)
+    return Parameters(names | behind.names, more=behind.more)
 
 
 def _return_class(build: Callable[..., Any]) -> type | None:

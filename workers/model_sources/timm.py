@@ -26,5 +26,6 @@ def factory(target: str) -> Factory:
     return Factory(
         build=functools.partial(timm.create_model, target, pretrained=False),
         label=f"timm:{target}",
-        parameters=None if parameters is None else parameters - {"pretrained"},
+        parameters=parameters.names - {"pretrained"},
+        more=parameters.more,
     )

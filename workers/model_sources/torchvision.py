@@ -23,5 +23,6 @@ def factory(target: str) -> Factory:
     return Factory(
         build=functools.partial(torchvision.models.get_model, target, weights=None),
         label=f"torchvision:{target}",
-        parameters=None if parameters is None else parameters - {"weights", "progress"},
+        parameters=parameters.names - {"weights", "progress"},
+        more=parameters.more,
     )
