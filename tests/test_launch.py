@@ -152,6 +152,66 @@ def test_a_user_exception_is_raised_once_and_never_retried(cluster, tmp_path, er
     assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
 
 
+def shapes_do_not_match(ctx) -> torch.Tensor:
+    weights = torch.ones(2, 3)
+    # A call over several lines: its markers start under "_project(".
+    return _project(
+        weights,
+        torch.ones(2, 3),
+    )
+
+
+def _project(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ weights) + 1  # a shape error, its markers under the operator
+
+
+def _user_frames(error: BaseException) -> list[str]:
+    """The formatted frames of the user's functions, each with its source and marker lines."""
+    names = (", in shapes_do_not_match\n", ", in _project\n")
+    entries = traceback.format_exception(error)
+    return [
+        e for e in entries if e.startswith(f'  File "{__file__}"') and any(n in e for n in names)
+    ]
+
+
+def test_a_user_exception_shows_the_markers_of_the_same_exception_in_one_process(cluster):
+    # Dask rebuilds a remote traceback from stub code: the right lines, but Python 3.11 took
+    # the ^^^^ markers from the stub's positions and put them under the wrong columns.
+    with pytest.raises(RuntimeError) as in_one_process:
+        shapes_do_not_match(None)
+    with pytest.raises(RuntimeError) as on_a_rank:
+        launch(shapes_do_not_match, cluster=cluster, world_size=1)
+    expected = _user_frames(in_one_process.value)
+    assert len(expected) == 2 and "^^^" in expected[0] and "~~^~~" in expected[1]
+    assert _user_frames(on_a_rank.value) == expected
+    # The positions travelled on the exception: the user gets it back without them.
+    assert not [name for name in vars(on_a_rank.value) if "positions" in name]
+
+
+def _readme_block(containing: str) -> str:
+    """The README's Python example that contains ``containing``."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = [b.split("\n```", 1)[0] for b in readme.split("```python\n")[1:]]
+    (block,) = [b for b in blocks if containing in b]
+    return block
+
+
+@pytest.mark.slow
+def test_the_readmes_own_loop_example_runs_twice_and_writes_nothing_beside_it(tmp_path):
+    from tests.test_cluster import _run_in_own_session
+
+    # Run as pasted. Its checkpoints once went to checkpoints/mine: the second run resumed at
+    # the last step, trained none, and `return loss.item()` raised UnboundLocalError.
+    script = tmp_path / "mine.py"
+    script.write_text(_readme_block("def train_loop(ctx, steps, lr)"))
+    for run in (1, 2):
+        done = _run_in_own_session([sys.executable, str(script)], tmp_path)
+        assert done.returncode == 0, f"run {run}: {done.stderr[-3000:]}"
+        final_losses = done.stdout.splitlines()[0]
+        assert final_losses.startswith("[") and "None" not in final_losses, done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.py"]
+
+
 @pytest.mark.slow
 def test_a_users_checkpoints_survive_a_sigkill_with_the_same_parameters(own_cluster, tmp_path):
     pids = _pids(own_cluster)

@@ -18,6 +18,7 @@ from distributed import get_worker, secede
 
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
 from workers.process_group import Membership, current_membership, rank_threads
+from workers.remote_traceback import keep_positions
 
 
 @dataclass(frozen=True)
@@ -256,4 +257,9 @@ def run_pickled(payload: bytes) -> RankOutcome:
     """:func:`run_function` for a job pickled on the client. The scheduler unpickles a task's
     arguments; the user's code may come from a module only the workers have been sent, so it
     travels as bytes the scheduler passes on untouched."""
-    return run_function(cloudpickle.loads(payload))
+    try:
+        return run_function(cloudpickle.loads(payload))
+    except BaseException as error:
+        # The traceback reaches the client without its columns: they travel on the exception.
+        keep_positions(error)
+        raise

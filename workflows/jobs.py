@@ -27,12 +27,12 @@ from types import CodeType, TracebackType
 from typing import Any
 
 import cloudpickle
-import tblib
 from distributed import Client
 
 from workers.checkpoint import latest_good_checkpoint
 from workers.collection_shard import CollectionPlan
 from workers.rank_context import RankJob, RankOutcome, run_pickled
+from workers.remote_traceback import rebuilt_traceback
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_code
 from workflows.collections import prepared_data
@@ -341,7 +341,7 @@ def _next_failure(
             f"dask-train: raised by rank {error.rank} on worker {error.worker}; {retried} "
             "(an exception of the training code, not of the cluster)"
         )
-        raise user_error.with_traceback(_with_source_files(user_error.__traceback__, fn)) from None
+        raise user_error.with_traceback(_with_source_files(user_error, fn)) from None
     if decision is Decision.RAISE:
         raise TrainingFailed(
             f"{error} (at {time.strftime('%H:%M:%S')}); giving up after {recoveries} "
@@ -351,24 +351,20 @@ def _next_failure(
     return Failure(str(error), getattr(error, "detected_at", time.time()), attempt_started)
 
 
-def _with_source_files(trace: TracebackType | None, fn: Callable[..., Any]) -> TracebackType | None:
-    """``trace`` with the user's file names back in it.
+def _with_source_files(error: BaseException, fn: Callable[..., Any]) -> TracebackType | None:
+    """``error``'s remote traceback with the user's file names back in it, and each frame's
+    ``^^^^`` markers where the rank had them.
 
     Functions defined in a script's ``__main__`` or a notebook travel by value, and cloudpickle
     names their code ``<dynamic-code>`` (line numbers stay right); the client still has the
     code, so each such frame gets the file of the function of that name here.
     """
-    if trace is None:
-        return None
     files = _code_files(fn)
-    tree = tblib.Traceback(trace).as_dict()
-    node: dict[str, Any] | None = tree
-    while node is not None:
-        code = node["tb_frame"]["f_code"]
-        if code["co_filename"] == DYNAMIC_CODE and code["co_name"] in files:
-            code["co_filename"] = files[code["co_name"]]
-        node = node["tb_next"]
-    return tblib.Traceback.from_dict(tree).as_traceback()
+
+    def file_of(file: str, function: str) -> str:
+        return files.get(function, file) if file == DYNAMIC_CODE else file
+
+    return rebuilt_traceback(error, file_of)
 
 
 def _code_files(fn: Callable[..., Any]) -> dict[str, str]:
