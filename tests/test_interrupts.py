@@ -39,7 +39,15 @@ def test_a_ctrl_c_dropped_in_a_finalizer_is_raised_again(context, ticks, expecte
     code = DROPPED_IN_A_FINALIZER.format(context=context, ticks=ticks)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == expected, done.stderr
-    assert "KeyboardInterrupt" in done.stderr or expected == "delivered"
+    if expected == "delivered":
+        # Raised again and caught: the hook took the dropped one, so Python reported nothing.
+        assert done.stderr == ""
+    else:
+        # Python's report of the interrupt it dropped in the finalizer, and nothing else.
+        assert done.stderr.startswith("Exception ignored in: <function Finalized.__del__"), (
+            done.stderr
+        )
+        assert done.stderr.rstrip().splitlines()[-1].startswith("KeyboardInterrupt"), done.stderr
 
 
 def reports_once(ctx) -> int:

@@ -4,7 +4,9 @@ workers in two network namespaces standing in for two hosts, and TLS. Real proce
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 import signal
 import socket
 import ssl
@@ -20,8 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import Client
+from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.security import Security
+from tornado.iostream import StreamClosedError
 
+from tests.reference import train_in_one_process
 from workers.process_group import current_membership
 from workflows.cluster import live_workers, start_cluster
 from workflows.config import ConfigError, load_config
@@ -223,17 +228,23 @@ def test_socket_ifname_reaches_gloo_for_the_groups_life_then_is_restored(stock):
 def test_a_missing_interface_or_too_few_matching_workers_fail_fast_naming_the_field(stock):
     _, scheduler_file = stock
     with start_cluster(scheduler_file=str(scheduler_file)) as cluster:
-        started = time.monotonic()
+        # Both fail in the checks before a group is made: no rendezvous, nothing to time out.
+        missing = ProcessGroup(cluster.client, LaunchConfig(world_size=1, socket_ifname="nosuch0"))
         with pytest.raises(LaunchError, match=r"launch\.socket_ifname: worker .* no interface"):
-            ProcessGroup(
-                cluster.client, LaunchConfig(world_size=1, socket_ifname="nosuch0")
-            ).start()
-        too_many = LaunchConfig(
-            world_size=3, worker_wait_s=1, workers=WorkerSelection(resources={"TRAIN": 1})
+            missing.start()
+        assert missing.spec is None
+        too_many = ProcessGroup(
+            cluster.client,
+            LaunchConfig(
+                world_size=3, worker_wait_s=1, workers=WorkerSelection(resources={"TRAIN": 1})
+            ),
         )
-        with pytest.raises(LaunchError, match=r"launch\.workers: 3 workers with resources .* 2 of"):
-            ProcessGroup(cluster.client, too_many).start()
-        assert time.monotonic() - started < 20
+        with pytest.raises(
+            LaunchError,
+            match=r"launch\.workers: 3 workers with resources .* 2 of .* after waiting 1 s",
+        ):
+            too_many.start()
+        assert too_many.spec is None
 
 
 def _cli(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -464,43 +475,103 @@ def certificates(tmp_path_factory) -> dict[str, str]:
     return {k: str(v) for k, v in write_pem_files(Security.temporary(), folder).items()}
 
 
-def _refused(address: str, security: Security | None) -> Exception | None:
+# Steps the TLS run takes: enough that DDP syncs over the TLS cluster's ranks more than once.
+TLS_STEPS = 3
+
+
+def _refused(address: str, security: Security | None) -> CommClosedError | None:
+    """None when a client with ``security`` connects; the error when the connection is closed on
+    it in the TLS handshake: a certificate one side rejects, or plain tcp:// meeting the TLS
+    listener. Anything else, a timeout (OSError "Timed out trying to connect") or a bug, is
+    raised: it is no refusal."""
     try:
         with Client(address, timeout=5, security=security):
             return None
-    except Exception as error:  # any failure to connect is a refusal
-        return error
+    except CommClosedError as error:
+        if _closed_by_the_handshake(error):
+            return error
+        raise
+
+
+def _closed_by_the_handshake(error: BaseException) -> bool:
+    """What the client's socket saw below distributed's CommClosedError: a TLS error or alert,
+    a reset or broken pipe, or the stream ended by the other side (tornado's StreamClosedError,
+    the socket's error if any as its real_error)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, ssl.SSLError | ConnectionResetError | BrokenPipeError):
+            return True
+        if isinstance(cause, StreamClosedError) and cause.real_error is None:
+            return True  # an end of stream, no error of this side's own
+        cause = cause.__cause__ or getattr(cause, "real_error", None) or cause.__context__
+    return False
+
+
+def _the_client_rejected_the_scheduler(error: CommClosedError | None) -> bool:
+    # The client checks the scheduler's certificate against its own CA, before anything else.
+    return (
+        isinstance(error, FatalCommClosedError)
+        and "TLS certificate does not match" in str(error)
+        and isinstance(error.__cause__, ssl.SSLCertVerificationError)
+    )
+
+
+def _client_port(error: CommClosedError) -> int:
+    # The closed comm names its ends: "in <TCP (closed)  local=tcp://127.0.0.1:52428 ...".
+    found = re.search(r"local=\w+://\S+:(\d+) ", str(error))
+    assert found, f"no local address in {error!r}"
+    return int(found[1])
+
+
+def _scheduler_refused(caplog, port: int, reason: str, timeout_s: float = 30) -> None:
+    """The scheduler's listener (in this process) logged that it refused the connection from
+    ``port``, for ``reason`` (OpenSSL's). It logs from its event loop, so the record may trail
+    the client's error a little."""
+    wanted = f":{port}': [SSL: {reason}]"
+    deadline = time.monotonic() + timeout_s
+    while not any(
+        "TLS handshake failed with remote" in r.getMessage() and wanted in r.getMessage()
+        for r in caplog.records
+    ):
+        assert time.monotonic() < deadline, f"no {wanted} in the scheduler's log: {caplog.text}"
+        time.sleep(0.05)
 
 
 def _handshake_without_a_certificate(
     address: str, ca_file: str, *, cert: str | None = None, key: str | None = None
-) -> Exception | None:
+) -> tuple[int, Exception | None]:
     """A TLS client that trusts the cluster's CA but has no certificate of its own (or
-    presents ``cert``): the scheduler must refuse it (TLS 1.3 reports that on the first read)."""
+    presents ``cert``): the scheduler must refuse it (TLS 1.3 reports that on the first read).
+    Its local port, and the error that ended its connection (None: it got in); a timeout is
+    raised, it is no refusal."""
     host, port = address.removeprefix("tls://").rsplit(":", 1)
     context = ssl.create_default_context(cafile=ca_file)
     context.check_hostname = False  # Dask's certificates name roles, not hosts
     if cert is not None:
         context.load_cert_chain(cert, key)
-    try:
-        with (
-            socket.create_connection((host, int(port)), timeout=5) as raw,
-            context.wrap_socket(raw) as secured,
-        ):
-            secured.sendall(b"\0" * 8)
-            if secured.recv(1) == b"":
-                return ConnectionResetError("closed by the scheduler")
-            return None
-    except (OSError, ssl.SSLError) as error:
-        return error
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        local_port = raw.getsockname()[1]
+        try:
+            with context.wrap_socket(raw) as secured:
+                secured.sendall(b"\0" * 8)
+                if secured.recv(1) == b"":
+                    return local_port, ConnectionResetError("closed by the scheduler")
+                return local_port, None
+        except TimeoutError:
+            raise
+        except (ssl.SSLError, ConnectionResetError, BrokenPipeError) as error:
+            return local_port, error
 
 
 @pytest.mark.slow
 def test_training_over_tls_and_clients_without_the_certificate_are_refused(
-    make_config, certificates
+    make_config, certificates, caplog
 ):
+    caplog.set_level(logging.WARNING, logger="distributed.comm.tcp")
     config = make_config(
-        {"cluster": {"n_workers": 2, "dashboard_port": 0, "security": certificates}}, epochs=1
+        {"cluster": {"n_workers": 2, "dashboard_port": 0, "security": certificates}},
+        epochs=1,
+        max_steps=TLS_STEPS,
     )
     with start_cluster(config.cluster) as cluster:
         address = cluster.cluster.scheduler_address
@@ -508,14 +579,26 @@ def test_training_over_tls_and_clients_without_the_certificate_are_refused(
         assert cluster.dashboard_link.startswith("http://127.0.0.1:")
         assert all(w.startswith("tls://") for w in cluster.worker_addresses)
         result = train(config, cluster=cluster, on_event=None)
-        assert result.world_size == 2 and result.final["val_accuracy"] > 0.2
+        # Both ranks trained, over the TLS cluster: every step taken, the parameters moved.
+        # (That the steps are right is test_ddp's: here only TLS is new.)
+        assert result.world_size == 2 and result.history[-1]["step"] == TLS_STEPS
+        assert all(math.isfinite(r["loss"]) for r in result.history), result.history
+        untrained = train_in_one_process(config, world_size=2, steps=0)
+        for name, value in untrained.items():
+            if value.is_floating_point():
+                assert not torch.equal(result.state_dict[name], value), f"{name} did not move"
 
-        refusal = _handshake_without_a_certificate(address, certificates["tls_ca_file"])
-        assert isinstance(refusal, OSError), refusal  # ssl.SSLError is one
+        port, refusal = _handshake_without_a_certificate(address, certificates["tls_ca_file"])
+        assert refusal is not None
+        _scheduler_refused(caplog, port, "PEER_DID_NOT_RETURN_A_CERTIFICATE")
         with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
-            # A certificate the cluster's CA never signed, and no TLS at all.
-            assert _refused(address, Security.temporary()) is not None
-            assert _refused(address.replace("tls://", "tcp://"), None) is not None
+            # A certificate the cluster's CA never signed: the client rejects the scheduler's.
+            other_ca = _refused(address, Security.temporary())
+            assert _the_client_rejected_the_scheduler(other_ca), repr(other_ca)
+            # No TLS at all: the scheduler's listener finds no TLS handshake and drops it.
+            plain = _refused(address.replace("tls://", "tcp://"), None)
+            assert plain is not None
+            _scheduler_refused(caplog, _client_port(plain), "WRONG_VERSION_NUMBER")
 
 
 def test_the_scheduler_refuses_a_client_certificate_from_another_ca(certificates, tmp_path, caplog):
@@ -529,10 +612,11 @@ def test_the_scheduler_refuses_a_client_certificate_from_another_ca(certificates
         scheduler = cluster.cluster.scheduler
         clients_before = set(scheduler.clients)
 
-        refusal = _handshake_without_a_certificate(
+        port, refusal = _handshake_without_a_certificate(
             address, certificates["tls_ca_file"], cert=foreign["tls_cert"], key=foreign["tls_key"]
         )
-        assert isinstance(refusal, OSError), refusal  # ssl.SSLError is one
+        assert refusal is not None
+        _scheduler_refused(caplog, port, "CERTIFICATE_VERIFY_FAILED")
         mixed = Security(
             tls_ca_file=certificates["tls_ca_file"],
             tls_client_cert=foreign["tls_cert"],
@@ -540,25 +624,14 @@ def test_the_scheduler_refuses_a_client_certificate_from_another_ca(certificates
             require_encryption=True,
         )
         with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
-            assert _refused(address, mixed) is not None
-        # The scheduler's listener (in this process) says why it dropped the connections; it
-        # logs from its event loop, so the record may trail the client's error a little.
-        deadline = time.monotonic() + 30
-        while not _verify_failures(caplog) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _verify_failures(caplog), caplog.text
+            refused = _refused(address, mixed)
+        # The client saw an alert or the end of the stream, whichever came first (TLS 1.3);
+        # the scheduler's listener (in this process) says why it dropped the connection.
+        assert refused is not None
+        _scheduler_refused(caplog, _client_port(refused), "CERTIFICATE_VERIFY_FAILED")
         # It never registered either client; its own certificate still gets in.
         assert set(scheduler.clients) == clients_before
         assert _refused(address, cluster.client.security) is None
-
-
-def _verify_failures(caplog) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if "TLS handshake failed" in r.getMessage()
-        and "CERTIFICATE_VERIFY_FAILED" in r.getMessage()
-    ]
 
 
 def test_a_temporary_certificate_set_secures_a_local_cluster():
@@ -566,6 +639,7 @@ def test_a_temporary_certificate_set_secures_a_local_cluster():
         assert cluster.cluster.scheduler_address.startswith("tls://")
         assert cluster.client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
         with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
-            assert _refused(cluster.cluster.scheduler_address, Security.temporary()) is not None
+            other_ca = _refused(cluster.cluster.scheduler_address, Security.temporary())
+        assert _the_client_rejected_the_scheduler(other_ca), repr(other_ca)
         with pytest.raises(ConnectionError, match=r"cluster\.security: the scheduler at tls://"):
             start_cluster(scheduler=cluster.cluster.scheduler_address)

@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 import zarr
+from PIL import Image
 from sklearn import metrics as sk
 
 from tests.datasets import write_image_folder, write_tiny_cifar10
@@ -25,6 +25,10 @@ from workflows.config import ConfigError
 from workflows.driver import train
 from workflows.preprocess import prepare_store
 from workflows.run_directory import RunDirectory
+
+# Probabilities scored under bf16 autocast, against the same model and autocast in this process
+# (another thread count may round differently); bf16 against fp32 differs by ~1e-3 here.
+BF16_ATOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +57,9 @@ def _store_of(run: Path) -> str:
     return json.loads((run / "config.json").read_text())["data"]["store"]
 
 
-def _one_process_probabilities(run: Path, images: np.ndarray) -> np.ndarray:
-    """The reference: the run's model in this process, plain torch, one batch."""
+def _one_process_probabilities(run: Path, images: np.ndarray, *, bf16: bool = False) -> np.ndarray:
+    """The reference: the run's model in this process, plain torch, one batch (with ``bf16``,
+    under bf16 autocast, the softmax of the logits in fp32)."""
     config = json.loads((run / "config.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
     model = build_model(
@@ -64,8 +69,27 @@ def _one_process_probabilities(run: Path, images: np.ndarray) -> np.ndarray:
         image_size=config["data"]["image_size"],
     )
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
-    with torch.no_grad():
-        return torch.softmax(model.eval()(torch.from_numpy(images)), dim=1).numpy()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with torch.no_grad(), autocast:
+        logits = model.eval()(torch.from_numpy(images))
+    return torch.softmax(logits.float(), dim=1).numpy()
+
+
+def _decoded_as_in_training(run: Path, files: list[Path]) -> np.ndarray:
+    """Image files as the run's model takes them, in plain PIL and numpy: RGB, resized
+    bilinearly to the run's image size, normalized with its store's statistics."""
+    store = json.loads((run / "summary.json").read_text())["store"]
+    size = store["image_size"]
+    pixels = []
+    for path in files:
+        with Image.open(path) as image:
+            pixels.append(
+                np.asarray(image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR))
+            )
+    scaled = np.stack(pixels).transpose(0, 3, 1, 2).astype(np.float32) / np.float32(255)
+    mean = np.asarray(store["mean"], np.float32)[:, None, None]
+    std = np.asarray(store["std"], np.float32)[:, None, None]
+    return (scaled - mean) / std
 
 
 def test_every_sample_is_predicted_once_and_equals_one_process_scoring(scored, trained_run):
@@ -122,6 +146,7 @@ def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
     client = own_cluster.client
     target = sorted(live_workers(client))[0]
     pid = client.run(os.getpid, workers=[target])[target]
+    scheduler_port = int(client.scheduler.address.rsplit(":", 1)[1])
     outcome: dict = {}
 
     def run() -> None:
@@ -151,7 +176,8 @@ def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
         if report.get("executing") and report["scored"] >= 2:
             os.kill(pid, signal.SIGSTOP)
             try:
-                time.sleep(0.2)  # what it sent before the stop reaches the scheduler
+                # What it sent before the stop (a task finished) reaches the scheduler first.
+                _wait_until_read_by_the_scheduler(pid, scheduler_port, timeout_s=60)
                 in_flight = client.processing(workers=[target]).get(target, [])
             except BaseException:
                 os.kill(pid, signal.SIGCONT)
@@ -181,6 +207,52 @@ def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
     # Once per worker process, the restarted one included (if it joined before the end).
     assert all(r["loads"] <= 1 for r in live.values())
     assert sum(r["loads"] for r in live.values()) >= 1
+
+
+def _established_tcp(pid: int) -> dict[tuple[str, str], tuple[int, int, int]]:
+    """The established TCP connections in ``pid``'s network namespace: (local, remote) address,
+    as /proc writes them, → (bytes sent but not acknowledged, bytes received but not read,
+    the socket's inode)."""
+    table = {}
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01":  # TCP_ESTABLISHED
+                unacknowledged, unread = (int(v, 16) for v in fields[4].split(":"))
+                table[fields[1], fields[2]] = (unacknowledged, unread, int(fields[9]))
+    return table
+
+
+def _wait_until_read_by_the_scheduler(pid: int, port: int, timeout_s: float) -> None:
+    """Wait until everything process ``pid`` (stopped) wrote to the scheduler listening on
+    ``port`` has been acknowledged and read there: nothing it sent is still on its way."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            sockets.add(int(target.removeprefix("socket:[").removesuffix("]")))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        table = _established_tcp(pid)
+        to_scheduler = [
+            (local, remote, unacknowledged)
+            for (local, remote), (unacknowledged, _, inode) in table.items()
+            if inode in sockets and int(remote.rsplit(":", 1)[1], 16) == port
+        ]
+        assert to_scheduler, f"process {pid} has no connection to the scheduler's port {port}"
+        # The scheduler's end of each connection is the same pair of addresses, swapped.
+        pending = [
+            (local, remote)
+            for local, remote, unacknowledged in to_scheduler
+            if unacknowledged or table.get((remote, local), (0, 1, 0))[1]
+        ]
+        if not pending:
+            return
+        assert time.monotonic() < deadline, f"still unread by the scheduler: {pending}"
+        time.sleep(0.001)
 
 
 def _predict_tasks_lost_with_a_worker(dask_scheduler) -> int:
@@ -332,12 +404,27 @@ def test_unlabeled_images_are_scored_in_bf16_without_metrics(cluster, trained_ru
     )
     frame = result.read()
     assert list(frame.columns) == ["index", "sample_id", "label", "prediction", "confidence"]
-    assert frame["confidence"].between(0.1, 1.0).all()  # bf16 autocast, fp32 softmax
     assert result.metrics is None and "no labels" in result.notes[0]
     assert frame["label"].eq(-1).all() and len(frame) == 6
     assert frame["sample_id"].tolist() == sorted(p.name for p in flat.iterdir())
     assert not (tmp_path / "out" / "metrics.json").exists()
-    assert isinstance(pd.read_parquet(result.predictions), pd.DataFrame)
+    # read() is the Parquet folder the job wrote into --output, one file per partition.
+    assert result.format == "parquet" and Path(result.predictions).parent == tmp_path / "out"
+    assert sorted(p.suffix for p in Path(result.predictions).iterdir()) == [".parquet"]
+
+    # The same files through the run's model in this process, under the same autocast.
+    images = _decoded_as_in_training(trained_run, [flat / name for name in frame["sample_id"]])
+    want = _one_process_probabilities(trained_run, images, bf16=True)
+    np.testing.assert_allclose(frame["confidence"], want.max(1), atol=BF16_ATOL)
+    # And bf16 did apply: scoring in fp32 gives other confidences (by ~1e-3 here).
+    fp32 = _one_process_probabilities(trained_run, images).max(1)
+    assert not np.allclose(frame["confidence"], fp32, rtol=0, atol=1e-6), fp32
+    # The class each row names is the reference's top class wherever bf16 cannot swap the top
+    # two (and at least one row is that clear).
+    top_two = np.sort(want, axis=1)[:, -2:]
+    clear = top_two[:, 1] - top_two[:, 0] > 2 * BF16_ATOL
+    assert clear.any(), want
+    assert frame["prediction"][clear].tolist() == want.argmax(1)[clear].tolist()
 
 
 def test_a_corrupt_image_fails_the_job_naming_the_file_and_frees_the_model(

@@ -2,7 +2,6 @@
 
 import os
 import pickle
-import time
 
 import numpy as np
 import pytest
@@ -119,8 +118,11 @@ def test_second_run_reuses_the_store_and_a_changed_input_rebuilds_it(cluster, tm
     assert stream.data == []  # no task ran: the work was not redone
     assert os.stat(tmp_path / "store" / "zarr.json").st_mtime_ns == stamp
 
-    time.sleep(0.01)
+    before = os.stat(files[0])
     Image.fromarray(np.zeros((30, 30, 3), np.uint8)).save(files[0])
+    # The listing stamps each file with its size and mtime. The mtime may not move (the kernel
+    # takes it from a clock that ticks every few ms); the size does, whatever the clock.
+    assert os.stat(files[0]).st_size != before.st_size
     with get_task_stream(client=cluster.client) as stream:
         rebuilt = prepare_store(cluster.client, config, seed=0)
     assert not rebuilt.reused and rebuilt.fingerprint != first.fingerprint
