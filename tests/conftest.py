@@ -86,10 +86,20 @@ SHARED_WORKERS = 2
 SETTLE_S = 30.0
 
 
+def _cpu_capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """A real 2-worker cluster shared by the tests that leave it as they found it."""
     with start_cluster(n_workers=SHARED_WORKERS, dashboard_port=0) as training_cluster:
+        # make test's second pass asks for torch's plain-C kernels: the workers must run them,
+        # or that pass compares nothing new.
+        wanted = os.environ.get("ATEN_CPU_CAPABILITY")
+        if wanted:
+            seen = set(training_cluster.client.run(_cpu_capability).values())
+            assert seen == {wanted.upper()}, f"ATEN_CPU_CAPABILITY={wanted}, workers run {seen}"
         yield training_cluster
 
 

@@ -91,6 +91,7 @@ def _pids(cluster) -> dict[str, int]:
     return cluster.client.run(os.getpid)
 
 
+@pytest.mark.equivalence
 def test_a_users_ddp_loop_matches_one_process_and_every_rank_returns(cluster):
     events: list[dict] = []
     result = launch(ddp_loop, 5, 0.1, cluster=cluster, world_size=2, on_event=events.append)
