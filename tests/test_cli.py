@@ -139,10 +139,42 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
     model = build_model("cifar_cnn", num_classes=10, seed=0)
     model.load_state_dict(state)  # the final model loads into the registry's model
 
+    # One attempt, counted in the run's totals.
+    (attempt,) = summary["attempts"]
+    assert attempt["status"] == "finished" and (attempt["from_step"], attempt["to_step"]) == (0, 46)
+    assert summary["wall_s"] == attempt["wall_s"] > 0
+    assert summary["samples"] == attempt["samples"] == 46 * 64  # steps x the global batch
+    assert attempt["samples_per_s"] > 0
+    assert summary["samples_per_s"] == pytest.approx(attempt["samples_per_s"])
+
+    def files() -> dict[Path, tuple[int, bytes]]:
+        return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in output.rglob("*") if p.is_file()}
+
+    before = files()
     again = _cli(*arguments)
     assert again.returncode == 2
     assert f"{output} already holds run 'digits-ddp'" in again.stderr
-    assert json.loads((output / "summary.json").read_text()) == summary  # left untouched
+    # Resumed, a finished run has nothing to train: no cluster starts, no file changes.
+    resumed = _cli(*arguments, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines() == [
+        f"{output} finished already (46 steps, {summary['samples_per_s']:.0f} samples/s, "
+        f"{summary['wall_s']:.1f} s): nothing to resume"
+    ]
+    assert files() == before  # left untouched, summary.json byte for byte
+
+
+def test_a_run_directory_whose_config_is_unreadable_is_refused_naming_the_file(tmp_path):
+    # What a run stopped while writing config.json left, before it was written aside and
+    # renamed: --resume then failed with a traceback.
+    output = tmp_path / "run"
+    output.mkdir()
+    (output / "config.json").write_text('{\n  "name": "digits-d')
+    done = _cli(*_digits_run(tmp_path, output, epochs=1), "--resume")
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith(f"dask-train: {output / 'config.json'}: not readable"), line
+    assert "\n" not in line
 
 
 @pytest.mark.slow
@@ -334,6 +366,14 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
     assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines()), stderr
     _, alive = psutil.wait_procs(_session_leftovers(process.pid), timeout=60)
     assert alive == [], f"{moment}: processes left behind: {alive}"
+    if moment == "cluster start":
+        # The directory was named before it was written, and written only once the cluster
+        # was up: stopped in between, the run said to --resume a directory that did not
+        # exist, and --resume was a usage error (exit 2). Now it holds the run by then.
+        assert f"continue with --output {output} --resume" in stderr
+        resumed = _cli(*arguments, "--resume", "--set", "training.max_steps=2")
+        assert resumed.returncode == 0, resumed.stderr
+        assert json.loads((output / "summary.json").read_text())["steps"] == 2
 
 
 def test_a_ctrl_c_that_lands_in_a_finalizer_is_not_lost():

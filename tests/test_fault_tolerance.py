@@ -320,6 +320,12 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
     assert process.returncode == 130, stderr
     assert f"continue with --output {output} --resume" in stderr.splitlines()[-1]
     saved = json.loads((list_checkpoints(output / "checkpoints")[0] / MANIFEST).read_text())
+    # The interrupted attempt is on record: its seconds, and its samples up to the last step
+    # that reached the client (the first epoch's end at least: a whole epoch came after it).
+    (stopped,) = [json.loads(line) for line in (output / "attempts.jsonl").read_text().splitlines()]
+    assert stopped["status"] == "interrupted" and stopped["wall_s"] > 0
+    assert stopped["from_step"] == 0 and stopped["to_step"] > 0
+    assert stopped["samples"] == stopped["to_step"] * 64  # steps x the global batch
 
     refused = subprocess.run(command(), capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "add --resume to continue it" in refused.stderr
@@ -333,6 +339,14 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((output / "summary.json").read_text())
     assert summary["epochs"] == saved["epoch"] + 1  # the saved epochs plus one more
+    # The figures are the run's, both attempts', not the last attempt's alone.
+    first, last = summary["attempts"]
+    assert first == stopped
+    assert last["status"] == "finished" and last["from_step"] == saved["step"]
+    assert last["to_step"] == summary["steps"] and last["wall_s"] > 0
+    assert summary["wall_s"] == pytest.approx(first["wall_s"] + last["wall_s"])
+    assert summary["samples"] == first["samples"] + last["samples"]
+    assert summary["samples_per_s"] == pytest.approx(last["samples_per_s"])  # the one measured
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["epoch"] for r in records if r["kind"] == "epoch"]
     assert epochs[-1] == saved["epoch"] + 1

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -166,13 +166,16 @@ def _fail(code: int, message: str) -> NoReturn:
 
 @contextlib.contextmanager
 def _exit_codes(
-    action: str, *invalid: type[Exception], interrupted: str = "interrupted"
+    action: str,
+    *invalid: type[Exception],
+    interrupted: str | Callable[[], str] = "interrupted",
 ) -> Iterator[None]:
-    """Turn what goes wrong inside into the exit code and the one line a scheduler acts on."""
+    """Turn what goes wrong inside into the exit code and the one line a scheduler acts on.
+    ``interrupted`` may be a function: what to say can depend on when the interrupt came."""
     try:
         yield
     except KeyboardInterrupt:
-        _fail(EXIT_INTERRUPTED, interrupted)
+        _fail(EXIT_INTERRUPTED, interrupted() if callable(interrupted) else interrupted)
     except (ConfigError, SourceError, ConnectionError, *invalid) as error:
         _fail(EXIT_INVALID, str(error))
     except Exception as error:
@@ -192,21 +195,33 @@ def _echo_dashboard(cluster: "TrainingCluster") -> None:
 
 def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool) -> "Tracker":
     """The run's TensorBoard folder and MLflow run; a resumed run continues its MLflow run."""
-    from workers.checkpoint import latest_good_checkpoint
     from workflows.tracking import Tracker
 
-    folder = config.checkpoint.directory
-    checkpoint = latest_good_checkpoint(folder) if resume and folder else None
     tracker = Tracker.open(
         config.tracking,
         config.model_dump(mode="json"),
         run_dir=run_directory.path,
         resume_run_id=run_directory.mlflow_run_id if resume else None,
-        resume_step=checkpoint[1]["step"] if checkpoint else None,
+        resume_step=run_directory.resumes_from if resume else None,
     )
     if tracker.mlflow_run_id is not None:
         run_directory.keep_mlflow_run_id(tracker.mlflow_run_id)
     return tracker
+
+
+@contextlib.contextmanager
+def _cluster_for(run_directory: "RunDirectory", config: RunConfig) -> Iterator["TrainingCluster"]:
+    """The run's cluster. One that cannot start (an unreachable scheduler, say) gives the new
+    directory back: nothing ran, so the same command may run again, without --resume."""
+    from workflows.cluster import start_cluster
+
+    try:
+        cluster = start_cluster(config.cluster)
+    except Exception:
+        run_directory.release()
+        raise
+    with cluster:
+        yield cluster
 
 
 @main.command()
@@ -318,7 +333,6 @@ def run(
     resume: bool,
 ) -> None:
     """Train as CONFIG says: one line per epoch, results in the run directory."""
-    from workflows.cluster import start_cluster
     from workflows.driver import print_progress, train
     from workflows.progress import EpochProgress
     from workflows.run_directory import RunDirectory
@@ -329,6 +343,16 @@ def run(
         run_directory = RunDirectory.create(resolved, output, resume=resume)
     except (ConfigError, OSError) as error:
         _fail(EXIT_INVALID, str(error))
+    if run_directory.finished is not None:
+        # Training again would redo nothing and overwrite the run's figures with those of an
+        # empty attempt: the directory is left exactly as it is.
+        done = run_directory.finished
+        click.echo(
+            f"{run_directory.path} finished already ({done.get('steps')} steps, "
+            f"{done.get('samples_per_s') or 0:.0f} samples/s, {done.get('wall_s') or 0:.1f} s): "
+            "nothing to resume"
+        )
+        return
     raw = resolved.model_dump()
     if resolved.checkpoint.directory is None:
         # Checkpoints live with the run, so --resume (or a restart after a failure) finds them.
@@ -338,7 +362,6 @@ def run(
         raw["tracking"]["tensorboard"] = str(run_directory.tensorboard)
     resolved = load_config(raw)
     run_directory.config = resolved
-    click.echo(f"run directory: {run_directory.path}")
 
     progress = EpochProgress(file=sys.stdout) if sys.stdout.isatty() else None
     if progress and not resolved.training.log_every_steps:
@@ -354,21 +377,30 @@ def run(
         else:
             print_progress(record)
 
-    interrupted = (
-        f"interrupted; partial results in {run_directory.path}; continue with --output "
-        f"{run_directory.path} --resume"
-    )
+    def interrupted() -> str:
+        # Asked when the interrupt comes: --resume is offered only for a directory it takes.
+        path = run_directory.path
+        if not run_directory.claimed:
+            return f"interrupted before the run started; nothing was written to {path}"
+        return f"interrupted; partial results in {path}; continue with --output {path} --resume"
+
+    # The directory is written before the cluster starts, and named only once written: a run
+    # stopped from then on, even while its cluster starts, is one that --resume continues.
     with (
         _exit_codes("training", LaunchError, TrackingError, interrupted=interrupted),
-        start_cluster(resolved.cluster) as cluster,
         run_directory,
-        _open_tracker(resolved, run_directory, resume).closing() as tracker,
     ):
-        _echo_dashboard(cluster)
-        result = train(resolved, cluster=cluster, on_event=on_event, tracker=tracker)
-        summary = run_directory.finish(result)
-        outputs = [run_directory.path / "model.pt", run_directory.path / "summary.json"]
-        tracker.finish(summary, outputs)
+        click.echo(f"run directory: {run_directory.path}")
+        with (
+            _cluster_for(run_directory, resolved) as cluster,
+            _open_tracker(resolved, run_directory, resume).closing() as tracker,
+        ):
+            _echo_dashboard(cluster)
+            with run_directory.attempt():
+                result = train(resolved, cluster=cluster, on_event=on_event, tracker=tracker)
+                summary = run_directory.finish(result)
+            outputs = [run_directory.path / "model.pt", run_directory.path / "summary.json"]
+            tracker.finish(summary, outputs)
     final = summary["final"]
     # The task's headline figure: accuracy, or R² for regression.
     headline = "val_accuracy" if "val_accuracy" in final else "val_r2"

@@ -3,19 +3,34 @@
 runs/<name>-<UTC time>/
   config.json     the resolved configuration
   metrics.jsonl   one record per logged step and per epoch, as they arrive
-  summary.json    strategy, world size, epochs, final metrics, samples/s, wall seconds, and the
-                  store's normalization statistics and classes (what batch inference applies)
+  attempts.jsonl  one record per attempt at training (a first start, each --resume), written
+                  when it ends: finished, interrupted or failed, its wall seconds, the steps
+                  from and to, its samples
+  summary.json    strategy, world size, epochs, final metrics, samples/s, wall seconds (both
+                  over every attempt, each attempt listed), and the store's normalization
+                  statistics and classes (what batch inference applies); written last, only
+                  by a run that finished: its presence says the run is done
   model.pt        the final parameters (a plain state_dict: load with weights_only=True)
   checkpoints/    step-<n>/ folders written with torch.distributed.checkpoint, newest kept
   run.log         the run's log lines
   tensorboard/    TensorBoard event files (tensorboard --logdir runs/)
   mlflow_run_id   the MLflow run this run logs to, when tracking.mlflow_uri is set: a resumed
                   run goes on logging to it
+
+config.json, summary.json and mlflow_run_id are replaced whole (written aside, then renamed), and
+a new directory appears with its config.json already in it: a run interrupted at any moment
+leaves either no directory or one that ``--resume`` takes.
 """
 
+import contextlib
+import functools
 import json
 import logging
+import math
+import os
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -24,14 +39,22 @@ import torch
 from workflows.config import ConfigError, RunConfig
 from workflows.driver import TrainResult
 
+CONFIG, SUMMARY, ATTEMPTS = "config.json", "summary.json", "attempts.jsonl"
+
 logger = logging.getLogger(__name__)
 
 
 class RunDirectory:
     def __init__(self, path: Path, config: RunConfig) -> None:
         self.path, self.config = path, config
+        # The summary of a run that already finished as far as ``config`` asks (resume only):
+        # then there is nothing to do, and nothing in the directory may change.
+        self.finished: dict[str, Any] | None = None
         self._metrics = None
         self._log_handler: logging.Handler | None = None
+        self._created = False  # this process made the directory (release() may remove it)
+        self._attempt: dict[str, Any] | None = None
+        self._reached = 0
 
     @classmethod
     def create(
@@ -40,28 +63,60 @@ class RunDirectory:
         """The run directory at ``output`` (default ``runs/<name>-<UTC time>``), checked now and
         written once entered. A directory that already holds a run is refused, its results
         never overwritten, unless ``resume`` continues that same run from its checkpoints.
+        Resuming a run that finished leaves ``finished`` set: nothing is to be written then.
         """
         if resume and output is None:
             raise ConfigError("--resume: name the run directory to continue with --output DIR")
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = Path(output) if output is not None else Path("runs") / f"{config.name}-{stamp}"
-        if (path / "config.json").exists():
-            held = json.loads((path / "config.json").read_text()).get("name", "?")
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--output: {path} exists and is not a directory")
+        directory = cls(path, config)
+        if (path / CONFIG).exists():
             if not resume:
+                try:
+                    held = _read_json(path / CONFIG).get("name", "?")
+                except ConfigError:
+                    held = "?"
                 raise ConfigError(
                     f"--output: {path} already holds run {held!r}; choose a new directory, "
                     "or add --resume to continue it"
                 )
+            held = _read_json(path / CONFIG).get("name", "?")
             if held != config.name:
                 raise ConfigError(
                     f"--resume: {path} holds run {held!r}, not {config.name!r}; resume it with "
                     "its own config"
                 )
+            directory.finished = directory._finished_summary()
         elif resume:
             raise ConfigError(f"--resume: {path} holds no run to continue")
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"--output: {path} exists and is not a directory")
-        return cls(path, config)
+        return directory
+
+    def _finished_summary(self) -> dict[str, Any] | None:
+        """The summary, if the run finished and trained at least as far as ``config`` asks.
+
+        Only a finished run writes summary.json. Asking for more (a larger ``training.epochs``
+        or ``max_steps``) continues it from its final checkpoint; asking for as much or less
+        leaves nothing to train.
+        """
+        if not (self.path / SUMMARY).exists():
+            return None
+        try:
+            summary = _read_json(self.path / SUMMARY)
+        except ConfigError as error:
+            # A summary damaged outside dask-train: continuing from the final checkpoint
+            # writes a new one.
+            logger.warning("%s; treating the run as unfinished", error)
+            return None
+        asked = self.config.training
+        final = summary.get("final") or {}
+        if asked.epochs > final.get("epochs", summary.get("epochs", 0)):
+            return None
+        # Summaries from before max_steps was kept there read as unbounded.
+        if _bound(asked.max_steps) > _bound(summary.get("max_steps")):
+            return None
+        return summary
 
     @property
     def checkpoints(self) -> Path:
@@ -78,12 +133,36 @@ class RunDirectory:
         return kept.read_text().strip() or None if kept.exists() else None
 
     def keep_mlflow_run_id(self, run_id: str) -> None:
-        (self.path / "mlflow_run_id").write_text(run_id + "\n")
+        write_atomically(self.path / "mlflow_run_id", run_id + "\n")
+
+    @property
+    def claimed(self) -> bool:
+        """The directory holds this run: ``--resume`` can continue it."""
+        return (self.path / CONFIG).exists()
+
+    @functools.cached_property
+    def resumes_from(self) -> int | None:
+        """The step of the checkpoint that training continues from; None: from the start.
+
+        Read once, after ``config`` has its checkpoint folder (verifying a checkpoint hashes
+        every file), so the tracker and the attempt record see the same one; the launcher
+        chooses it again, alike, as it starts.
+        """
+        from workers.checkpoint import latest_good_checkpoint
+
+        settings = self.config.checkpoint
+        if not settings.directory or settings.resume != "auto":
+            return None
+        found = latest_good_checkpoint(settings.directory, settings.signing_key_file)
+        return found[1]["step"] if found else None
 
     def __enter__(self) -> Self:
         """Start writing: from here on the directory holds this run."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.json").write_text(self.config.model_dump_json(indent=2) + "\n")
+        text = self.config.model_dump_json(indent=2) + "\n"
+        if self.path.is_dir():
+            write_atomically(self.path / CONFIG, text)
+        else:
+            self._claim(text)
         self._metrics = (self.path / "metrics.jsonl").open("a", buffering=1)
         self._log_handler = logging.FileHandler(self.path / "run.log")
         self._log_handler.setFormatter(
@@ -91,9 +170,38 @@ class RunDirectory:
         )
         logging.getLogger().addHandler(self._log_handler)
         logger.info("run %s started in %s", self.config.name, self.path)
+        # Where training starts from, read before it writes checkpoints of its own.
+        logger.info("training starts from step %d", self.resumes_from or 0)
         return self
 
+    def _claim(self, config_text: str) -> None:
+        """Make the directory with its config.json in one step: a directory without one holds
+        no run, and a Ctrl-C or SIGTERM between a mkdir and the write would leave exactly that,
+        which --resume then refuses."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.parent / f".{self.path.name}.{os.getpid()}.claim"
+        shutil.rmtree(staging, ignore_errors=True)  # left by a killed process of the same pid
+        try:
+            staging.mkdir()
+            (staging / CONFIG).write_text(config_text)
+            os.rename(staging, self.path)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not self.path.is_dir():
+                raise
+            # Another process made the directory meanwhile (rename refuses a non-empty one):
+            # write into it as into any existing directory.
+            write_atomically(self.path / CONFIG, config_text)
+            return
+        except BaseException:  # Ctrl-C, SIGTERM: no half-made directory stays behind
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self._created = True
+
     def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
@@ -102,17 +210,112 @@ class RunDirectory:
             self._log_handler.close()
             self._log_handler = None
 
+    def release(self) -> None:
+        """Give the directory back: the run never started (its cluster did not), so the same
+        command may run again without --resume. Only a directory this process made is
+        removed; one that held a run before is left as it was."""
+        self._close()
+        if self._created:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._created = False
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Around one attempt at training: one that does not return (interrupted, failed) is
+        recorded in attempts.jsonl as it ends, so that the summary of the attempt that
+        finishes the run counts its wall time and samples too."""
+        started = time.time()
+        self._attempt = {
+            "started_at": _utc(started),
+            "from_step": self.resumes_from or 0,
+        }
+        self._reached = self._attempt["from_step"]
+        try:
+            yield
+        except BaseException as error:
+            # A KeyboardInterrupt is Ctrl-C or SIGTERM (workflows/cli.py).
+            status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+            if self._attempt is not None:  # else finish() recorded it, then failed after
+                # No step figures come back from an attempt that did not return: its samples
+                # count to the last step its records reported.
+                self._end_attempt(status, wall_s=time.time() - started, to_step=self._reached)
+            raise
+
+    def _end_attempt(
+        self, status: str, *, wall_s: float, to_step: int, samples_per_s: float | None = None
+    ) -> dict[str, Any]:
+        # finish() without attempt() (the Python API): the attempt ran since __enter__.
+        started = self._attempt or {
+            "started_at": _utc(time.time() - wall_s),
+            "from_step": self.resumes_from or 0,
+        }
+        record = started | {
+            "status": status,
+            "to_step": to_step,
+            "wall_s": wall_s,
+            # Optimizer steps times the global batch (an epoch's last batch may be smaller).
+            "samples": max(0, to_step - started["from_step"]) * self.config.training.batch_size,
+            "samples_per_s": samples_per_s,
+        }
+        self._attempt = None
+        with (self.path / ATTEMPTS).open("a") as file:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        return record
+
+    def attempts(self) -> list[dict[str, Any]]:
+        """The attempts recorded so far, oldest first."""
+        kept = self.path / ATTEMPTS
+        if not kept.exists():
+            if (self.path / SUMMARY).exists():
+                # A run finished before attempts were recorded: its summary is its one attempt.
+                with contextlib.suppress(ConfigError):
+                    return [self._attempt_of(_read_json(self.path / SUMMARY))]
+            return []
+        attempts = []
+        for number, line in enumerate(kept.read_text().splitlines(), 1):
+            try:
+                attempts.append(json.loads(line))
+            except ValueError:
+                # Cut short by a SIGKILL mid-write: that attempt's figures are lost.
+                logger.warning("%s:%d: not a complete attempt record, skipped", kept, number)
+        return attempts
+
+    def _attempt_of(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """A summary written before attempts were recorded, as the one attempt it describes."""
+        steps = int(summary.get("steps") or 0)
+        return {
+            "status": "finished",
+            "from_step": 0,
+            "to_step": steps,
+            "wall_s": summary.get("wall_s") or 0.0,
+            "samples": steps * self.config.training.batch_size,
+            "samples_per_s": summary.get("samples_per_s"),
+        }
+
     def record(self, record: dict[str, Any]) -> None:
         """Append one metrics record (an ``on_event`` handler for :func:`train`)."""
         if self._metrics is not None:
             self._metrics.write(json.dumps(record) + "\n")
+        if record.get("kind") in ("step", "epoch") and isinstance(record.get("step"), int):
+            self._reached = max(self._reached, record["step"])
         if record.get("kind") == "epoch":
             logger.info("epoch %s/%s: %s", record["epoch"], record["epochs"], record)
 
     def finish(self, result: TrainResult) -> dict[str, Any]:
-        """Write the final model and the summary; returns the summary."""
+        """Write the final model and the summary; returns the summary. The attempt that trained
+        (``attempt()``, or else everything since entering) joins the attempts before it."""
         model_path = self.path / "model.pt"
         torch.save(result.state_dict, model_path)
+        earlier = self.attempts()
+        this = self._end_attempt(
+            "finished",
+            wall_s=result.wall_s,
+            to_step=result.final["step"],
+            samples_per_s=result.steady_samples_per_s,
+        )
+        attempts = [*earlier, this]
         summary = {
             "name": result.name,
             "recoveries": result.recoveries,
@@ -121,9 +324,15 @@ class RunDirectory:
             "split_points": list(result.split_points) if result.split_points else None,
             "epochs": len(result.history),
             "steps": result.final["step"],
+            "max_steps": self.config.training.max_steps,
             "final": {k: v for k, v in result.final.items() if k != "kind"},
-            "samples_per_s": result.steady_samples_per_s,
-            "wall_s": result.wall_s,
+            # Over every attempt: seconds spent, samples trained, and the training loops'
+            # throughput (a run resumed from its last checkpoint adds no samples, and so
+            # leaves it as it was).
+            "samples_per_s": _combined_rate(attempts),
+            "samples": sum(a.get("samples") or 0 for a in attempts),
+            "wall_s": sum(a.get("wall_s") or 0.0 for a in attempts),
+            "attempts": attempts,
             "first_step_s": result.first_step_s,
             "first_step_after_launch_s": result.first_step_after_launch_s,
             # None: trained from Dask collections (train(data=...)), no store.
@@ -142,6 +351,44 @@ class RunDirectory:
             },
             "model": model_path.name,
         }
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # Written last, and whole: its presence is what says the run finished.
+        write_atomically(self.path / SUMMARY, json.dumps(summary, indent=2) + "\n")
         logger.info("run %s finished: %s", self.config.name, summary["final"])
         return summary
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` whole: a reader, or a run resumed after an interruption mid-write,
+    finds the old content or the new, never a truncated file."""
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: not readable as a run's JSON ({error})") from None
+    if not isinstance(held, dict):
+        raise ConfigError(f"{path}: not a run's JSON object")
+    return held
+
+
+def _bound(max_steps: int | None) -> float:
+    return math.inf if max_steps is None else max_steps
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _combined_rate(attempts: list[dict[str, Any]]) -> float:
+    """Samples per second of training loop over the attempts that measured it: their samples
+    over the seconds those took at the rate each measured."""
+    measured = [a for a in attempts if (a.get("samples_per_s") or 0) > 0 and a.get("samples")]
+    seconds = sum(a["samples"] / a["samples_per_s"] for a in measured)
+    return sum(a["samples"] for a in measured) / seconds if seconds else 0.0
