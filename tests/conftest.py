@@ -153,6 +153,14 @@ def _shared_cluster_left_as_found(request):
         pytest.fail(f"the test left the shared cluster unusable: {'; '.join(problems)}")
 
 
+@pytest.fixture(scope="session")
+def four_workers():
+    """A 4-worker cluster for the layouts two workers cannot hold (pipeline x data parallel),
+    shared by the modules that need one: each start is 4 worker processes importing torch."""
+    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
+        yield training_cluster
+
+
 @pytest.fixture
 def own_cluster():
     """A fresh 2-worker cluster for tests that restart, add or kill workers."""

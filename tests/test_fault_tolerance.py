@@ -282,12 +282,18 @@ def test_staged_strategies_resume_each_stage_from_its_checkpoint(cluster, checkp
 
 @pytest.mark.slow
 def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_dir):
+    # One interrupt-and-resume of the CLI covers the run directory, the attempts' figures, and
+    # tracking: the two processes log to one MLflow run and one TensorBoard folder.
     import subprocess
     import sys
     from pathlib import Path
 
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_tracking import _only_run, _scalars
+
     config = Path(__file__).parents[1] / "workflows" / "configs" / "digits_ddp.toml"
-    output = tmp_path / "run"
+    output, mlflow_store = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
 
     def command(*extra: str) -> list[str]:
         return [
@@ -296,16 +302,17 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
             *("run", str(config), "--output", str(output)),
             *("--set", f"data.store='{store_dir / 'digits'}'"),
             *("--set", "cluster.dashboard_port=0"),
+            *("--set", f"tracking.mlflow_uri='{mlflow_store}'"),
             *("--set", "training.epochs=40"),
             *extra,  # last, so its --set wins
         ]
 
     process = subprocess.Popen(command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # the first run may build the store
         while len(list_checkpoints(output / "checkpoints")) < 2:  # two epoch ends
             assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "no checkpoint in 120 s"
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
             time.sleep(0.2)
         workers = psutil.Process(process.pid).children(recursive=True)
         process.send_signal(signal.SIGINT)  # Ctrl-C
@@ -326,6 +333,9 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
     assert stopped["status"] == "interrupted" and stopped["wall_s"] > 0
     assert stopped["from_step"] == 0 and stopped["to_step"] > 0
     assert stopped["samples"] == stopped["to_step"] * 64  # steps x the global batch
+    run_id = (output / "mlflow_run_id").read_text().strip()
+    tracked = MlflowClient(tracking_uri=mlflow_store)
+    assert tracked.get_run(run_id).info.status == "KILLED"
 
     refused = subprocess.run(command(), capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "add --resume to continue it" in refused.stderr
@@ -350,3 +360,18 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["epoch"] for r in records if r["kind"] == "epoch"]
     assert epochs[-1] == saved["epoch"] + 1
+
+    # One MLflow run, continued: it holds what metrics.jsonl holds, step for step.
+    run = _only_run(tracked, "digits-ddp")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    epoch_steps = sorted(r["step"] for r in records if r["kind"] == "epoch")
+    history = tracked.get_metric_history(run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == epoch_steps
+    assert {a.path for a in tracked.list_artifacts(run_id)} == {"model.pt", "summary.json"}
+    # The first value logged is kept: MLflow refuses to change a param.
+    assert run.data.params["training.epochs"] == "40"
+    # TensorBoard: one val/accuracy point per epoch, the redone steps purged.
+    points = _scalars(output / "tensorboard")["val/accuracy"]
+    assert len(points) == saved["epoch"] + 1
+    assert [s for s, _ in points] == sorted({s for s, _ in points})
+    assert points[-1][0] == max(epoch_steps)

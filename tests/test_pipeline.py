@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tests.reference import assert_same_parameters, train_in_one_process
-from workflows.cluster import start_cluster
 from workflows.config import ConfigError, load_config
 from workflows.driver import train
 
@@ -84,12 +83,6 @@ def test_pipeline_across_an_epoch_boundary_drops_the_partial_batch(cluster, stag
     result = train(config, cluster=cluster, on_event=None)
     assert [r["step"] for r in result.history] == [5, 7]
     _assert_matches_reference(result, config, steps=7)
-
-
-@pytest.fixture(scope="module")
-def four_workers():
-    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
-        yield training_cluster
 
 
 @pytest.mark.slow

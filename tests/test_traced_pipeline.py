@@ -29,7 +29,6 @@ from workers.profiling import profile_module
 from workers.strategies.base import EpochSums, Strategy, get_strategy
 from workers.strategies.pipeline import check_cut, cut_points, trace_stages
 from workflows import launch
-from workflows.cluster import start_cluster
 from workflows.config import ConfigError
 from workflows.driver import train
 from workflows.planner import balanced_split, plan, resolve_split_points
@@ -180,12 +179,6 @@ def _assert_matches_one_process(stages: list, model_name: str) -> None:
     assert_same_parameters(got, expected, rtol=1e-5, atol=4e-5)
     untrained = build(model_name, seed=0).state_dict()
     assert any(not torch.equal(got[name], untrained[name]) for name in expected)
-
-
-@pytest.fixture(scope="module")
-def four_workers():
-    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
-        yield training_cluster
 
 
 @pytest.mark.slow

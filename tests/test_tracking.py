@@ -2,19 +2,14 @@
 tensorboard's EventAccumulator, and MlflowClient on a local SQLite store."""
 
 import json
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from workers.checkpoint import list_checkpoints
 from workers.models import build_model
 from workflows.batch_predict import predict
 from workflows.config import ConfigError, load_config
@@ -132,70 +127,6 @@ def test_rank_api_reports_log_rank_0_with_its_step_or_a_counter(tmp_path):
     assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.5), (10, 2.0)]
     assert run.data.params == {"name": "fit", "training.epochs": "2"}
     assert run.data.tags["world_size"] == "2" and run.info.status == "FINISHED"
-
-
-@pytest.mark.slow
-def test_an_interrupted_and_resumed_cli_run_is_one_mlflow_run(tmp_path, store_dir):
-    output, store = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
-
-    def command(*extra: str) -> list[str]:
-        return [
-            sys.executable,
-            *("-c", "from workflows.cli import main; main()"),
-            *("run", str(CONFIGS / "digits_ddp.toml"), "--output", str(output)),
-            *("--set", f"data.store='{store_dir / 'digits'}'"),
-            *("--set", "cluster.dashboard_port=0"),
-            *("--set", f"tracking.mlflow_uri='{store}'"),
-            *("--set", "training.epochs=40"),
-            *extra,  # last, so its --set wins
-        ]
-
-    process = subprocess.Popen(command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # Generous: the first run may preprocess the store, on a machine shared with others.
-        deadline = time.monotonic() + 300
-        while not list_checkpoints(output / "checkpoints"):  # the first epoch's end
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "no checkpoint in 300 s"
-            time.sleep(0.2)
-        workers = psutil.Process(process.pid).children(recursive=True)
-        process.send_signal(signal.SIGINT)
-        # Stopping restarts the rank workers and closes the cluster: tens of seconds when busy.
-        _, stderr = process.communicate(timeout=180)
-        psutil.wait_procs(workers, timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-    assert process.returncode == 130, stderr
-    run_id = (output / "mlflow_run_id").read_text().strip()
-    client = MlflowClient(tracking_uri=store)
-    assert client.get_run(run_id).info.status == "KILLED"
-    saved = json.loads((list_checkpoints(output / "checkpoints")[0] / "manifest.json").read_text())
-
-    final_epoch = saved["epoch"] + 1
-    resumed = subprocess.run(
-        command("--resume", "--set", f"training.epochs={final_epoch}"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    run = _only_run(client, "digits-ddp")
-    assert run.info.run_id == run_id and run.info.status == "FINISHED"
-    # Both processes logged to it: MLflow holds what metrics.jsonl holds, step for step.
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    epoch_steps = sorted(r["step"] for r in records if r["kind"] == "epoch")
-    history = client.get_metric_history(run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == epoch_steps
-    assert {a.path for a in client.list_artifacts(run_id)} == {"model.pt", "summary.json"}
-    # The first value logged is kept: MLflow refuses to change a param.
-    assert run.data.params["training.epochs"] == "40"
-    # TensorBoard: one val/accuracy point per epoch, the redone steps purged.
-    points = _scalars(output / "tensorboard")["val/accuracy"]
-    assert len(points) == final_epoch
-    assert [s for s, _ in points] == sorted({s for s, _ in points})
-    assert points[-1][0] == max(epoch_steps)
 
 
 def test_a_prediction_is_an_mlflow_run_with_its_metrics_and_confusion_matrix(
