@@ -55,14 +55,13 @@ def test_preprocess_builds_then_reuses_the_cifar10_store_and_run_trains_from_it(
     built = _cli("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *settings)
     assert built.returncode == 0, built.stderr
     assert "built in" in built.stdout and "train 100, val 20 images" in built.stdout
-    reused = _cli("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *settings)
-    assert reused.returncode == 0, reused.stderr
-    assert "up to date, reused" in reused.stdout
 
+    # The run finds the store preprocess built up to date and trains from it as it is.
     trained = _cli(
         "run",
         str(CONFIGS / "cifar10_ddp.toml"),
         *settings,
+        *("--output", str(tmp_path / "run")),
         "--set",
         "training.epochs=1",
         "--set",
@@ -72,6 +71,7 @@ def test_preprocess_builds_then_reuses_the_cifar10_store_and_run_trains_from_it(
     )
     assert trained.returncode == 0, trained.stderr
     assert "Epoch [1/1]" in trained.stdout and "done: ddp on 2 ranks" in trained.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["store"]["reused"] is True
 
 
 def test_preprocess_of_a_corrupt_batch_exits_2_naming_the_file(tmp_path):

@@ -179,15 +179,14 @@ def _process(pid: int) -> psutil.Process | None:
 
 
 @pytest.mark.slow
-def test_a_module_the_stock_workers_cannot_import_is_shipped(tmp_path):
-    from tests.test_multihost import _stock_cluster
-
+def test_a_module_the_stock_workers_cannot_import_is_shipped(tmp_path, stock_workers):
     user_code = tmp_path / "user_code" / "my_launch_pkg"
     user_code.mkdir(parents=True)
     (user_code / "__init__.py").write_text("")
     (user_code / "main.py").write_text(textwrap.dedent(TORCHRUN_SCRIPT))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    _, scheduler_file = stock_workers
     output = tmp_path / "out"
     output.mkdir()
     # The client imports the package from its own folder; the stock workers, started in
@@ -195,13 +194,12 @@ def test_a_module_the_stock_workers_cannot_import_is_shipped(tmp_path):
     client_env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(user_code.parent), str(ROOT)]),
     }
-    with _stock_cluster(tmp_path, {"w0": [], "w1": []}, cwd=elsewhere) as (_, scheduler_file):
-        done = _launch(
-            *("--scheduler-file", str(scheduler_file), "--world-size", "2"),
-            *("-m", "my_launch_pkg.main", str(output)),
-            cwd=elsewhere,
-            env=client_env,
-        )
+    done = _launch(
+        *("--scheduler-file", str(scheduler_file), "--world-size", "2"),
+        *("-m", "my_launch_pkg.main", str(output)),
+        cwd=elsewhere,
+        env=client_env,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in output.iterdir()) == ["rank0.json", "rank1.json"]
     assert "[rank 1] hello from rank 1 of 2" in done.stdout

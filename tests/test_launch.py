@@ -339,11 +339,7 @@ def _write_package(root: Path, name: str) -> None:
     (package / "helpers.py").write_text("def scale(value):\n    return 10 * value\n")
 
 
-def test_code_the_stock_workers_cannot_import_is_shipped(tmp_path, monkeypatch):
-    from tests.test_multihost import _stock_cluster
-
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+def test_code_the_stock_workers_cannot_import_is_shipped(tmp_path, monkeypatch, stock_workers):
     user_code = tmp_path / "user_code"
     _write_package(user_code, "my_research_pkg")
     (user_code / "my_single_module.py").write_text(
@@ -354,17 +350,16 @@ def test_code_the_stock_workers_cannot_import_is_shipped(tmp_path, monkeypatch):
     (user_code / "compiled_pkg" / "_speedups.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
     monkeypatch.syspath_prepend(str(user_code))
     from compiled_pkg import fn as compiled_fn
+    from distributed import Client
     from my_research_pkg import user_loop
     from my_single_module import times_rank
 
-    with _stock_cluster(tmp_path, {"w0": [], "w1": []}, cwd=elsewhere) as (address, _):
-        from distributed import Client
-
-        with Client(address, timeout=30) as client:
-            assert launch(user_loop, 0.5, cluster=client, world_size=2).results == [15.0, 15.0]
-            assert launch(times_rank, 7, cluster=client, world_size=2).results == [0, 7]
-            with pytest.raises(CodeNotShippable, match=r"module 'compiled_pkg'.*compiled"):
-                launch(compiled_fn, cluster=client, world_size=2)
+    address, _ = stock_workers
+    with Client(address, timeout=30) as client:
+        assert launch(user_loop, 0.5, cluster=client, world_size=2).results == [15.0, 15.0]
+        assert launch(times_rank, 7, cluster=client, world_size=2).results == [0, 7]
+        with pytest.raises(CodeNotShippable, match=r"module 'compiled_pkg'.*compiled"):
+            launch(compiled_fn, cluster=client, world_size=2)
     for module in [m for m in sys.modules if m.startswith(("my_", "compiled_pkg"))]:
         del sys.modules[module]
 

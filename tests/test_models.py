@@ -317,24 +317,18 @@ def test_a_factory_with_a_bare_kwargs_trains_on_the_shared_cluster(cluster, make
 
 @pytest.mark.slow
 def test_a_factory_outside_the_repository_is_shipped_to_stock_workers(
-    tmp_path, monkeypatch, make_config
+    tmp_path, monkeypatch, make_config, stock_workers
 ):
-    from tests.test_multihost import _stock_cluster
-
     by_name = _user_module(tmp_path / "user_code", monkeypatch)
     given = _user_module(tmp_path / "more_user_code", monkeypatch)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    address, _ = stock_workers
     config = make_config(
         {"name": "import-path", "model": {"name": f"{by_name}:make_mlp", "kwargs": {"hidden": 16}}},
         max_steps=3,
         **BASE,
     )
     try:
-        with (
-            _stock_cluster(tmp_path, {"w0": [], "w1": []}, cwd=elsewhere) as (address, _),
-            Client(address, timeout=30) as client,
-        ):
+        with Client(address, timeout=30) as client:
             lacking = client.run(lambda: [importlib.util.find_spec(m) for m in (by_name, given)])
             assert all(specs == [None, None] for specs in lacking.values())
             run = RunDirectory.create(config, tmp_path / "run")

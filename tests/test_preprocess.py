@@ -255,3 +255,13 @@ def test_a_store_path_holding_something_else_is_never_overwritten(cluster, tmp_p
     ):
         prepare_store(cluster.client, config, seed=0)
     assert (precious / "thesis.txt").read_text() == "do not delete"
+
+
+def test_the_digits_listing_counts_what_load_digits_returns_without_importing_it():
+    from sklearn.datasets import load_digits
+
+    from workers.sources import _digits_count
+
+    # The client counts the lines of the file load_digits reads (no scikit-learn import on
+    # every run); the workers decode with load_digits itself: the two must agree.
+    assert _digits_count() == len(load_digits().target) == 1797

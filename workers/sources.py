@@ -7,10 +7,13 @@ torch: preprocessing workers stay small enough for tight memory limits.
 """
 
 import functools
+import gzip
 import hashlib
+import importlib.util
 import io
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import fsspec
@@ -58,7 +61,7 @@ def list_records(
     storage_options: dict[str, Any] | None = None,
 ) -> Listing:
     if dataset == "digits":
-        n = len(_digits_arrays()[1])
+        n = _digits_count()
         train, val = _split(list(range(n)), val_fraction, seed)
         return Listing(train, val, [str(i) for i in range(10)], digest("digits", n), 512)
     if dataset == "synthetic":
@@ -120,6 +123,22 @@ def _stack(images: list[np.ndarray], labels: list[int], size: int) -> tuple[np.n
 
 
 # -- digits: scikit-learn's bundled 8x8 scans ------------------------------------------------
+
+
+# The file load_digits reads: one scan a line.
+DIGITS_FILE = ("datasets", "data", "digits.csv.gz")
+
+
+@functools.cache
+def _digits_count() -> int:
+    """How many scans scikit-learn ships, from its file and without importing scikit-learn:
+    the client lists the dataset on every run to check its store, and the import (SciPy with
+    it) is most of a second or two of each CLI run; the workers decode with load_digits."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package, runs none of it
+    if spec is None or spec.origin is None:
+        raise SourceError("data.dataset: digits needs scikit-learn (pip install scikit-learn)")
+    with gzip.open(Path(spec.origin).parent.joinpath(*DIGITS_FILE), "rt") as scans:
+        return sum(1 for _ in scans)
 
 
 @functools.cache
