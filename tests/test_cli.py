@@ -15,29 +15,9 @@ import psutil
 import pytest
 import torch
 
+from tests.commands import CONFIGS, dask_train, digits_run, run_dask_train
 from tests.datasets import write_tiny_cifar10
 from workers.models import build_model
-
-CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
-
-
-def _command(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from workflows.cli import main; main()", *args]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(*args), capture_output=True, text=True, timeout=300)
-
-
-def _digits_run(store_dir: Path, output: Path, epochs: int) -> list[str]:
-    """Arguments of a digits run that keeps its store, dashboard and directory in the test."""
-    return [
-        *("run", str(CONFIGS / "digits_ddp.toml")),
-        *("--set", f"data.store='{store_dir / 'digits'}'"),
-        *("--set", "cluster.dashboard_port=0"),
-        *("--set", f"training.epochs={epochs}"),
-        *("--output", str(output)),
-    ]
 
 
 def _local_settings(tmp_path) -> list[str]:
@@ -52,12 +32,12 @@ def _local_settings(tmp_path) -> list[str]:
 def test_preprocess_builds_then_reuses_the_cifar10_store_and_run_trains_from_it(tmp_path):
     write_tiny_cifar10(tmp_path / "raw", per_batch=20)
     settings = _local_settings(tmp_path)
-    built = _cli("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *settings)
+    built = run_dask_train("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *settings)
     assert built.returncode == 0, built.stderr
     assert "built in" in built.stdout and "train 100, val 20 images" in built.stdout
 
     # The run finds the store preprocess built up to date and trains from it as it is.
-    trained = _cli(
+    trained = run_dask_train(
         "run",
         str(CONFIGS / "cifar10_ddp.toml"),
         *settings,
@@ -78,7 +58,9 @@ def test_preprocess_of_a_corrupt_batch_exits_2_naming_the_file(tmp_path):
     write_tiny_cifar10(tmp_path / "raw")
     batch = tmp_path / "raw" / "cifar-10-batches-py" / "data_batch_2"
     batch.write_bytes(batch.read_bytes()[:64])
-    done = _cli("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *_local_settings(tmp_path))
+    done = run_dask_train(
+        "preprocess", str(CONFIGS / "cifar10_ddp.toml"), *_local_settings(tmp_path)
+    )
     assert done.returncode == 2
     assert "data_batch_2: not a readable CIFAR-10 batch" in done.stderr.splitlines()[-1]
 
@@ -87,7 +69,7 @@ def test_cli_rejects_a_bad_config_with_exit_2_and_one_line(tmp_path):
     config = tmp_path / "typo.toml"
     config.write_text("[training]\nepohcs = 3\n")
     for command in ("validate", "run"):
-        done = _cli(command, str(config))
+        done = run_dask_train(command, str(config))
         assert done.returncode == 2
         assert done.stderr.strip().count("\n") == 0
         assert "training.epohcs: unknown key" in done.stderr
@@ -95,13 +77,15 @@ def test_cli_rejects_a_bad_config_with_exit_2_and_one_line(tmp_path):
 
 
 def test_cli_validate_prints_the_resolved_config(tmp_path):
-    done = _cli("validate", str(CONFIGS / "digits_ddp.toml"), "--set", "training.epochs=2")
+    done = run_dask_train(
+        "validate", str(CONFIGS / "digits_ddp.toml"), "--set", "training.epochs=2"
+    )
     assert done.returncode == 0, done.stderr
     assert '"epochs": 2' in done.stdout
 
 
 def test_cli_run_with_a_missing_dataset_path_exits_2_naming_the_path(tmp_path):
-    done = _cli(
+    done = run_dask_train(
         "run",
         str(CONFIGS / "cifar10_ddp.toml"),
         "--set",
@@ -116,8 +100,8 @@ def test_cli_run_with_a_missing_dataset_path_exits_2_naming_the_path(tmp_path):
 
 def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_dir):
     output = tmp_path / "run"
-    arguments = _digits_run(store_dir, output, epochs=2)
-    done = _cli(*arguments)
+    arguments = digits_run(store_dir, output, epochs=2)
+    done = run_dask_train(*arguments)
     assert done.returncode == 0, done.stderr
     # No terminal: plain lines, no bar and no carriage returns (cron, a pipe, a file).
     assert "\r" not in done.stdout and "%|" not in done.stdout
@@ -151,11 +135,11 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
         return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in output.rglob("*") if p.is_file()}
 
     before = files()
-    again = _cli(*arguments)
+    again = run_dask_train(*arguments)
     assert again.returncode == 2
     assert f"{output} already holds run 'digits-ddp'" in again.stderr
     # Resumed, a finished run has nothing to train: no cluster starts, no file changes.
-    resumed = _cli(*arguments, "--resume")
+    resumed = run_dask_train(*arguments, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.splitlines() == [
         f"{output} finished already (46 steps, {summary['samples_per_s']:.0f} samples/s, "
@@ -170,7 +154,7 @@ def test_a_run_directory_whose_config_is_unreadable_is_refused_naming_the_file(t
     output = tmp_path / "run"
     output.mkdir()
     (output / "config.json").write_text('{\n  "name": "digits-d')
-    done = _cli(*_digits_run(tmp_path, output, epochs=1), "--resume")
+    done = run_dask_train(*digits_run(tmp_path, output, epochs=1), "--resume")
     assert done.returncode == 2, done.stderr
     line = done.stderr.strip()
     assert line.startswith(f"dask-train: {output / 'config.json'}: not readable"), line
@@ -179,7 +163,7 @@ def test_a_run_directory_whose_config_is_unreadable_is_refused_naming_the_file(t
 
 @pytest.mark.slow
 def test_an_unreachable_scheduler_exits_2_with_one_line(tmp_path):
-    done = _cli(
+    done = run_dask_train(
         "run",
         str(CONFIGS / "digits_ddp.toml"),
         "--scheduler",
@@ -197,7 +181,7 @@ def test_an_unreachable_scheduler_exits_2_with_one_line(tmp_path):
 
 def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
     leader, follower = os.openpty()
-    command = _command(*_digits_run(store_dir, tmp_path / "run", epochs=1))
+    command = dask_train(*digits_run(store_dir, tmp_path / "run", epochs=1))
     process = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE)
     os.close(follower)
     chunks = []
@@ -258,7 +242,10 @@ def test_a_config_path_that_is_no_readable_toml_file_exits_2_with_one_line(tmp_p
         os.mkfifo(config)  # opening it for reading would wait for a writer forever
     for command in ("validate", "run"):
         done = subprocess.run(
-            [*prefix, *_command(command, str(config))], capture_output=True, text=True, timeout=120
+            [*prefix, *dask_train(command, str(config))],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert done.returncode == 2, done.stderr
         line = done.stderr.strip()
@@ -305,12 +292,12 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
     from workflows.cli import INTERRUPT_EXIT_BOUND_S
 
     output = tmp_path / "run"
-    arguments = _digits_run(store_dir, output, epochs=1 if moment == "shutdown" else 40)
+    arguments = digits_run(store_dir, output, epochs=1 if moment == "shutdown" else 40)
     arguments += ["--set", "training.log_every_steps=1", "--set", "checkpoint.every_steps=2"]
     if moment == "preprocessing":
         arguments += ["--set", f"data.store='{tmp_path / 'fresh-store'}'"]
     process = subprocess.Popen(
-        _command(*arguments),
+        dask_train(*arguments),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -351,7 +338,7 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
         # was up: stopped in between, the run said to --resume a directory that did not
         # exist, and --resume was a usage error (exit 2). Now it holds the run by then.
         assert f"continue with --output {output} --resume" in stderr
-        resumed = _cli(*arguments, "--resume", "--set", "training.max_steps=2")
+        resumed = run_dask_train(*arguments, "--resume", "--set", "training.max_steps=2")
         assert resumed.returncode == 0, resumed.stderr
         assert json.loads((output / "summary.json").read_text())["steps"] == 2
 

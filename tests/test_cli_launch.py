@@ -5,13 +5,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.commands import dask_train
 
 ROOT = Path(__file__).parents[1]
 
@@ -37,13 +38,9 @@ dist.destroy_process_group()
 """
 
 
-def _command(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from workflows.cli import main; main()", *args]
-
-
 def _launch(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _command("launch", *args),
+        dask_train("launch", *args),
         capture_output=True,
         text=True,
         timeout=300,
@@ -146,7 +143,7 @@ def test_ctrl_c_exits_130_and_leaves_no_orphan(tmp_path):
         """,
     )
     launcher = subprocess.Popen(
-        _command("launch", "--world-size", "2", str(script)),
+        dask_train("launch", "--world-size", "2", str(script)),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -1,24 +1,18 @@
 """`dask-train predict` end to end, as a scheduler would call it: real processes, real files."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
+from tests.commands import run_dask_train
 from workers.models import build_model
 from workflows.config import load_config
 from workflows.preprocess import prepare_store
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-c", "from workflows.cli import main; main()", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +44,7 @@ def test_predict_scores_the_store_and_writes_predictions_and_metrics(
     tmp_path, store_dir, checkpoint, digits_store, cluster
 ):
     output = tmp_path / "scored"
-    done = _cli(
+    done = run_dask_train(
         "predict",
         str(CONFIGS / "digits_ddp.toml"),
         *_settings(store_dir),
@@ -74,7 +68,7 @@ def test_predict_with_a_foreign_checkpoint_exits_2_with_one_line(tmp_path, store
     foreign = tmp_path / "five.pt"
     torch.save(build_model("cifar_cnn", num_classes=5, seed=0).state_dict(), foreign)
     (tmp_path / "images" / "cat").mkdir(parents=True)
-    done = _cli(
+    done = run_dask_train(
         "predict",
         str(CONFIGS / "digits_ddp.toml"),
         *_settings(store_dir),
@@ -88,7 +82,7 @@ def test_predict_with_a_foreign_checkpoint_exits_2_with_one_line(tmp_path, store
 
 
 def test_predict_rejects_a_bad_setting_with_exit_2_naming_the_field(tmp_path, checkpoint):
-    done = _cli(
+    done = run_dask_train(
         "predict",
         str(CONFIGS / "digits_ddp.toml"),
         *("--set", "predict.batch_sise=8"),

@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from tests.commands import dask_train, digits_run
 from tests.reference import assert_same_parameters
 from workers.checkpoint import (
     MANIFEST,
@@ -285,27 +286,19 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
     # One interrupt-and-resume of the CLI covers the run directory, the attempts' figures, and
     # tracking: the two processes log to one MLflow run and one TensorBoard folder.
     import subprocess
-    import sys
-    from pathlib import Path
 
     from mlflow.tracking import MlflowClient
 
     from tests.test_tracking import _only_run, _scalars
 
-    config = Path(__file__).parents[1] / "workflows" / "configs" / "digits_ddp.toml"
     output, mlflow_store = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
 
     def command(*extra: str) -> list[str]:
-        return [
-            sys.executable,
-            *("-c", "from workflows.cli import main; main()"),
-            *("run", str(config), "--output", str(output)),
-            *("--set", f"data.store='{store_dir / 'digits'}'"),
-            *("--set", "cluster.dashboard_port=0"),
+        return dask_train(
+            *digits_run(store_dir, output, epochs=40),
             *("--set", f"tracking.mlflow_uri='{mlflow_store}'"),
-            *("--set", "training.epochs=40"),
             *extra,  # last, so its --set wins
-        ]
+        )
 
     process = subprocess.Popen(command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -16,6 +16,7 @@ from distributed import Client
 from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 from torch import nn
 
+from tests.commands import CONFIGS, dask_train
 from tests.reference import assert_same_parameters, train_in_one_process
 from workers.config_models import ModelConfig
 from workers.data import open_store
@@ -28,7 +29,6 @@ from workflows.dashboard import ROUTE
 from workflows.driver import format_epoch, train
 from workflows.run_directory import RunDirectory
 
-CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 BASE = {"lr": 0.05, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 5}
 HAS_TIMM = importlib.util.find_spec("timm") is not None
 
@@ -137,7 +137,7 @@ def test_timm_names_without_timm_installed_say_how_to_install_it(monkeypatch):
 
 @pytest.mark.slow
 def test_dask_train_validate_checks_the_factory_and_the_example_config():
-    command = [sys.executable, "-c", "from workflows.cli import main; main()", "validate"]
+    command = dask_train("validate")
     example = str(CONFIGS / "cifar10_resnet18.toml")
     done = subprocess.run([*command, example], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -26,6 +26,7 @@ from distributed.comm.core import CommClosedError, FatalCommClosedError
 from distributed.security import Security
 from tornado.iostream import StreamClosedError
 
+from tests.commands import CONFIGS, dask_train
 from tests.reference import train_in_one_process
 from workers.process_group import current_membership
 from workflows.cluster import live_workers, start_cluster
@@ -41,7 +42,6 @@ from workflows.launcher import (
 from workflows.security import write_pem_files
 
 ROOT = Path(__file__).parents[1]
-CONFIGS = ROOT / "workflows" / "configs"
 DASK = str(Path(sys.executable).with_name("dask"))  # the stock CLI of this environment
 
 
@@ -248,7 +248,7 @@ def test_a_missing_interface_or_too_few_matching_workers_fail_fast_naming_the_fi
 
 
 def _cli(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    command = [*prefix, sys.executable, "-c", "from workflows.cli import main; main()", *args]
+    command = [*prefix, *dask_train(*args)]
     return subprocess.run(
         command, capture_output=True, text=True, timeout=240, cwd=ROOT, env=_environment()
     )

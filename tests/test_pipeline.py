@@ -7,6 +7,7 @@ reference leaves (PyTorch's own pipelining tests use rtol 1e-5, atol 4e-5).
 import pytest
 import torch
 
+from tests.commands import dask_train, digits_run
 from tests.reference import assert_same_parameters, train_in_one_process
 from workflows.config import ConfigError, load_config
 from workflows.driver import train
@@ -149,22 +150,13 @@ def test_a_world_known_only_at_launch_is_checked_before_anything_runs(cluster, s
 def test_cli_runs_the_pipeline_example_and_writes_the_whole_model(tmp_path, store_dir):
     import json
     import subprocess
-    import sys
-    from pathlib import Path
 
     from workers.models import build_model
 
-    configs = Path(__file__).parents[1] / "workflows" / "configs"
     done = subprocess.run(
-        [
-            sys.executable,
-            *("-c", "from workflows.cli import main; main()"),
-            *("run", str(configs / "digits_pipeline.toml")),
-            *("--set", f"data.store='{store_dir / 'digits'}'"),
-            *("--set", "cluster.dashboard_port=0"),
-            *("--set", "training.epochs=2"),
-            *("--output", str(tmp_path / "run")),
-        ],
+        dask_train(
+            *digits_run(store_dir, tmp_path / "run", config="digits_pipeline.toml", epochs=2)
+        ),
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,20 +1,18 @@
 """Stage planning: real per-layer profiles, the balanced cut, and the ``plan`` command."""
 
 import subprocess
-import sys
 from collections import OrderedDict
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from tests.commands import CONFIGS, dask_train
 from workers.profiling import LayerProfile, profile_layers
 from workers.strategies.pipeline import even_split
 from workflows.planner import balanced_split, stage_memory
 
-CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 MIB = 2**20
 
 
@@ -82,16 +80,14 @@ def test_the_planner_cuts_where_a_deliberately_unbalanced_model_needs_it():
 
 
 def test_plan_command_prints_profile_split_bubble_and_recommendation(tmp_path):
-    command = [
-        sys.executable,
-        *("-c", "from workflows.cli import main; main()"),
+    command = dask_train(
         *("plan", str(CONFIGS / "digits_ddp.toml")),
         *("--set", f"data.store='{tmp_path / 'store'}'"),
         *("--set", "cluster.dashboard_port=0"),
         *("--set", "model.name='small_resnet'"),
         *("--set", "training.strategy='pipeline'"),
         *("--set", "training.batch_size=64"),
-    ]
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -104,13 +100,11 @@ def test_plan_command_prints_profile_split_bubble_and_recommendation(tmp_path):
 
 
 def test_plan_command_refuses_a_config_that_cannot_be_staged(tmp_path):
-    command = [
-        sys.executable,
-        *("-c", "from workflows.cli import main; main()"),
+    command = dask_train(
         *("plan", str(CONFIGS / "digits_ddp.toml")),
         *("--set", "training.strategy='pipeline'"),
         *("--set", "pipeline.split_points=['nope']"),
-    ]
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "pipeline.split_points: ['nope'] name no top-level module" in done.stderr

@@ -1,0 +1,33 @@
+"""The batch CLI as the tests run it: a real process running this checkout's code."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
+
+
+def dask_train(*args: str) -> list[str]:
+    """The command line of ``dask-train ARGS``."""
+    return [sys.executable, "-c", "from workflows.cli import main; main()", *args]
+
+
+def run_dask_train(*args: str, timeout: float = 300, **options) -> subprocess.CompletedProcess:
+    """Run ``dask-train ARGS`` to its end (``options`` go to ``subprocess.run``: cwd, env)."""
+    return subprocess.run(
+        dask_train(*args), capture_output=True, text=True, timeout=timeout, **options
+    )
+
+
+def digits_run(
+    store_dir: Path, output: Path, *, config: str = "digits_ddp.toml", **training
+) -> list[str]:
+    """The arguments of ``run`` on an example digits config that keep its store, dashboard and
+    run directory in the test; ``training`` overrides ``[training]`` keys."""
+    return [
+        *("run", str(CONFIGS / config)),
+        *("--set", f"data.store='{store_dir / 'digits'}'"),
+        *("--set", "cluster.dashboard_port=0"),
+        *(item for key, value in training.items() for item in ("--set", f"training.{key}={value}")),
+        *("--output", str(output)),
+    ]
