@@ -1,16 +1,22 @@
 """Per-rank loading from the store: every sample once per epoch, deterministic, lazy."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from workers.data import (
+    WORKER_CHUNKS,
     DataConfig,
     RankBatches,
+    _local_chunk_file,
     eval_batches,
     fixed_shape_eval_batches,
     open_store,
     rank_epoch_indices,
+    read_chunk,
 )
 from workflows.preprocess import prepare_store
 
@@ -101,6 +107,62 @@ def test_rank_batches_read_exactly_the_indexed_samples(digits_store):
         batches = RankBatches(store.train, config, rank=1, world_size=2, batch_size=50, seed=4)
         sizes = [len(y) for _, y in batches.epoch(0)]
         assert [batches.job_rows(step) for step in range(len(batches))] == [2 * n for n in sizes]
+
+
+def test_a_warm_workers_next_job_reuses_the_store_and_a_rebuilt_one_is_read_again(
+    digits_store, tmp_path
+):
+    # A copy: this test rewrites it as a rebuild for other inputs would.
+    url = str(tmp_path / "digits")
+    shutil.copytree(digits_store.store_url, url)
+    config = digits_store.model_copy(update={"store": url})
+    WORKER_CHUNKS.clear()
+
+    def first_epoch(store):
+        return _collect(
+            RankBatches(store.train, config, rank=0, world_size=2, batch_size=32, seed=0), 0
+        )
+
+    store = open_store(url)
+    x, _ = first_epoch(store)
+    index = torch.from_numpy(
+        RankBatches(store.train, config, rank=0, world_size=2, batch_size=32, seed=0).indices(0)
+    )
+    assert torch.equal(x, torch.from_numpy(np.asarray(store.train.images[:]))[index])
+    # The next job on this worker: the same opened store, its chunks from memory, same batches.
+    again = open_store(url)
+    assert again is store
+    fingerprint = zarr.open_group(url, mode="r").attrs["fingerprint"]
+    assert WORKER_CHUNKS.get((url, fingerprint, "train", 0)) is not None
+    assert torch.equal(first_epoch(again)[0], x)
+
+    # Rebuilt for other inputs: another fingerprint, other samples; nothing stale is served.
+    group = zarr.open_group(url, mode="r+")
+    group["train/images"][:] = np.asarray(group["train/images"][:]) + 1
+    group.attrs["fingerprint"] = "rebuilt-for-other-inputs"
+    rebuilt = open_store(url)
+    assert rebuilt is not store
+    assert torch.equal(first_epoch(rebuilt)[0], x + 1)
+
+    # Being rebuilt (not complete): refused, not served from memory.
+    group.attrs["complete"] = False
+    with pytest.raises(FileNotFoundError):
+        open_store(url)
+
+
+def test_chunks_read_from_their_files_are_what_zarr_reads(tmp_path):
+    values = np.arange(10 * 3 * 2, dtype=np.float32).reshape(10, 3, 2)
+    values[4:8] = 0  # the middle chunk holds fill values only: zarr writes no file for it
+    for name, compressors in (("raw", None), ("zstd", "auto")):
+        url = str(tmp_path / name)
+        zarr.create_array(
+            url, shape=values.shape, chunks=(4, 3, 2), dtype="float32", compressors=compressors
+        )[:] = values
+        images = zarr.open_array(url, mode="r")
+        # The raw array is read from its files; the compressed one through zarr.
+        assert (_local_chunk_file(images, 0) is not None) == (name == "raw")
+        for chunk in range(3):  # the last one is partial
+            assert np.array_equal(read_chunk(images, chunk), values[chunk * 4 : chunk * 4 + 4])
 
 
 def test_in_memory_prefetched_and_lazy_reads_give_the_same_batches(digits_store):

@@ -1,14 +1,26 @@
-"""dask-train DDP vs plain ``torchrun`` on the same model, data, global batch and process count.
+"""dask-train DDP vs plain ``torchrun`` on the same model, data, global batch and process count,
+and the built-in trainer vs the same work written as a user function on ``launch``.
 
     python -m workflows.benchmarks.ddp_vs_torchrun [--workers 2] [--steps 150] [--repeats 3]
-        [--device cpu|cuda]
+        [--latency-jobs 10] [--device cpu|cuda]
 
-Both sides run :func:`workers.train.train`, so the only difference is what launched the ranks:
-torchrun's processes, or Dask worker processes bootstrapped by dask-train. torchrun runs twice
-per repeat: as a user gets it (glibc's malloc defaults) and with the malloc settings dask-train
-gives its workers, which separates the launcher's cost from the allocator's gain. Runs alternate
-so that machine noise hits all alike; ratios are of the medians of steady-state samples/s.
-Also prints the time from submit to the first finished step for short jobs on a warm cluster.
+torchrun and dask-train's built-in trainer both run :func:`workers.train.train`, so the only
+difference is what launched the ranks: torchrun's processes, or Dask worker processes
+bootstrapped by dask-train. torchrun runs twice per repeat: as a user gets it (glibc's malloc
+defaults) and with the malloc settings dask-train gives its workers, which separates the
+launcher's cost from the allocator's gain. The fourth side, :func:`user_ddp_loop` on
+``launch``, is the trainer's work as a user writes it (the seed CNN, DDP, SGD with the same
+settings, the same per-rank batch and steps) on the same warm workers: the built-in trainer's
+own overhead. It trains on random tensors already in memory, while the trainer reads its
+synthetic store (chunk reads, row gathers, float32 batches in a prefetch thread) and keeps the
+epoch's loss and accuracy sums: that reading and bookkeeping is the trainer's work. Runs
+alternate (the order rotates each repeat) so that machine noise hits all alike; ratios are of
+the medians of steady-state samples/s (from the fourth step on).
+
+Then the warm first step: jobs of the digits demo config cut to 3 steps, on the ``--workers``
+cluster and on a 4-worker cluster started here, from the ``train()`` call to rank 0's first
+finished step (``TrainResult.first_step_s``); the first job of each cluster (imports, the
+store's first read) is left out; median and max of the rest.
 
 ``--device cpu`` (the default) compares on gloo and hides any GPU from both sides, so the
 figures mean the same on every machine; ``--device cuda`` compares on nccl, one process per
@@ -22,17 +34,31 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from workflows.cluster import TUNED_MALLOC, count_gpus, start_cluster
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from workers.models import build_model
+from workflows.cluster import TUNED_MALLOC, TrainingCluster, count_gpus, start_cluster
 from workflows.config import RunConfig, load_config
 from workflows.driver import train
+from workflows.jobs import launch
+
+SYNTHETIC_SAMPLES = 16384
+DIGITS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_ddp.toml"
 
 
 def benchmark_config(steps: int, batch_size: int) -> RunConfig:
     return load_config(
         {
             "name": "bench",
-            "data": {"dataset": "synthetic", "synthetic_samples": 16384, "drop_last": True},
+            "data": {
+                "dataset": "synthetic",
+                "synthetic_samples": SYNTHETIC_SAMPLES,
+                "drop_last": True,
+            },
             "training": {
                 "strategy": "ddp",
                 "epochs": 1,
@@ -70,6 +96,63 @@ def run_torchrun(
     return json.loads(line.removeprefix("RESULT "))["steady_samples_per_s"]
 
 
+def user_ddp_loop(ctx, steps: int, batch_size: int) -> float:
+    """The built-in trainer's work as a user writes it: the seed CNN, DDP, SGD (the trainer's
+    defaults: momentum 0.9, no weight decay), a heartbeat per step; steady samples/s from the
+    fourth step on, as the trainer counts them."""
+    generator = torch.Generator().manual_seed(0)
+    per_rank = batch_size // ctx.world_size
+    images = torch.randn(64 * per_rank, 3, 32, 32, generator=generator).to(ctx.device)
+    labels = torch.randint(0, 10, (64 * per_rank,), generator=generator).to(ctx.device)
+    model = build_model("cifar_cnn", num_classes=10, seed=0).to(ctx.device)
+    model = DistributedDataParallel(
+        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    started = None
+    for step in range(steps):
+        if step == 3:
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            started = time.perf_counter()
+        start = (step % 64) * per_rank
+        x, y = images[start : start + per_rank], labels[start : start + per_rank]
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        ctx.heartbeat(samples=len(y))
+    assert started is not None
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return (steps - 3) * batch_size / (time.perf_counter() - started)
+
+
+def digits_config(world_size: int) -> RunConfig:
+    """The demo config cut to 3 steps, on ``world_size`` ranks."""
+    config = load_config(DIGITS_CONFIG)
+    return config.model_copy(
+        update={
+            "training": config.training.model_copy(update={"max_steps": 3}),
+            "launch": config.launch.model_copy(update={"world_size": world_size}),
+        }
+    )
+
+
+def warm_first_steps(cluster: TrainingCluster, world_size: int, jobs: int) -> list[float]:
+    """Seconds from the ``train()`` call to the first step, for ``jobs`` warm jobs (one job
+    before them, left out, warms the cluster)."""
+    config = digits_config(world_size)
+    train(config, cluster=cluster, on_event=None)
+    return [train(config, cluster=cluster, on_event=None).first_step_s for _ in range(jobs)]
+
+
+def describe_first_steps(label: str, seconds: list[float]) -> str:
+    return (
+        f"  {label:<46} median {statistics.median(seconds):.3f} s, max {max(seconds):.3f} s "
+        f"({len(seconds)} jobs)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -89,51 +172,60 @@ def main() -> None:
             raise SystemExit("--device cuda: NVML sees no GPU on this machine")
         args.workers = min(args.workers, gpus)
     config = benchmark_config(args.steps, args.batch_size)
-    rates: dict[str, list[float]] = {"plain": [], "tuned": [], "dask": []}
+    rates: dict[str, list[float]] = {"plain": [], "tuned": [], "dask": [], "user": []}
     kind = "cuda" if args.device == "cuda" else "cpu"
+    first: dict[int, list[float]] = {}
     with start_cluster(n_workers=args.workers, kind=kind, dashboard_port=0) as cluster:
-        warmup = config.model_copy(
-            update={"training": config.training.model_copy(update={"max_steps": 5})}
-        )
-        train(warmup, cluster=cluster, on_event=None)  # imports and first-touch, both paid once
+        # Imports and first-touch, paid once; and the steps the trainer runs (one epoch of the
+        # training split, at most --steps), which the user function runs too.
+        steps = int(train(config, cluster=cluster, on_event=None).history[-1]["step"])
+        launch(user_ddp_loop, 5, args.batch_size, cluster=cluster)
+        sides = {
+            "plain": lambda: run_torchrun(
+                config, args.workers, tuned_malloc=False, device=args.device
+            ),
+            "tuned": lambda: run_torchrun(
+                config, args.workers, tuned_malloc=True, device=args.device
+            ),
+            "dask": lambda: train(config, cluster=cluster, on_event=None).steady_samples_per_s,
+            "user": lambda: statistics.mean(
+                launch(user_ddp_loop, steps, args.batch_size, cluster=cluster).results
+            ),
+        }
+        order = list(sides)
         for repeat in range(args.repeats):
-            for name, tuned in (("plain", False), ("tuned", True)):
-                rates[name].append(
-                    run_torchrun(config, args.workers, tuned_malloc=tuned, device=args.device)
-                )
-            rates["dask"].append(train(config, cluster=cluster, on_event=None).steady_samples_per_s)
+            # Rotated each repeat: no side always follows the same one.
+            for name in order[repeat % 4 :] + order[: repeat % 4]:
+                rates[name].append(sides[name]())
             print(
                 f"repeat {repeat + 1}: torchrun {rates['plain'][-1]:.0f}, torchrun with our malloc "
-                f"settings {rates['tuned'][-1]:.0f}, dask-train {rates['dask'][-1]:.0f} samples/s",
+                f"settings {rates['tuned'][-1]:.0f}, dask-train {rates['dask'][-1]:.0f}, the same "
+                f"work as a user function on launch {rates['user'][-1]:.0f} samples/s",
                 flush=True,
             )
+        first[args.workers] = warm_first_steps(cluster, args.workers, args.latency_jobs)
+    if args.workers != 4 and (args.device == "cpu" or count_gpus() >= 4):
+        with start_cluster(n_workers=4, kind=kind, dashboard_port=0) as cluster:
+            first[4] = warm_first_steps(cluster, 4, args.latency_jobs)
 
-        one_step = config.model_copy(
-            update={"training": config.training.model_copy(update={"max_steps": 1})}
-        )
-        latencies, walls = [], []
-        for _ in range(args.latency_jobs):
-            started = time.perf_counter()
-            result = train(one_step, cluster=cluster, on_event=None)
-            walls.append(time.perf_counter() - started)
-            latencies.append(result.first_step_s)
-
-    plain, tuned, dask = (statistics.median(rates[k]) for k in ("plain", "tuned", "dask"))
+    plain, tuned, dask, user = (
+        statistics.median(rates[k]) for k in ("plain", "tuned", "dask", "user")
+    )
     print()
     print(
         f"seed CNN, {args.workers} processes on {args.device}, global batch {args.batch_size}, "
-        f"{args.steps} steps, median of {args.repeats}:"
+        f"{steps} steps, median of {args.repeats}:"
     )
     print(f"  torchrun --standalone (glibc malloc defaults)  {plain:8.0f} samples/s")
     print(f"  torchrun --standalone (our malloc settings)    {tuned:8.0f} samples/s")
-    print(f"  dask-train DDP                                 {dask:8.0f} samples/s")
+    print(f"  dask-train DDP (built-in trainer)              {dask:8.0f} samples/s")
+    print(f"  the same work as a user function on launch     {user:8.0f} samples/s")
     print(f"  ratio dask-train / plain torchrun              {dask / plain:8.3f}")
     print(f"  ratio dask-train / torchrun, same malloc       {dask / tuned:8.3f}")
-    print(
-        f"warm cluster, {args.latency_jobs} one-step jobs: submit → first step median "
-        f"{statistics.median(latencies):.3f} s (max {max(latencies):.3f} s), whole job median "
-        f"{statistics.median(walls):.3f} s"
-    )
+    print(f"  ratio built-in trainer / user function         {dask / user:8.3f}")
+    print("warm first step, digits config (3 steps), train() call to the first step:")
+    for ranks, seconds in sorted(first.items()):
+        print(describe_first_steps(f"{ranks} ranks on a {ranks}-worker cluster", seconds))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The open path against its references: user code on ``launch`` vs torchrun and the built-in
-trainer, and what a SIGKILL costs.
+"""The open path against its references: user code on ``launch`` vs torchrun, and what a
+SIGKILL costs.
 
     python -m workflows.benchmarks.launch_vs_torchrun [--steps 150] [--repeats 3]
 
@@ -8,11 +8,12 @@ trainer, and what a SIGKILL costs.
    both with the workers' malloc settings: the ratio of the medians of steady samples/s.
 2. Call to first step: ``launch`` of a one-step function on a warm cluster, against
    torchrun's cold start of the same one-step script (process start to its first step).
-3. The built-in trainer (``train``) against the same work written as a user function on
-   ``launch`` (the seed CNN, DDP, SGD on the same synthetic batches).
-4. Recovery: a user loop that checkpoints every 10 steps, one worker SIGKILLed mid-run; the
+3. Recovery: a user loop that checkpoints every 10 steps, one worker SIGKILLed mid-run; the
    seconds lost (training redone since the checkpoint, plus detection to the resumed first
    step), median of the repeats.
+
+The built-in trainer against the same work written as a user function on ``launch`` is
+``make bench``'s (``workflows.benchmarks.ddp_vs_torchrun``, beside torchrun).
 """
 
 import argparse
@@ -95,29 +96,6 @@ def torchrun_first_step(workers: int) -> float:
     return first - started
 
 
-def user_ddp_loop(ctx, steps: int, batch_size: int) -> float:
-    """The built-in trainer's work as a user writes it: the seed CNN, DDP, SGD, steady
-    samples/s from the fourth step on."""
-    generator = torch.Generator().manual_seed(0)
-    per_rank = batch_size // ctx.world_size
-    images = torch.randn(64 * per_rank, 3, 32, 32, generator=generator)
-    labels = torch.randint(0, 10, (64 * per_rank,), generator=generator)
-    model = DistributedDataParallel(build_model("cifar_cnn", num_classes=10, seed=0))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    started = None
-    for step in range(steps):
-        if step == 3:
-            started = time.perf_counter()
-        start = (step % 64) * per_rank
-        x, y = images[start : start + per_rank], labels[start : start + per_rank]
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        ctx.heartbeat(samples=len(y))
-    assert started is not None
-    return (steps - 3) * batch_size / (time.perf_counter() - started)
-
-
 def checkpointed_loop(ctx, steps: int, every: int) -> None:
     model = DistributedDataParallel(build_model("cifar_cnn", num_classes=10, seed=0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -167,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     config = benchmark_config(args.steps, args.batch_size)
     config_json = config.model_dump_json()
-    rates: dict[str, list[float]] = {"torchrun": [], "launch": [], "train": [], "user": []}
+    rates: dict[str, list[float]] = {"torchrun": [], "launch": []}
     firsts: dict[str, list[float]] = {"launch": [], "torchrun": []}
     recoveries: list[dict] = []
     with start_cluster(n_workers=args.workers, dashboard_port=0) as cluster:
@@ -178,18 +156,12 @@ def main() -> None:
         for repeat in range(args.repeats):
             rates["torchrun"].append(run_torchrun(config, args.workers, tuned_malloc=True))
             rates["launch"].append(under_launch(cluster.client, config_json, args.workers))
-            rates["train"].append(
-                train(config, cluster=cluster, on_event=None).steady_samples_per_s
-            )
-            user = launch(user_ddp_loop, args.steps, args.batch_size, cluster=cluster)
-            rates["user"].append(statistics.mean(user.results))
             firsts["launch"].append(launch(first_step, cluster=cluster).first_step_s)
             firsts["torchrun"].append(torchrun_first_step(args.workers))
             recoveries.append(recovery_seconds(cluster, steps=60, every=10))
             print(
                 f"repeat {repeat + 1}: torchrun {rates['torchrun'][-1]:.0f}, the same script "
-                f"under launch {rates['launch'][-1]:.0f}, train() {rates['train'][-1]:.0f}, "
-                f"user loop on launch {rates['user'][-1]:.0f} samples/s; first step "
+                f"under launch {rates['launch'][-1]:.0f} samples/s; first step "
                 f"{firsts['launch'][-1]:.3f} s vs {firsts['torchrun'][-1]:.2f} s; SIGKILL "
                 f"cost {recoveries[-1]['seconds_lost']:.2f} s",
                 flush=True,
@@ -201,9 +173,6 @@ def main() -> None:
     print(f"  torchrun --standalone, our malloc settings   {med['torchrun']:8.0f} samples/s")
     print(f"  the same script under dask-train launch      {med['launch']:8.0f} samples/s")
     print(f"  ratio launch / torchrun                      {med['launch'] / med['torchrun']:8.3f}")
-    print(f"  built-in trainer, train()                    {med['train']:8.0f} samples/s")
-    print(f"  the same work as a user function on launch   {med['user']:8.0f} samples/s")
-    print(f"  ratio user function / built-in               {med['user'] / med['train']:8.3f}")
     print(
         f"call to first step: launch on a warm cluster {statistics.median(firsts['launch']):.3f}"
         f" s, torchrun cold start {statistics.median(firsts['torchrun']):.2f} s"
