@@ -11,12 +11,10 @@ from workers.data import (
     WORKER_CHUNKS,
     DataConfig,
     RankBatches,
-    _local_chunk_file,
     eval_batches,
     fixed_shape_eval_batches,
     open_store,
     rank_epoch_indices,
-    read_chunk,
 )
 from workflows.preprocess import prepare_store
 
@@ -148,21 +146,6 @@ def test_a_warm_workers_next_job_reuses_the_store_and_a_rebuilt_one_is_read_agai
     group.attrs["complete"] = False
     with pytest.raises(FileNotFoundError):
         open_store(url)
-
-
-def test_chunks_read_from_their_files_are_what_zarr_reads(tmp_path):
-    values = np.arange(10 * 3 * 2, dtype=np.float32).reshape(10, 3, 2)
-    values[4:8] = 0  # the middle chunk holds fill values only: zarr writes no file for it
-    for name, compressors in (("raw", None), ("zstd", "auto")):
-        url = str(tmp_path / name)
-        zarr.create_array(
-            url, shape=values.shape, chunks=(4, 3, 2), dtype="float32", compressors=compressors
-        )[:] = values
-        images = zarr.open_array(url, mode="r")
-        # The raw array is read from its files; the compressed one through zarr.
-        assert (_local_chunk_file(images, 0) is not None) == (name == "raw")
-        for chunk in range(3):  # the last one is partial
-            assert np.array_equal(read_chunk(images, chunk), values[chunk * 4 : chunk * 4 + 4])
 
 
 def test_in_memory_prefetched_and_lazy_reads_give_the_same_batches(digits_store):

@@ -10,9 +10,7 @@ ever reads its own few chunks at a time.
 
 import json
 import math
-import os
 import queue
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -210,56 +208,14 @@ class _ChunkCache:
         shared = None if self.split.cache_key is None else (*self.split.cache_key, chunk)
         data = None if shared is None else WORKER_CHUNKS.get(shared)
         if data is None:
-            data = read_chunk(self.split.images, chunk)
+            size = self.split.chunk_size
+            data = np.asarray(self.split.images[chunk * size : (chunk + 1) * size])
             if shared is not None:
                 WORKER_CHUNKS.put(shared, data)
         self._chunks[chunk] = data
         if len(self._chunks) > self.capacity:
             self._chunks.popitem(last=False)
         return data
-
-
-def read_chunk(images: Any, chunk: int) -> np.ndarray:
-    """The rows of ``images``' chunk number ``chunk`` (the array is chunked along samples only).
-
-    A chunk of a local, uncompressed zarr v3 array (our stores' images) is read straight from
-    its file: through zarr the same 12.6 MB chunk took 7 to 13 ms against 2.5 to 3 ms for the
-    file alone (zarr's async pipeline copies it twice more), and a training rank reads one
-    every 16 steps or so: 1 to 2 % of each step. Anything else (remote, compressed, sharded,
-    other chunk grids) goes through zarr.
-    """
-    size = images.chunks[0]
-    path = _local_chunk_file(images, chunk)
-    if path is not None:
-        rows = min(size, images.shape[0] - chunk * size)
-        try:
-            data = np.fromfile(path, dtype=images.dtype)
-        except FileNotFoundError:  # zarr writes no file for a chunk of fill values only
-            return np.full((rows, *images.shape[1:]), images.fill_value, dtype=images.dtype)
-        if data.size == math.prod(images.chunks):  # zarr stores edge chunks whole
-            return data.reshape(images.chunks)[:rows]
-    return np.asarray(images[chunk * size : (chunk + 1) * size])
-
-
-def _local_chunk_file(images: Any, chunk: int) -> str | None:
-    """The file holding chunk ``chunk`` of a zarr v3 array on a local disk whose chunks are
-    its raw bytes in this machine's byte order; None for any other array."""
-    metadata = getattr(images, "metadata", None)
-    store = getattr(images, "store", None)
-    if getattr(metadata, "zarr_format", None) != 3 or not isinstance(
-        store, zarr.storage.LocalStore
-    ):
-        return None
-    codecs = metadata.codecs
-    if len(codecs) != 1 or type(codecs[0]).__name__ != "BytesCodec":
-        return None
-    endian = codecs[0].endian
-    if endian is not None and getattr(endian, "value", endian) != sys.byteorder:
-        return None
-    if tuple(images.chunks[1:]) != tuple(images.shape[1:]):  # one chunk across the other axes
-        return None
-    key = metadata.encode_chunk_key((chunk,) + (0,) * (len(images.shape) - 1))
-    return os.path.join(str(store.root), images.path, key)
 
 
 class RankBatches:
