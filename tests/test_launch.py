@@ -404,3 +404,21 @@ def test_a_launch_with_tracking_writes_rank_0s_reports_to_tensorboard(cluster, t
     assert result.results == [2, 2]
     # Rank 0's 40 reports of ``i`` (no step given: a per-rank counter), rank 1's left out.
     assert _scalars(tmp_path) == {"report/i": [(n + 1, float(n)) for n in range(40)]}
+
+
+def raises_holding_the_group(ctx) -> None:
+    model = DistributedDataParallel(nn.Linear(2, 2))
+    if ctx.rank == 1:
+        # The traceback's frames hold the model, and through it the group, after the task ended.
+        raise ValueError(f"rank 1's own bug, {type(model).__name__} in its frame")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that never comes
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_in_a_collective_is_released_while_its_failed_peer_still_holds_the_group(cluster):
+    # gloo closes a connection only when its group is freed; what the failed rank left behind
+    # still holds it, and its peer is released all the same: not restarted.
+    pids = _pids(cluster)
+    with pytest.raises(ValueError, match="DistributedDataParallel in its frame"):
+        launch(raises_holding_the_group, cluster=cluster, world_size=2)
+    assert _pids(cluster) == pids

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 from distributed import Worker, WorkerPlugin, get_worker
+from distributed.comm import get_address_host_port
 
 # torch is imported where it is used: the client imports this module (through the launcher and
 # the config) to check a config, and that must not cost torch's seconds-long import.
@@ -121,6 +122,8 @@ class ProcessGroupPlugin(WorkerPlugin):
         self.spec = spec
         self.membership: Membership | None = None
         self._saved_environ: dict[str, str | None] | None = None
+        # The backend's connections to the other ranks (socket inodes), closed when leaving.
+        self._connections: frozenset[str] = frozenset()
 
     async def setup(self, worker: Worker) -> None:
         address = worker.address
@@ -130,18 +133,27 @@ class ProcessGroupPlugin(WorkerPlugin):
             return
         # init_process_group blocks until every rank arrived; in the event loop that would stall
         # heartbeats and get the worker restarted, so it runs in a thread with a bound.
+        # Dask's own connections, made by other threads while the group forms, are not the
+        # backend's: they are told apart from its connections by their endpoints.
+        dask_ports = {_port(a) for a in (worker.address, worker.scheduler.address, worker.nanny)}
         try:
             await asyncio.wait_for(
-                asyncio.to_thread(self._join, address),
+                asyncio.to_thread(self._join, address, dask_ports),
                 # Connecting to the store and the backend's own rendezvous each have the bound.
                 timeout=2 * self.spec.init_timeout_s + 10,
             )
         except TimeoutError as error:
             raise RendezvousTimeout(self._timeout_message(self.spec.ranks[address])) from error
 
-    def _join(self, address: str) -> None:
+    def _join(self, address: str, dask_ports: set[int | None] | None = None) -> None:
         import torch
         import torch.distributed as dist
+
+        # Its functions take ``group=group.WORLD`` as a default argument: imported while a group
+        # exists (torch._dynamo imports it, and torch.distributed.checkpoint that), they would
+        # hold that group forever, and gloo closes its connections only when the group is freed.
+        # Imported before any group, the default is None.
+        import torch.distributed.nn.functional
 
         from workers.devices import local_device
 
@@ -171,6 +183,7 @@ class ProcessGroupPlugin(WorkerPlugin):
                 timeout=timedelta(seconds=spec.init_timeout_s),
                 wait_for_workers=False,
             )
+            before = set(_sockets().values())
             # Connecting the ranks uses the group's timeout, so the group starts with the
             # rendezvous bound and gets the (longer) collective bound once everyone is in.
             # torch before 2.12 cannot change it afterwards: there the group has the collective
@@ -197,6 +210,10 @@ class ProcessGroupPlugin(WorkerPlugin):
             self._restore_environ()
             raise
         self._store = store  # keep the TCP server of rank 0 alive for the group's lifetime
+        if spec.backend == "gloo":  # nccl's sockets are its own business (and abort works)
+            self._connections = _connections_since(
+                before, exclude_ports={spec.master_port, *(dask_ports or ())}
+            )
         self.membership = Membership(
             generation=spec.generation,
             rank=rank,
@@ -233,16 +250,106 @@ class ProcessGroupPlugin(WorkerPlugin):
         """Leave the group (if joined) and restore the environment; safe to call twice."""
         if self.membership is not None:
             self.membership = None
+            connections, self._connections = self._connections, frozenset()
             # Bounded: destroying a group whose peers are gone only closes local sockets.
-            await asyncio.wait_for(asyncio.to_thread(_leave), timeout=LEAVE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(_leave, connections), timeout=LEAVE_TIMEOUT_S)
         self._restore_environ()
 
+    def disconnect(self) -> int:
+        """End the backend's connections to the other ranks now, which makes every pending and
+        later collective of this generation fail here and on the peers; returns how many."""
+        return _shut_down(self._connections)
 
-def _leave() -> None:
+
+def _leave(connections: frozenset[str]) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    # gloo closes its connections only when the group object is freed, and anything may still
+    # hold it: a traceback whose frames hold a DDP model, a module that took the group as a
+    # default argument. Its peers' collectives fail only once they are closed.
+    _shut_down(connections)
+
+
+def _port(address: str | None) -> int | None:
+    with contextlib.suppress(ValueError, TypeError):
+        return get_address_host_port(address)[1]
+    return None
+
+
+def _sockets() -> dict[int, str]:
+    """This process's open sockets: file descriptor -> ``socket:[inode]`` (Linux; elsewhere
+    none, and the connections are left to the group's destruction)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/self/fd/{name}")
+                if link.startswith("socket:["):
+                    found[int(name)] = link
+    return found
+
+
+def _connections_since(before: set[str], *, exclude_ports: set[int | None]) -> frozenset[str]:
+    """The connected TCP sockets opened since ``before``, but for those with a port in
+    ``exclude_ports`` at either end (the rendezvous store, Dask's own). Listening sockets are
+    left out: shutting gloo's listener down makes its thread abort the process."""
+    connections = set()
+    for fd, inode in _sockets().items():
+        if inode in before:
+            continue
+        with _duplicate(fd, inode) as sock:
+            if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            try:
+                ports = {sock.getsockname()[1], sock.getpeername()[1]}
+            except OSError:
+                continue  # not connected
+            if not ports & exclude_ports:
+                connections.add(inode)
+    return frozenset(connections)
+
+
+def _shut_down(connections: frozenset[str]) -> int:
+    """Shut down the connections among ``connections`` that are still open; returns how many."""
+    done = 0
+    if not connections:
+        return done
+    for fd, inode in _sockets().items():
+        if inode not in connections:
+            continue
+        with _duplicate(fd, inode) as sock:
+            if sock is not None:
+                with contextlib.suppress(OSError):  # already shut down, or reset by the peer
+                    sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
+    return done
+
+
+@contextlib.contextmanager
+def _duplicate(fd: int, inode: str) -> Iterator[socket.socket | None]:
+    """A duplicate of ``fd``, or None when the descriptor no longer holds that socket (closed,
+    and maybe reused, since it was listed). Shutting a duplicate down ends the connection;
+    closing it does not."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError:
+        yield None
+        return
+    try:
+        if f"socket:[{os.fstat(duplicate).st_ino}]" != inode:
+            yield None
+            return
+        sock = socket.socket(fileno=duplicate)
+    except OSError:
+        os.close(duplicate)
+        yield None
+        return
+    with sock:
+        yield sock
 
 
 def current_membership(generation: str) -> Membership:
@@ -332,20 +439,29 @@ async def release_generation(
     """Let go of one generation on this worker (run with ``Client.run``, in its event loop).
 
     gloo cannot abort a collective that is already waiting (``ProcessGroup.abort()`` returns,
-    the wait goes on); what ends it is a peer closing its connections. So a worker whose rank
-    task is over leaves the group, which closes its connections and makes its peers' pending
-    collectives fail at once; a worker whose task still runs is told to stop (``stop``, for
-    rank functions of :func:`workflows.launch`) and reports itself busy, and the launcher asks
-    again. Returns ``{"busy": bool}``.
+    the wait goes on), nor close its connections while anything still holds the group; what
+    ends the wait is a connection shut down. So a worker whose rank task is over leaves the
+    group and shuts its connections down, which makes its peers' pending collectives fail at
+    once; a worker whose task still runs is told to stop (``stop``, for rank functions of
+    :func:`workflows.launch`), shuts its own connections down so that a collective it waits
+    in fails now, and reports itself busy, and the launcher asks again. Returns
+    ``{"busy": bool}``.
     """
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    membership = getattr(plugin, "membership", None)
+    member = membership is not None and membership.generation == generation
     if stop:
         rank_threads.stop(generation)
     running = [key for key in list(dask_worker.active_threads.values()) if generation in str(key)]
     if running:
+        if stop and member:
+            # The stop lands once the thread is back in Python code; a rank waiting in a
+            # collective would otherwise wait for its peers to leave (and one that entered it
+            # after they left, or whose peer's group lingers, for its whole timeout). Ending
+            # this worker's connections fails that collective now.
+            plugin.disconnect()
         return {"busy": True}
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    membership = getattr(plugin, "membership", None)
-    if membership is not None and membership.generation == generation:
+    if member:
         # Leaving closes the backend's sockets; no rank of this generation runs here any more.
         await plugin.leave()
     return {"busy": False}
