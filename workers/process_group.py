@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -175,12 +176,17 @@ class ProcessGroupPlugin(WorkerPlugin):
             self._saved_environ = {name: os.environ.get(name) for name in SOCKET_IFNAME_VARIABLES}
             os.environ.update(dict.fromkeys(SOCKET_IFNAME_VARIABLES, spec.socket_ifname))
         try:
+            connect_s = spec.init_timeout_s
+            if rank != 0:
+                # torch's store client waits 250-750 ms before trying again when rank 0's
+                # server is not listening yet: a warm job's whole first step is ~0.1 s.
+                connect_s = _wait_until_listening(spec.master_addr, spec.master_port, connect_s)
             store = dist.TCPStore(
                 spec.master_addr,
                 spec.master_port,
                 world_size=spec.world_size,
                 is_master=rank == 0,
-                timeout=timedelta(seconds=spec.init_timeout_s),
+                timeout=timedelta(seconds=connect_s),
                 wait_for_workers=False,
             )
             before = set(_sockets().values())
@@ -270,6 +276,19 @@ def _leave(connections: frozenset[str]) -> None:
     # hold it: a traceback whose frames hold a DDP model, a module that took the group as a
     # default argument. Its peers' collectives fail only once they are closed.
     _shut_down(connections)
+
+
+def _wait_until_listening(host: str, port: int, timeout_s: float) -> float:
+    """Wait until ``host:port`` accepts a connection, ``timeout_s`` at most; returns what is
+    left of it (the store's own connect gets that, and reports a failure naming the bound)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 1.0)):
+                return max(left, 1.0)
+        except OSError:
+            time.sleep(0.005)
+    return 1.0
 
 
 def _port(address: str | None) -> int | None:
