@@ -82,6 +82,15 @@ def test_cli_validate_prints_the_resolved_config(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert '"epochs": 2' in done.stdout
+    # python -m workflows.cli is the same command (it printed nothing and exited 0).
+    as_module = subprocess.run(
+        [sys.executable, "-m", "workflows.cli", "validate", str(CONFIGS / "digits_ddp.toml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert as_module.returncode == 0, as_module.stderr
+    assert '"epochs": 5' in as_module.stdout
 
 
 def test_cli_run_with_a_missing_dataset_path_exits_2_naming_the_path(tmp_path):

@@ -543,3 +543,7 @@ def launch(
         )
     restarts = f", {len(result.recoveries)} restarts" if result.recoveries else ""
     click.echo(f"done: {result.world_size} ranks exited 0 in {result.wall_s:.1f} s{restarts}")
+
+
+if __name__ == "__main__":  # python -m workflows.cli, as the dask-train script
+    main()
