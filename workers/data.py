@@ -256,18 +256,21 @@ class RankBatches:
             drop_last=self.config.drop_last,
         )
 
+    @property
+    def _share(self) -> int:
+        """Samples per rank and epoch: the split cut (drop_last) or padded to equal shares."""
+        n, world = len(self.split), self.world_size
+        return n // world if self.config.drop_last else -(-n // world)
+
     def __len__(self) -> int:
         """Batches per epoch (the same every epoch)."""
-        n, world = len(self.split), self.world_size
-        share = n // world if self.config.drop_last else -(-n // world)
+        share = self._share
         return share // self.batch_size if self.config.drop_last else -(-share // self.batch_size)
 
     def job_rows(self, batch: int) -> int:
         """Rows all replicas together train on in step ``batch`` of an epoch: every replica
         holds an equal share (padded or cut), so this rank's batch times the replicas."""
-        n, world = len(self.split), self.world_size
-        share = n // world if self.config.drop_last else -(-n // world)
-        return min(self.batch_size, share - batch * self.batch_size) * world
+        return min(self.batch_size, self._share - batch * self.batch_size) * self.world_size
 
     def epoch(
         self, epoch: int, *, start_batch: int = 0

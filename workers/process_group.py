@@ -146,7 +146,7 @@ class ProcessGroupPlugin(WorkerPlugin):
         except TimeoutError as error:
             raise RendezvousTimeout(self._timeout_message(self.spec.ranks[address])) from error
 
-    def _join(self, address: str, dask_ports: set[int | None] | None = None) -> None:
+    def _join(self, address: str, dask_ports: set[int | None]) -> None:
         import torch
         import torch.distributed as dist
 
@@ -218,7 +218,7 @@ class ProcessGroupPlugin(WorkerPlugin):
         self._store = store  # keep the TCP server of rank 0 alive for the group's lifetime
         if spec.backend == "gloo":  # nccl's sockets are its own business (and abort works)
             self._connections = _connections_since(
-                before, exclude_ports={spec.master_port, *(dask_ports or ())}
+                before, exclude_ports={spec.master_port, *dask_ports}
             )
         self.membership = Membership(
             generation=spec.generation,

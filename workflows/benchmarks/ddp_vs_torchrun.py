@@ -195,7 +195,8 @@ def main() -> None:
         order = list(sides)
         for repeat in range(args.repeats):
             # Rotated each repeat: no side always follows the same one.
-            for name in order[repeat % 4 :] + order[: repeat % 4]:
+            shift = repeat % len(order)
+            for name in order[shift:] + order[:shift]:
                 rates[name].append(sides[name]())
             print(
                 f"repeat {repeat + 1}: torchrun {rates['plain'][-1]:.0f}, torchrun with our malloc "
