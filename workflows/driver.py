@@ -6,6 +6,7 @@
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ def train(
     on_event: EventHandler | None = print_progress,
     tracker: Tracker | None = None,
     data: Mapping[str, tuple[Any, Any]] | None = None,
+    stop: threading.Event | None = None,
 ) -> TrainResult:
     """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
 
@@ -106,7 +108,8 @@ def train(
     ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
     ``training.log_every_steps`` is set) while the job runs. The records also go to
     ``tracker``, or, without one, to the TensorBoard folder and MLflow run that
-    ``config.tracking`` names (opened and finished here).
+    ``config.tracking`` names (opened and finished here). Setting ``stop`` (a
+    ``threading.Event``) ends the job: its ranks are stopped and ``JobStopped`` is raised.
     """
     called_at = time.time()
     if not isinstance(config, RunConfig):
@@ -123,7 +126,7 @@ def train(
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
             result = _train_on(
-                client, config, handler, called_at=called_at, data=data, factory=model
+                client, config, handler, called_at=called_at, data=data, factory=model, stop=stop
             )
         finally:
             if owned:
@@ -141,11 +144,14 @@ def _train_on(
     called_at: float,
     data: Mapping[str, tuple[Any, Any]] | None = None,
     factory: Callable[..., torch.nn.Module] | None = None,
+    stop: threading.Event | None = None,
 ) -> TrainResult:
     if data is None and config.data.dataset in USER_DATASETS:
         data = read_user_dataset(config.data.resolved(), seed=config.training.seed)
     if data is None:
-        return _train_prepared(client, config, on_event, called_at=called_at, factory=factory)
+        return _train_prepared(
+            client, config, on_event, called_at=called_at, factory=factory, stop=stop
+        )
     classification = config.training.resolved_task == "classification"
     if config.data.collections == "store":
         # Written into a store by Dask tasks, then read chunk by chunk: larger than memory.
@@ -161,6 +167,7 @@ def _train_on(
             called_at=called_at,
             factory=factory,
             manifest=manifest,
+            stop=stop,
         )
     settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
     with trainer_data(
@@ -173,6 +180,7 @@ def _train_on(
             called_at=called_at,
             collections=prepared.plan,
             factory=factory,
+            stop=stop,
         )
 
 
@@ -204,6 +212,7 @@ def _train_prepared(
     collections: CollectionPlan | None = None,
     factory: Callable[..., torch.nn.Module] | None = None,
     manifest: StoreManifest | None = None,
+    stop: threading.Event | None = None,
 ) -> TrainResult:
     """Train from ``collections``, or from the store ``manifest`` describes, or else from the
     store that preprocessing ``config.data`` builds (or finds complete)."""
@@ -268,6 +277,7 @@ def _train_prepared(
         final_records=lambda results: list(results[0].history),
         task_prefix="train",
         signing_key_file=config.checkpoint.signing_key_file,
+        stop=stop,
     )
     results: list[RankResult] = launched.results
     rank0 = results[0]

@@ -18,6 +18,7 @@ here at once, never retried. The built-in trainer (``workflows.train``) runs on 
 import contextlib
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -136,6 +137,7 @@ def launch(
     first_step_timeout_s: float | None = None,
     tracking: TrackingConfig | dict[str, Any] | None = None,
     data: Mapping[str, tuple[Any, Any]] | None = None,
+    stop: threading.Event | None = None,
     **kwargs: Any,
 ) -> LaunchResult:
     """Call ``fn(ctx, *args, **kwargs)`` on every rank, the process group already formed.
@@ -148,7 +150,8 @@ def launch(
     ``on_event`` receives every record the ranks report, as it arrives. ``data`` maps split
     names ("train", "val") to ``(X, y)`` Dask collections: they are persisted on the rank
     workers and assigned to ranks where they lie, and ``ctx.shard(split, ...)`` yields each
-    rank's batches (``workflows/collections.py``).
+    rank's batches (``workflows/collections.py``). Setting ``stop`` (a ``threading.Event``)
+    ends the job: its ranks are stopped and :class:`JobStopped` is raised.
     """
     called_at = time.time()
     overrides = {
@@ -198,6 +201,7 @@ def launch(
                     on_event=on_event,
                     called_at=called_at,
                     data=prepared.plan if prepared is not None else None,
+                    stop=stop,
                 )
         finally:
             if owned:
@@ -225,6 +229,7 @@ def launch_on(
     task_prefix: str = "launch",
     signing_key_file: str | None = None,
     data: CollectionPlan | None = None,
+    stop: threading.Event | None = None,
 ) -> LaunchResult:
     """The attempts of one launch on a connected client (``launch`` and ``train`` use it).
 
@@ -282,7 +287,11 @@ def launch_on(
                     if attempt == 0:
                         ship_code(client, payload)  # what the workers cannot import
                     outcomes: list[RankOutcome] = group.run(
-                        run_pickled, payload, name=f"{task_prefix}-{name}", heartbeats=heartbeats
+                        run_pickled,
+                        payload,
+                        name=f"{task_prefix}-{name}",
+                        heartbeats=heartbeats,
+                        stop=stop,
                     )
                 break
             except LaunchError as error:

@@ -13,6 +13,7 @@ import fnmatch
 import ipaddress
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -202,6 +203,11 @@ class RankHung(RankFailed):
     """A rank stopped making progress (a stopped process, a deadlocked collective)."""
 
 
+class JobStopped(RuntimeError):
+    """The caller asked the job to stop (its ``stop`` event was set: a pruned sweep trial);
+    its ranks were released. Neither a failure to recover from nor an error of the code."""
+
+
 class Heartbeats:
     """The ranks' latest sign of progress, fed by their Dask events.
 
@@ -355,12 +361,13 @@ class ProcessGroup:
         name: str = "rank",
         timeout_s: float | None = None,
         heartbeats: Heartbeats | None = None,
+        stop: threading.Event | None = None,
     ) -> list[Any]:
         """Run ``function(*args)`` once on every rank and return the results in rank order.
 
         Returns when every rank finished; raises :class:`RankFailed` for the root cause as
         soon as one rank raised or its worker left the cluster, and ``TimeoutError`` after
-        ``timeout_s``.
+        ``timeout_s``, and :class:`JobStopped` once ``stop`` is set.
         """
         assert self.spec is not None, "start() first"
         futures = [
@@ -375,13 +382,17 @@ class ProcessGroup:
             for rank, address in enumerate(self.workers)
         ]
         try:
-            self._watch(futures, timeout_s, heartbeats)
+            self._watch(futures, timeout_s, heartbeats, stop)
             return [future.result() for future in futures]
         finally:
             self.client.cancel([f for f in futures if not f.done()])
 
     def _watch(
-        self, futures: list[Future], timeout_s: float | None, heartbeats: Heartbeats | None
+        self,
+        futures: list[Future],
+        timeout_s: float | None,
+        heartbeats: Heartbeats | None,
+        stop: threading.Event | None,
     ) -> None:
         submitted = time.monotonic()
         deadline = None if timeout_s is None else submitted + timeout_s
@@ -395,6 +406,8 @@ class ProcessGroup:
             pending = [future for future in futures if not future.done()]
             if not pending:
                 return
+            if stop is not None and stop.is_set():
+                raise JobStopped("the job was asked to stop")
             silent = heartbeats and heartbeats.silent_rank(
                 len(futures),
                 since=submitted,
