@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-collections bench-store gpu-check test-shuffled clean
+.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-collections bench-store gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -65,6 +65,9 @@ bench-predict: $(STAMP)
 
 bench-launch: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.launch_vs_torchrun --steps 100 --repeats 2
+
+bench-queue: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.queue_overhead
 
 bench-collections: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.collections

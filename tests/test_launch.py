@@ -49,10 +49,11 @@ def _global_batch(step: int, n: int) -> torch.Tensor:
 
 
 def ddp_loop(
-    ctx, steps: int, lr: float, save_every: int = 0, die_at: int = 0
+    ctx, steps: int, lr: float, save_every: int = 0, die_at: int = 0, hold_until: str = ""
 ) -> dict[str, torch.Tensor]:
     """A user's own DDP loop: each rank takes its slice of every global batch. With ``die_at``,
-    rank 1's worker process SIGKILLs itself at that step of the first attempt."""
+    rank 1's worker process SIGKILLs itself at that step of the first attempt; with
+    ``hold_until``, the ranks wait after step 2 until that file exists (120 s at most)."""
     x, y = _data()
     model = DistributedDataParallel(_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -67,12 +68,20 @@ def ddp_loop(
         loss.backward()
         optimizer.step()
         ctx.report(step=step + 1, loss=loss.item())
+        if hold_until and step + 1 == 2:
+            _wait_for_file(hold_until, timeout_s=120)
         if die_at and ctx.attempt == 0 and ctx.rank == 1 and step + 1 == die_at:
             os.kill(os.getpid(), signal.SIGKILL)  # the worker process itself, mid-run
         if save_every and (step + 1) % save_every == 0:
             state["next_step"] = step + 1
             ctx.save(state, step=step + 1)
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def _wait_for_file(path: str, *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _one_process(steps: int, lr: float) -> dict[str, torch.Tensor]:

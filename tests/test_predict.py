@@ -15,10 +15,14 @@ from PIL import Image
 from sklearn import metrics as sk
 
 from tests.datasets import write_image_folder, write_tiny_cifar10
+from tests.reference import assert_same_parameters
+from tests.test_launch import _one_process, ddp_loop
+from tests.test_shared_cluster import wait_for_holder
 from workers.data import DataConfig, open_store
 from workers.inference import CheckpointError, worker_report
 from workers.models import build_model
 from workers.sources import SourceError, list_records
+from workflows import launch
 from workflows.batch_predict import PredictResult, predict, prepare
 from workflows.cluster import live_workers
 from workflows.config import ConfigError
@@ -118,6 +122,41 @@ def test_the_model_is_loaded_once_per_worker_not_per_task(scored, cluster):
     assert sum(r["scored"] for r in reports.values()) == scored.partitions == 8
     # After the job the workers no longer hold the model.
     assert not any(r["holds_model"] for r in reports.values())
+
+
+def test_a_training_job_and_predict_share_the_cluster_on_their_own_workers(
+    cluster, trained_run, tmp_path
+):
+    # A training loop holds one worker (and waits after its second step); predict gets the other.
+    flag = tmp_path / "predicted"
+    training: dict = {}
+
+    def train_alongside() -> None:
+        training["result"] = launch(
+            ddp_loop, 4, 0.1, 0, 0, str(flag), cluster=cluster, world_size=1, name="alongside"
+        )
+
+    thread = threading.Thread(target=train_alongside, daemon=True)
+    thread.start()
+    try:
+        wait_for_holder(cluster.client, "alongside")
+        result = predict(
+            model=trained_run,
+            input=_store_of(trained_run),
+            output=tmp_path / "val",
+            settings={"partition_size": 45, "batch_size": 16},
+            cluster=cluster,
+        )
+    finally:
+        flag.touch()
+        thread.join(timeout=120)
+    assert result.workers == 1
+    val = open_store(_store_of(trained_run)).val
+    got = result.read()[[f"prob_{c}" for c in range(10)]].to_numpy()
+    want = _one_process_probabilities(trained_run, np.asarray(val.images[:]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    (parameters,) = training["result"].results
+    assert_same_parameters(parameters, _one_process(4, 0.1))
 
 
 def test_evaluation_metrics_equal_a_sequential_computation(scored):

@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from workers.process_group import (
-    PLUGIN_NAME,
     ProcessGroupPlugin,
     ProcessGroupSpec,
     current_membership,
@@ -80,7 +79,7 @@ def test_rendezvous_with_a_missing_rank_times_out_with_a_message(own_cluster):
     # Bounded by the rendezvous timeout, not the 300 s collective timeout: the message says
     # which bound ended the wait, and the test's own timeout fails it if none did.
     with pytest.raises(Exception, match="rendezvous timed out after 2 s on rank 0"):
-        client.register_plugin(ProcessGroupPlugin(spec), name=PLUGIN_NAME)
+        client.register_plugin(ProcessGroupPlugin(spec), name=spec.plugin_name)
 
 
 def _free_port(cluster, address):
@@ -102,8 +101,10 @@ def test_plugin_validates_its_spec_on_the_client():
         ).validate()
 
 
-def _membership_of_this_worker(dask_worker) -> object:
-    return dask_worker.plugins[PLUGIN_NAME].membership
+def _membership_of_this_worker(generation: str, dask_worker) -> object:
+    plugin = next(p for p in dask_worker.plugins.values() if isinstance(p, ProcessGroupPlugin))
+    assert plugin.spec.generation == generation
+    return plugin.membership
 
 
 def test_a_worker_that_joins_later_does_not_try_to_rendezvous(own_cluster):
@@ -113,7 +114,12 @@ def test_a_worker_that_joins_later_does_not_try_to_rendezvous(own_cluster):
         client.wait_for_workers(3, timeout=60)
         newcomer = next(a for a in own_cluster.worker_addresses if a not in group.workers)
         # The scheduler hands the registered plugin to the newcomer; it must stay out of the group.
-        assert client.run(_membership_of_this_worker, workers=[newcomer])[newcomer] is None
+        assert (
+            client.run(_membership_of_this_worker, group.spec.generation, workers=[newcomer])[
+                newcomer
+            ]
+            is None
+        )
         assert [r["sum"] for r in group.run(_all_reduce_probe, group.spec.generation)] == [3, 3]
 
 

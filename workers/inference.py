@@ -15,7 +15,7 @@ import json
 import os
 import pickle
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,7 +30,7 @@ from workers.models import ModelConfig, build_model
 from workers.preprocessing import normalize_images
 from workers.sources import decode
 
-PLUGIN_NAME = "dask-train-model"
+PLUGIN_PREFIX = "dask-train-model"
 Precision = Literal["fp32", "bf16", "fp16"]
 Outputs = Literal["class", "probabilities", "top_k"]
 InputKind = Literal["store", "cifar10", "imagefolder"]
@@ -135,22 +135,31 @@ def _count(token: str, what: str) -> None:
         _HISTORY.popitem(last=False)
 
 
+def model_plugin_name(token: str) -> str:
+    """The name one prediction job's model plugin is registered under."""
+    return f"{PLUGIN_PREFIX}-{token}"
+
+
 class ModelPlugin(WorkerPlugin):
-    """Holds one trained model per worker: loaded in ``setup``, freed in ``teardown``."""
+    """Holds one prediction job's model on each of its workers: loaded in ``setup``, freed in
+    ``teardown``. Its name is the job's, so jobs sharing a cluster never replace each other's
+    models; ``workers``, the job's share of the cluster, are the only ones that load it."""
 
-    name = PLUGIN_NAME
-
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, workers: Collection[str] = ()) -> None:
         # On the client, before anything is sent: a checkpoint that does not fit fails here,
         # naming the file, instead of on every worker.
         spec.build(torch.device("cpu"))
         if spec.threads is not None and spec.threads < 1:
             raise ValueError(f"predict.threads_per_worker: must be at least 1, got {spec.threads}")
         self.spec = spec
+        self.name = model_plugin_name(spec.token)
+        self.workers = frozenset(workers)
         self.model: nn.Module | None = None
         self.device: torch.device | None = None
 
     async def setup(self, worker: Worker) -> None:
+        if self.workers and worker.address not in self.workers:
+            return  # another job holds this worker (and its GPU)
         # Unpickling a large checkpoint takes a while; in a thread, the worker's event loop
         # keeps answering heartbeats meanwhile.
         await asyncio.to_thread(self._load)
@@ -208,15 +217,12 @@ class ScoreJob:
 def score_partition(partition: Partition, job: ScoreJob) -> pd.DataFrame:
     """The Dask task: score one partition with the model this worker's plugin holds."""
     worker = get_worker()
-    plugin = worker.plugins.get(PLUGIN_NAME)
-    if not isinstance(plugin, ModelPlugin) or plugin.spec.token != job.token:
-        held = getattr(getattr(plugin, "spec", None), "token", None)
+    plugin = worker.plugins.get(model_plugin_name(job.token))
+    if not isinstance(plugin, ModelPlugin) or plugin.model is None or plugin.device is None:
         raise RuntimeError(
-            f"worker {worker.address} holds no model for prediction job {job.token} (it holds "
-            f"{held}); another job replaced the {PLUGIN_NAME} plugin while this one ran"
+            f"worker {worker.address} holds no model for prediction job {job.token}: the job "
+            "was not given this worker, or its plugin was removed while it ran"
         )
-    if plugin.model is None or plugin.device is None:
-        raise RuntimeError(f"worker {worker.address}: the {PLUGIN_NAME} plugin has no model")
     with _threads(plugin.spec.threads):
         frame = score(
             plugin.model, partition, job, device=plugin.device, precision=plugin.spec.precision
@@ -426,9 +432,10 @@ def worker_report(dask_worker: Worker, token: str | None = None) -> dict[str, An
     """This worker's pid, its model loads and partitions scored for job ``token`` (default:
     the job whose plugin it holds), and the predict tasks it is running now (run with
     ``Client.run``, which passes the worker in)."""
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    models = [p for p in dask_worker.plugins.values() if isinstance(p, ModelPlugin)]
     if token is None:
-        token = getattr(getattr(plugin, "spec", None), "token", None)
+        token = models[0].spec.token if models else None
+    plugin = dask_worker.plugins.get(model_plugin_name(token or ""))
     counts = _HISTORY.get(token or "", {"loads": 0, "scored": 0})
     return {
         "pid": os.getpid(),

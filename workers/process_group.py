@@ -1,8 +1,9 @@
 """The worker plugin that holds a worker's torch.distributed membership.
 
-One generation of a process group is one registration of :class:`ProcessGroupPlugin`. Registering
-a new generation under the same stable name makes Dask tear the old one down first, so jobs can
-bootstrap again and again on a warm cluster.
+One generation of a process group is one registration of :class:`ProcessGroupPlugin`, under a
+name of its job's (``dask-train-process-group-<job id>``): jobs sharing a cluster never replace
+or tear down each other's groups. Registering a job's next generation under that name makes
+Dask tear the old one down first, so a job can bootstrap again and again on a warm cluster.
 """
 
 import asyncio
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "dask-train-process-group"
+PLUGIN_PREFIX = "dask-train-process-group"
 BACKENDS = ("gloo", "nccl")
 # gloo reads its variable for every group it makes (a device mesh's subgroups too), so it must
 # stay set while the group lives; nccl may make gloo groups as well, so both are set.
@@ -55,10 +56,15 @@ class ProcessGroupSpec:
     # A worker restarted at the same address is another process: it must not take the rank.
     worker_ids: dict[str, str] = field(default_factory=dict)
     socket_ifname: str | None = None  # the interface the backend's traffic uses on every rank
+    job_id: str = ""  # the job this group belongs to: its plugin is named for it
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def plugin_name(self) -> str:
+        return plugin_name(self.job_id)
 
     def node_rank(self, address: str) -> int:
         ordered = list(dict.fromkeys(self.hosts[a] for a in sorted(self.ranks, key=self.ranks.get)))
@@ -109,18 +115,23 @@ class RankStopped(BaseException):
     Ctrl-C). A BaseException, so that training code's ``except Exception`` cannot swallow it."""
 
 
+def plugin_name(job_id: str) -> str:
+    """The name a job's process-group plugin is registered under."""
+    return f"{PLUGIN_PREFIX}-{job_id}" if job_id else PLUGIN_PREFIX
+
+
 class ProcessGroupPlugin(WorkerPlugin):
     """Joins the worker to the process group in ``setup`` and leaves it in ``teardown``.
 
     Workers not named in the spec (one that joined the cluster later, or a restarted worker with a
-    new address) do nothing: they must never try to rendezvous alone.
+    new address) do nothing: they must never try to rendezvous alone. A teardown while the job's
+    ranks still run (its client went away and the scheduler dropped its hold) stops them first.
     """
-
-    name = PLUGIN_NAME
 
     def __init__(self, spec: ProcessGroupSpec) -> None:
         spec.validate()  # on the client, before anything is sent
         self.spec = spec
+        self.name = spec.plugin_name
         self.membership: Membership | None = None
         self._saved_environ: dict[str, str | None] | None = None
         # The backend's connections to the other ranks (socket inodes), closed when leaving.
@@ -161,6 +172,14 @@ class ProcessGroupPlugin(WorkerPlugin):
         spec = self.spec
         rank = spec.ranks[address]
         if dist.is_initialized():
+            held = [p for p in _group_plugins() if p is not self and p.membership is not None]
+            if held:
+                # The queue gives a worker to one job at a time; torch has one default group
+                # per process, so a second job here would take the first one's.
+                raise RuntimeError(
+                    f"worker {address} already holds rank {held[0].membership.rank} of job "
+                    f"{held[0].spec.job_id}: a worker runs one rank of one job at a time"
+                )
             # A previous generation whose teardown never ran (its worker plugin was replaced
             # while a job still held it): leave it before joining the new one.
             dist.destroy_process_group()
@@ -250,6 +269,8 @@ class ProcessGroupPlugin(WorkerPlugin):
                 os.environ[name] = value
 
     async def teardown(self, worker: Worker) -> None:
+        if self.membership is not None and rank_threads.stop(self.spec.generation):
+            self.disconnect()  # a rank waiting in a collective fails now, then sees the stop
         await self.leave()
 
     async def leave(self) -> None:
@@ -371,13 +392,25 @@ def _duplicate(fd: int, inode: str) -> Iterator[socket.socket | None]:
         yield sock
 
 
+def _group_plugins(worker: Worker | None = None) -> list[ProcessGroupPlugin]:
+    """This worker's process-group plugins (one per job that registered one)."""
+    plugins = (worker or get_worker()).plugins.values()
+    return [plugin for plugin in plugins if isinstance(plugin, ProcessGroupPlugin)]
+
+
+def _plugin_of(generation: str, worker: Worker | None = None) -> ProcessGroupPlugin | None:
+    found = [p for p in _group_plugins(worker) if p.spec.generation == generation]
+    return found[0] if found else None
+
+
 def current_membership(generation: str) -> Membership:
     """The membership of the worker running this task, checked against the job's generation."""
     worker = get_worker()
-    plugin = worker.plugins.get(PLUGIN_NAME)
+    plugin = _plugin_of(generation, worker)
     membership = getattr(plugin, "membership", None)
     if membership is None or membership.generation != generation:
-        held = membership.generation if membership else None
+        held = [p.membership.generation for p in _group_plugins(worker) if p.membership]
+        held = held[0] if held else None
         raise MembershipLost(
             f"worker {worker.address} is not a member of process group generation {generation} "
             f"(it holds {held}); the group was replaced or this worker restarted"
@@ -466,7 +499,7 @@ async def release_generation(
     in fails now, and reports itself busy, and the launcher asks again. Returns
     ``{"busy": bool}``.
     """
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    plugin = _plugin_of(generation, dask_worker)
     membership = getattr(plugin, "membership", None)
     member = membership is not None and membership.generation == generation
     if stop:

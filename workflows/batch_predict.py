@@ -44,15 +44,18 @@ from workers.inference import (
     ScoreJob,
     empty_frame,
     input_shape,
+    model_plugin_name,
     score_partition,
     write_zarr_partition,
     zarr_columns,
 )
 from workers.model_sources import ModelError, source_of
 from workers.sources import CIFAR_FOLDER, IMAGE_SUFFIXES, SourceError, _scan_classes
+from workflows.admission import Admission, Request
 from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
+from workflows.launcher import LaunchConfig, WorkerSelection
 from workflows.preprocess import read_manifest
 from workflows.tracking import TrackingConfig, track_prediction
 
@@ -90,6 +93,11 @@ class PredictConfig(BaseModel):
         default=None, ge=1, description="torch threads per worker while scoring"
     )
     timeout_s: float = Field(default=3600.0, gt=0, description="bound on the whole scoring")
+    queue_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="on a shared cluster, how long the job may wait for a free worker",
+    )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "PredictConfig":
@@ -556,19 +564,43 @@ def predict(
 
 def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     """Score a checked request on ``client``'s cluster and write everything out."""
-    plan, settings, job = prepared.plan, prepared.settings, prepared.job
-    fs, root = fsspec.core.url_to_fs(prepared.output, **prepared.storage_options)
-    predictions = f"{prepared.output.rstrip('/')}/{PREDICTIONS[settings.format]}"
-    tag = job.token[:8]
     started = time.perf_counter()
     # A model named by import path: its module goes to the workers that cannot import it.
     if source_of(prepared.spec.name)[0] == "import_path":
         ship_modules(client, {prepared.spec.name.partition(":")[0].split(".")[0]})
-    # Every worker (and any that joins later) loads the model once, here.
-    client.register_plugin(ModelPlugin(prepared.spec), name=ModelPlugin.name)
+    # The job scores on the workers no other job holds (at least one: it waits for one), each
+    # of them loading the model once, here.
+    request = Request(
+        job_id=f"predict-{prepared.name}-{prepared.job.token[:8]}",
+        name=f"predict-{prepared.name}",
+        client=client.id,
+        minimum=1,
+        maximum=max(1, len(live_workers(client))),
+        selection=WorkerSelection(),
+        plugins=(model_plugin_name(prepared.job.token),),
+    )
+    with Admission(
+        client,
+        request,
+        queue_timeout_s=prepared.settings.queue_timeout_s,
+        worker_wait_s=LaunchConfig().worker_wait_s,
+        queue_field="predict.queue_timeout_s",
+    ) as admission:
+        return _score(client, prepared, admission.hold(), started=started)
+
+
+def _score(
+    client: Client, prepared: PreparedPrediction, held: list[str], *, started: float
+) -> PredictResult:
+    plan, settings, job = prepared.plan, prepared.settings, prepared.job
+    fs, root = fsspec.core.url_to_fs(prepared.output, **prepared.storage_options)
+    predictions = f"{prepared.output.rstrip('/')}/{PREDICTIONS[settings.format]}"
+    tag = job.token[:8]
+    workers = len(held)
+    plugin = ModelPlugin(prepared.spec, held)
+    client.register_plugin(plugin, name=plugin.name)
     futures: list[Any] = []
     try:
-        workers = len(live_workers(client))
         # One task per partition, ("predict-<name>-<job>-…", i) on the dashboard. Sample ids
         # are str already: dask's string conversion would only add a task per partition.
         with dask.config.set({"dataframe.convert-string": False}):
@@ -603,8 +635,10 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
         # computed in the same pass as the writes.
         collections: list[Any] = [write]
         if job.label_map is not None:
-            collections.append(frame.groupby(["label", "prediction"]).size())
-        futures = client.compute(collections)
+            # One output partition: a few dozen counts need no shuffle, and a P2P shuffle cannot
+            # move its outputs off a lost worker onto one outside the job's share.
+            collections.append(frame.groupby(["label", "prediction"]).size(split_out=1))
+        futures = client.compute(collections, workers=held, allow_other_workers=False)
         try:
             wait(futures, timeout=settings.timeout_s)
         except TimeoutError:
@@ -621,7 +655,7 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     finally:
         # The workers free the model now rather than hold it until the next job.
         with contextlib.suppress(Exception):
-            client.unregister_worker_plugin(ModelPlugin.name)
+            client.unregister_worker_plugin(plugin.name)
     seconds = time.perf_counter() - started
     # What is on disk must be every input sample, once.
     count = _parquet_rows(fs, predictions) if settings.format == "parquet" else int(results[0])

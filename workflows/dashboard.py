@@ -52,7 +52,13 @@ def add_to_navigation(scheduler: Any) -> None:
         pages.append(page)
 
 
-def render_page(jobs: dict[str, dict[str, Any]], *, refresh: bool = True) -> str:
+def render_page(
+    jobs: dict[str, dict[str, Any]],
+    *,
+    queue: dict[str, list[dict[str, Any]]] | None = None,
+    sweeps: dict[str, dict[int, dict[str, Any]]] | None = None,
+    refresh: bool = True,
+) -> str:
     from bokeh.embed import file_html
     from bokeh.layouts import column, row
     from bokeh.models import ColumnDataSource, Div
@@ -60,6 +66,10 @@ def render_page(jobs: dict[str, dict[str, Any]], *, refresh: bool = True) -> str
     from bokeh.resources import Resources
 
     blocks = [Div(text="<h1>Training</h1>")]
+    if queue and (queue["holding"] or queue["queued"]):
+        blocks.append(Div(text=_queue_table(queue)))
+    for sweep, trials in (sweeps or {}).items():
+        blocks.append(Div(text=_trials_table(sweep, trials)))
     if not jobs:
         blocks.append(Div(text="<p>No training job has reported to this scheduler yet.</p>"))
     for job, state in reversed(list(jobs.items())):  # newest first
@@ -111,6 +121,47 @@ def render_page(jobs: dict[str, dict[str, Any]], *, refresh: bool = True) -> str
     return page.replace("<head>", f"<head>\n{reload}", 1)
 
 
+def _queue_table(queue: dict[str, list[dict[str, Any]]]) -> str:
+    rows = [
+        (job["name"], job["job_id"], f"holds {job['workers']} workers", job["since"])
+        for job in queue["holding"]
+    ] + [
+        (job["name"], job["job_id"], f"waits for {job['wanted']} workers", job["since"])
+        for job in queue["queued"]
+    ]
+    return _table(
+        "Workers", ("job", "id", "state", "since"), [(*r[:3], _clock(r[3])) for r in rows]
+    )
+
+
+def _trials_table(sweep: str, trials: dict[int, dict[str, Any]]) -> str:
+    rows = []
+    for number in sorted(trials):
+        trial = trials[number]
+        value = trial.get("value")
+        params = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in (trial.get("params") or {}).items()
+        )
+        shown = "" if value is None else f"{value:.5g}"
+        rows.append((number, trial.get("state", "?"), shown, params))
+    return _table(f"Sweep {sweep}", ("trial", "state", "value", "params"), rows)
+
+
+def _table(title: str, header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> str:
+    head = "".join(f"<th>{_escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows
+    )
+    return f"<h2>{_escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
+
+
+def _clock(when: float | None) -> str:
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(when)) if when else ""
+
+
 def _report_plots(reports: list[dict[str, Any]], figure: Any) -> list[Any]:
     """One curve per metric a rank function reported (``ctx.report``), from rank 0."""
     from workflows.monitoring import REPORT_BOOKKEEPING
@@ -133,7 +184,10 @@ class TrainingPage(web.RequestHandler):
         self.set_header("Content-Type", "text/html; charset=utf-8")
         # ?refresh=0 for a still page (a screenshot, a page to keep).
         refresh = self.get_argument("refresh", "1") != "0"
-        self.write(render_page(self.snapshot(), refresh=refresh))
+        page = self.snapshot()
+        self.write(
+            render_page(page["jobs"], queue=page["queue"], sweeps=page["sweeps"], refresh=refresh)
+        )
 
 
 def _escape(text: str) -> str:

@@ -3,6 +3,7 @@
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +61,13 @@ class EventRelay:
             except Exception:
                 # A failing handler must not keep the records that follow from reaching it.
                 logger.exception("on_event raised for a %s record", record.get("kind"))
+
+    def emit(self, record: dict[str, Any]) -> None:
+        """A record of the client's own (queued, admitted, recovery): to the scheduler's topic
+        for the dashboard, and to ``on_event`` at once: the topic's subscription may not have
+        reached the scheduler yet, and the copy that comes back is dropped as seen."""
+        self._handle((time.time(), record))
+        self.client.log_event(self.topic, record)
 
     def skip(self, records: list[dict[str, Any]]) -> None:
         """Never deliver these records (a resumed run's earlier epochs)."""

@@ -47,6 +47,7 @@ from workflows.launcher import (
     LaunchError,
     ProcessGroup,
     RankFailed,
+    admit,
 )
 from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
 from workflows.tracking import Tracker, TrackingConfig
@@ -247,7 +248,14 @@ def launch_on(
     policy = FailurePolicy(settings.max_failures, retry_code_errors)
     recoveries: list[Recovery] = []
     failure: Failure | None = None
-    with events:
+
+    def queued(status: dict[str, Any]) -> None:
+        # on_event handlers, the Training page and /metrics see the job waiting.
+        events.emit({"kind": "queued", "job_id": job_id, **status})
+
+    # The job's hold on its workers spans its attempts: a recovering job keeps its place.
+    admission = admit(client, settings, job_id=job_id, name=name, on_queued=queued, stop=stop)
+    with events, admission:
         for attempt in range(settings.max_failures + 1):
             resume = latest_good_checkpoint(directory, signing_key_file) if directory else None
             if resume:
@@ -257,16 +265,19 @@ def launch_on(
                 recoveries.append(failure.recovered_at(resume))
                 logger.warning("recovery %d: %s", len(recoveries), recoveries[-1].describe())
                 # The dashboard counts them; on_event handlers see a "recovery" record.
-                client.log_event(
-                    events.topic,
-                    {"kind": "recovery", "recoveries": len(recoveries), **recoveries[-1].summary()},
+                events.emit(
+                    {"kind": "recovery", "recoveries": len(recoveries), **recoveries[-1].summary()}
                 )
             attempt_started = time.time()
             heartbeats = Heartbeats()
             client.subscribe_topic(heartbeat_topic, heartbeats.record)
             try:
-                with ProcessGroup(client, settings) as group:
+                with ProcessGroup(client, settings, admission=admission) as group:
                     assert group.spec is not None
+                    if attempt == 0 and admission.queued_once:
+                        events.emit(
+                            {"kind": "admitted", "job_id": job_id, "waited_s": admission.waited_s}
+                        )
                     job = RankJob(
                         fn=fn,
                         args=args,

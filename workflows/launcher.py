@@ -1,10 +1,12 @@
-"""Client side of the process group: pick workers, assign ranks, bootstrap, run, shut down.
+"""Client side of the process group: hold workers, assign ranks, bootstrap, run, shut down.
 
-:class:`ProcessGroup` is a lifecycle object. ``start`` chooses W workers, gives them ranks
+:class:`ProcessGroup` is a lifecycle object. ``start`` gets W workers from the scheduler's
+queue (``workflows/admission.py``: on a shared cluster it waits for them), gives them ranks
 0..W-1 (workers on one host consecutive), finds a free port on the rank-0 worker and registers
-one generation of :class:`~workers.process_group.ProcessGroupPlugin`; ``run`` submits one task
-per rank and watches them with bounded waits; ``shutdown`` leaves the group, and after a failure
-restarts the rank workers so that no thread stays stuck in a collective.
+one generation of the job's :class:`~workers.process_group.ProcessGroupPlugin`; ``run`` submits
+one task per rank and watches them with bounded waits; ``shutdown`` leaves the group, and after
+a failure restarts the rank workers that do not let go, so that no thread stays stuck in a
+collective.
 """
 
 import asyncio
@@ -24,11 +26,20 @@ from distributed.comm import get_address_host
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.process_group import (
-    PLUGIN_NAME,
     ProcessGroupPlugin,
     ProcessGroupSpec,
     describe_worker,
+    plugin_name,
     release_generation,
+)
+from workflows.admission import (
+    Admission,
+    AdmissionStopped,
+    HoldLost,
+    QueueTimeout,
+    Request,
+    TooFewWorkers,
+    rank_order,
 )
 from workflows.cluster import live_workers
 from workflows.failure_policy import is_infrastructure_error
@@ -104,7 +115,24 @@ class LaunchConfig(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="auto: nccl when every rank has a GPU, else gloo"
     )
-    worker_wait_s: float = Field(default=30.0, gt=0, description="wait for workers to arrive")
+    worker_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="wait for the cluster to have enough eligible workers (starting, adapting), "
+        "and after a lost worker for a replacement",
+    )
+    queue_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="on a shared cluster, how long the job may wait in the queue for other "
+        "jobs to free its workers",
+    )
+    lease_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="the job's hold on its workers lasts this long without news from its "
+        "client: a frozen client's workers go back to the queue after it",
+    )
     init_timeout_s: float = Field(default=60.0, gt=0, description="rendezvous of all ranks")
     collective_timeout_s: float = Field(
         default=600.0, gt=0, description="a collective that waits longer fails the job"
@@ -238,18 +266,41 @@ class Heartbeats:
 
 
 class ProcessGroup:
-    """One generation of a torch.distributed process group over Dask workers."""
+    """One generation of a torch.distributed process group over Dask workers.
 
-    def __init__(self, client: Client, config: LaunchConfig | None = None) -> None:
+    ``admission`` is the job's hold on workers (``launch`` keeps one across its attempts);
+    without one, the group asks the scheduler's queue for its workers itself, under a job id of
+    its own, and gives them back at ``shutdown``.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        config: LaunchConfig | None = None,
+        *,
+        admission: Admission | None = None,
+    ) -> None:
         self.client = client
         self.config = config or LaunchConfig()
         self.spec: ProcessGroupSpec | None = None
+        self._owns_admission = admission is None
+        self.admission = admission or admit(
+            client, self.config, job_id=f"group-{uuid.uuid4().hex[:8]}", name="process-group"
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> Self:
+        try:
+            return self._start()
+        except BaseException:
+            if self._owns_admission:  # a group that never formed holds no workers
+                self.admission.release()
+            raise
+
+    def _start(self) -> Self:
         config = self.config
-        workers = self._choose_workers()
+        workers = self._hold_workers()
         described = self.client.run(describe_worker, config.socket_ifname, workers=workers)
         backend = _resolve_backend(config.backend, {w: described[w] for w in workers})
         _check_interfaces(config.socket_ifname, {w: described[w] for w in workers})
@@ -269,12 +320,13 @@ class ProcessGroup:
             init_timeout_s=config.init_timeout_s,
             collective_timeout_s=config.collective_timeout_s,
             socket_ifname=config.socket_ifname,
+            job_id=self.admission.request.job_id,
         )
         started = time.perf_counter()
         self.spec = spec
         try:
-            # Registering under the stable name replaces (and tears down) any earlier generation.
-            self.client.register_plugin(ProcessGroupPlugin(spec), name=PLUGIN_NAME)
+            # Registering under the job's name replaces (and tears down) its earlier generation.
+            self.client.register_plugin(ProcessGroupPlugin(spec), name=spec.plugin_name)
         except Exception as error:
             # A failed rendezvous leaves torch.distributed's global state half-made in the
             # workers that got furthest; only a fresh process is sure to be clean.
@@ -298,6 +350,8 @@ class ProcessGroup:
         ``launch.release_timeout_s``, and the ``stuck`` ones (a stopped process cannot answer),
         are restarted. Restarting survivors was the old way and cost each ~4 s."""
         if self.spec is None:
+            if self._owns_admission:
+                self.admission.release()
             return
         spec, self.spec = self.spec, None
         if abort:
@@ -305,7 +359,9 @@ class ProcessGroup:
         # Restarted workers are new processes: the spec's worker ids keep them out of the group,
         # whatever address they come back at. Unregistering tears the group down on the rest.
         with contextlib.suppress(ValueError):  # nothing registered any more
-            self.client.unregister_worker_plugin(PLUGIN_NAME)
+            self.client.unregister_worker_plugin(spec.plugin_name)
+        if self._owns_admission:
+            self.admission.release()
 
     def _release(self, spec: ProcessGroupSpec, *, stuck: set[str]) -> None:
         alive = set(self._alive_workers())
@@ -488,41 +544,59 @@ class ProcessGroup:
     def _alive_workers(self) -> list[str]:
         return list(live_workers(self.client))
 
-    def _choose_workers(self) -> list[str]:
-        wanted = self.config.world_size or 1
-        selection = self.config.workers
-        deadline = time.monotonic() + self.config.worker_wait_s
-        while True:
-            info = live_workers(self.client)
-            chosen = select_workers(info, selection)
-            if len(chosen) >= wanted:
-                return chosen[: self.config.world_size or len(chosen)]
-            if time.monotonic() > deadline:
-                break
-            time.sleep(min(self.config.poll_interval_s, 0.2))
-        if selection.resources or selection.name_pattern is not None:
-            raise LaunchError(
-                f"launch.workers: {wanted} workers with {selection.describe()} are needed, but "
-                f"{len(chosen)} of the cluster's {len(info)} match after waiting "
-                f"{self.config.worker_wait_s:g} s (change launch.workers or launch.world_size)"
-            )
-        raise LaunchError(
-            f"launch.world_size: {wanted} workers are needed, but the cluster has {len(info)} "
-            f"after waiting {self.config.worker_wait_s:g} s (lower launch.world_size or add "
-            "workers)"
-        )
+    def _hold_workers(self) -> list[str]:
+        """The job's workers, from the scheduler's queue, in rank order."""
+        try:
+            granted = self.admission.hold()
+        except AdmissionStopped as error:
+            raise JobStopped(str(error)) from None
+        except (QueueTimeout, TooFewWorkers) as error:
+            raise LaunchError(str(error)) from None
+        except HoldLost as error:
+            raise GroupFormationError(str(error)) from None
+        info = live_workers(self.client)
+        return select_workers({a: info[a] for a in granted if a in info}, self.config.workers)
+
+
+def admit(
+    client: Client,
+    config: LaunchConfig,
+    *,
+    job_id: str,
+    name: str,
+    on_queued: Callable[[dict[str, Any]], None] | None = None,
+    stop: threading.Event | None = None,
+) -> Admission:
+    """A job's place in the scheduler's queue: ``config.world_size`` workers of its selection
+    (none: every eligible worker the cluster has now)."""
+    wanted = config.world_size or max(1, len(select_workers(live_workers(client), config.workers)))
+    request = Request(
+        job_id=job_id,
+        name=name,
+        client=client.id,
+        minimum=wanted,
+        maximum=wanted,
+        selection=config.workers,
+        lease_s=config.lease_s,
+        plugins=(plugin_name(job_id),),
+    )
+    return Admission(
+        client,
+        request,
+        queue_timeout_s=config.queue_timeout_s,
+        worker_wait_s=config.worker_wait_s,
+        on_queued=on_queued,
+        stop=stop,
+    )
 
 
 def select_workers(info: dict[str, dict[str, Any]], selection: WorkerSelection) -> list[str]:
-    """The eligible workers in rank order: by host, so that each host's workers get consecutive
-    ranks, then by name in natural order (dask-cuda names workers by device id)."""
+    """The eligible workers in rank order (``workflows.admission.rank_order``)."""
     eligible = [address for address, identity in info.items() if selection.matches(identity)]
     return sorted(
         eligible,
-        key=lambda a: (
-            info[a].get("host") or get_address_host(a),
-            _natural_key(str(info[a].get("name"))),
-            a,
+        key=lambda a: rank_order(
+            info[a].get("host") or get_address_host(a), info[a].get("name"), a
         ),
     )
 
@@ -549,11 +623,6 @@ def _resolve_backend(requested: str, described: dict[str, dict[str, Any]]) -> st
             f"chosen workers have none ({', '.join(without_gpu)}); use backend = 'gloo' or 'auto'"
         )
     return requested
-
-
-def _natural_key(text: str) -> list[Any]:
-    # dask-cuda names workers by device id ("0", "1", … "10"): order 2 before 10.
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def run_bounded(

@@ -11,6 +11,11 @@ from distributed import Scheduler, SchedulerPlugin
 EVENT_PREFIX = "dask-train-"
 # Each rank's heartbeat (step, samples/s) for job J travels on HEARTBEAT_PREFIX + J.
 HEARTBEAT_PREFIX = "dask-train-heartbeat-"
+# A sweep's trials (workflows/sweep.py) travel on SWEEP_PREFIX + the study's name.
+SWEEP_PREFIX = "dask-train-sweep-"
+# The client's records of a job's wait for workers: the queue itself (workflows/admission.py)
+# is what the page and /metrics show, not these.
+QUEUE_KINDS = frozenset({"queued", "admitted"})
 PLUGIN_NAME = "dask-train-metrics"
 KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
 KEEP_EPOCHS = 1000  # and this many epoch records of each, for the Training page's curves
@@ -47,17 +52,19 @@ class TrainingMetrics(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.jobs: dict[str, dict[str, Any]] = {}
+        self.sweeps: dict[str, dict[int, dict[str, Any]]] = {}  # study -> trial number -> record
 
     async def start(self, scheduler: Scheduler) -> None:
         # Created here, in the scheduler: the plugin travels there pickled, and locks do not.
         self._lock = threading.Lock()
+        self.scheduler = scheduler
         _exporter.add(self)
         # The Training page, on the scheduler's web server next to the dashboard's pages.
         from workflows.dashboard import ROUTE, TrainingPage, add_to_navigation
 
         application = getattr(scheduler, "http_application", None)
         if application is not None:
-            application.add_handlers(".*$", [(ROUTE, TrainingPage, {"snapshot": self.snapshot})])
+            application.add_handlers(".*$", [(ROUTE, TrainingPage, {"snapshot": self.page})])
             add_to_navigation(scheduler)
 
     async def close(self) -> None:
@@ -65,6 +72,11 @@ class TrainingMetrics(SchedulerPlugin):
 
     def log_event(self, topic: str, msg: Any) -> None:
         if not topic.startswith(EVENT_PREFIX) or not isinstance(msg, dict):
+            return
+        if topic.startswith(SWEEP_PREFIX):
+            self._record_trial(topic.removeprefix(SWEEP_PREFIX), msg)
+            return
+        if msg.get("kind") in QUEUE_KINDS:
             return
         heartbeat = topic.startswith(HEARTBEAT_PREFIX)
         job = topic.removeprefix(HEARTBEAT_PREFIX if heartbeat else EVENT_PREFIX)
@@ -94,6 +106,26 @@ class TrainingMetrics(SchedulerPlugin):
                 if not any(r.get("epoch") == msg.get("epoch") for r in history):
                     history.append(dict(msg))
                 del history[:-KEEP_EPOCHS]
+
+    def _record_trial(self, sweep: str, msg: dict[str, Any]) -> None:
+        if not isinstance(msg.get("number"), int):
+            return
+        with self._lock:
+            if sweep not in self.sweeps and len(self.sweeps) >= KEEP_JOBS:
+                del self.sweeps[next(iter(self.sweeps))]
+            self.sweeps.setdefault(sweep, {})[msg["number"]] = dict(msg)
+
+    def queue(self) -> dict[str, list[dict[str, Any]]]:
+        """The jobs holding workers and those waiting for them, on this scheduler."""
+        from workflows.admission import queue_snapshot
+
+        return queue_snapshot(self.scheduler)
+
+    def page(self) -> dict[str, Any]:
+        """What the Training page shows: the jobs, the queue and the sweeps' trials."""
+        with self._lock:
+            sweeps = {name: dict(trials) for name, trials in self.sweeps.items()}
+        return {"jobs": self.snapshot(), "queue": self.queue(), "sweeps": sweeps}
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         with self._lock:
@@ -137,8 +169,18 @@ class _Exporter:
         from prometheus_client.core import GaugeMetricFamily
 
         jobs: dict[str, dict[str, Any]] = {}
+        queued = held = 0
         for plugin in list(self._plugins):
             jobs.update(plugin.snapshot())
+            queue = plugin.queue()
+            queued += len(queue["queued"])
+            held += sum(job["workers"] for job in queue["holding"])
+        yield GaugeMetricFamily(
+            "dask_train_queued_jobs", "Jobs waiting in the queue for workers", value=queued
+        )
+        yield GaugeMetricFamily(
+            "dask_train_held_workers", "Workers held by running jobs", value=held
+        )
         for metric, field, help_text in GAUGES:
             family = GaugeMetricFamily(metric, help_text, labels=["job", "strategy"])
             for job, state in jobs.items():

@@ -1,0 +1,377 @@
+"""Jobs sharing one cluster: isolation, the scheduler's queue, leases and adaptive clusters.
+
+Real clusters, real worker processes, real clients in other processes.
+"""
+
+import _thread
+import ast
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch.distributed as dist
+
+from tests.commands import dask_train
+from tests.reference import assert_same_parameters
+from tests.test_launch import _one_process, _wait_for_file, ddp_loop
+from workers.process_group import ProcessGroupPlugin
+from workflows import launch, start_cluster
+from workflows.admission import Request, queue_snapshot
+from workflows.dashboard import training_page_url
+from workflows.launcher import LaunchError, WorkerSelection
+
+
+def where_and_sum(ctx, seconds: float) -> tuple[int, int]:
+    """This rank's worker pid, and an all-reduce over the job's ranks after ``seconds``."""
+    import torch
+
+    time.sleep(seconds)
+    total = torch.tensor([ctx.rank + 1])
+    dist.all_reduce(total)
+    return os.getpid(), int(total)
+
+
+def held_until(ctx, flag: str) -> int:
+    """Reports once, then holds its worker until ``flag`` exists (120 s at most)."""
+    ctx.report(started=1)
+    _wait_for_file(flag, timeout_s=120)
+    return ctx.rank
+
+
+def _in_threads(*calls) -> list:
+    """Run each call in a thread of its own; their results (or exceptions), in order."""
+    results: list = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as error:  # handed to the test's thread
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a job did not end within 240 s"
+    return results
+
+
+def _plugins_on_scheduler(dask_scheduler) -> list[str]:
+    return sorted(dask_scheduler.worker_plugins)
+
+
+def _group_plugins(dask_worker) -> list[str]:
+    return [p.name for p in dask_worker.plugins.values() if isinstance(p, ProcessGroupPlugin)]
+
+
+def _nothing_left_of(client, job_prefix: str) -> None:
+    queue = client.run_on_scheduler(queue_snapshot)
+    assert not [j for j in queue["holding"] + queue["queued"] if job_prefix in j["job_id"]], queue
+    assert not [p for p in client.run_on_scheduler(_plugins_on_scheduler) if job_prefix in p]
+    for plugins in client.run(_group_plugins).values():
+        assert not [p for p in plugins if job_prefix in p]
+
+
+def test_two_one_rank_jobs_run_at_once_on_different_workers(cluster):
+    first, second = _in_threads(
+        lambda: launch(where_and_sum, 1.0, cluster=cluster, world_size=1, name="left"),
+        lambda: launch(where_and_sum, 1.0, cluster=cluster, world_size=1, name="right"),
+    )
+    (left_pid, left_sum), (right_pid, right_sum) = first.results[0], second.results[0]
+    assert left_sum == right_sum == 1  # each rank alone in its own group
+    assert left_pid != right_pid
+    assert set(cluster.client.run(os.getpid).values()) == {left_pid, right_pid}
+    _nothing_left_of(cluster.client, "left-")
+
+
+def test_a_second_two_rank_job_waits_with_one_line_and_shows_on_metrics(cluster, caplog, tmp_path):
+    flag = tmp_path / "release"
+    seen: dict = {}
+    page = training_page_url(cluster.dashboard_link)
+    metrics = page.rsplit("/training", 1)[0] + "/metrics"
+
+    def on_event(record: dict) -> None:
+        if record.get("kind") == "queued":
+            seen["queued"] = record
+            seen["metrics"] = urllib.request.urlopen(metrics, timeout=30).read().decode()
+            seen["page"] = urllib.request.urlopen(page + "?refresh=0", timeout=30).read().decode()
+            flag.touch()  # now the holder may finish
+
+    def holder():
+        return launch(held_until, str(flag), cluster=cluster, world_size=2, name="holder")
+
+    def waiter():
+        wait_for_holder(cluster.client, "holder")  # asked for once the holder holds both
+        return launch(where_and_sum, 0.0, cluster=cluster, world_size=2, on_event=on_event)
+
+    with caplog.at_level(logging.WARNING, logger="workflows.admission"):
+        held, waited = _in_threads(holder, waiter)
+    assert held.results == [0, 1]
+    assert [total for _, total in waited.results] == [3, 3]
+    lines = [r.getMessage() for r in caplog.records if "waits for" in r.getMessage()]
+    assert (
+        len(lines) == 1
+        and "waits for 2 of 2 eligible workers, held by holder (2 since" in (lines[0])
+    ), lines
+    assert seen["queued"]["holders"][0]["name"] == "holder"
+    assert "dask_train_queued_jobs 1.0" in seen["metrics"]
+    assert "waits for 2 workers" in seen["page"] and "holds 2 workers" in seen["page"]
+    _nothing_left_of(cluster.client, "holder-")
+
+
+def test_the_queue_wait_is_bounded_and_a_queued_ctrl_c_leaves_nothing(cluster, tmp_path):
+    flag = tmp_path / "release"
+    started = threading.Event()
+
+    def holder():
+        def on_event(record: dict) -> None:
+            if record.get("kind") == "report":
+                started.set()
+
+        return launch(
+            held_until, str(flag), cluster=cluster, world_size=2, name="holder", on_event=on_event
+        )
+
+    def interrupt_once_queued(record: dict) -> None:
+        if record.get("kind") == "queued":
+            _thread.interrupt_main()  # Ctrl-C while the job waits in the queue
+
+    def queued_jobs():
+        assert started.wait(60), "the holder never started"
+        try:
+            with pytest.raises(LaunchError, match=r"^launch.queue_timeout_s: job late-\w+ waited"):
+                launch(
+                    where_and_sum,
+                    0.0,
+                    cluster=cluster,
+                    world_size=2,
+                    name="late",
+                    config={"queue_timeout_s": 0.5},
+                )
+            with pytest.raises(KeyboardInterrupt):
+                launch(
+                    where_and_sum,
+                    0.0,
+                    cluster=cluster,
+                    world_size=2,
+                    name="interrupted",
+                    on_event=interrupt_once_queued,
+                )
+            _nothing_left_of(cluster.client, "late-")
+            _nothing_left_of(cluster.client, "interrupted-")
+        finally:
+            flag.touch()
+
+    holder_thread = threading.Thread(target=lambda: holder(), daemon=True)
+    holder_thread.start()
+    queued_jobs()  # in the main thread: Ctrl-C lands there
+    holder_thread.join(timeout=120)
+    assert not holder_thread.is_alive()
+    _nothing_left_of(cluster.client, "holder-")
+
+
+@pytest.mark.equivalence
+def test_a_worker_lost_by_one_job_restarts_only_that_job(four_workers, tmp_path):
+    flag = tmp_path / "a-finished"
+    b_running = threading.Event()
+
+    def note_b(record: dict) -> None:
+        if record.get("kind") == "report" and record.get("step") == 2:
+            b_running.set()
+
+    def job_b():
+        return launch(
+            ddp_loop,
+            5,
+            0.1,
+            0,
+            0,
+            str(flag),
+            cluster=four_workers,
+            world_size=2,
+            name="b",
+            on_event=note_b,
+        )
+
+    def job_a():
+        assert b_running.wait(120), "job B never started"
+        try:
+            # Rank 1's worker SIGKILLs itself at step 3, a step after the checkpoint of 2.
+            return launch(
+                ddp_loop,
+                6,
+                0.1,
+                2,
+                3,
+                cluster=four_workers,
+                world_size=2,
+                name="a",
+                checkpoint_dir=tmp_path / "a",
+            )
+        finally:
+            flag.touch()
+
+    b, a = _in_threads(job_b, job_a)
+    assert not isinstance(a, BaseException), a
+    assert not isinstance(b, BaseException), b
+    assert [r["resumed_from_step"] for r in a.recoveries] == [2]
+    assert b.recoveries == [] and b.attempts == 1
+    for parameters in a.results:
+        assert_same_parameters(parameters, _one_process(6, 0.1))
+    for parameters in b.results:
+        assert_same_parameters(parameters, _one_process(5, 0.1))
+
+
+CLIENT_THAT_HOLDS = """
+import sys, time
+from distributed import Client
+from workflows import launch
+
+def forever(ctx):
+    ctx.report(started=1)
+    while True:
+        time.sleep(0.01)
+
+if __name__ == "__main__":
+    with Client(sys.argv[1]) as client:
+        launch(forever, cluster=client, world_size=2, name="killed-client")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_clients_workers_go_to_the_next_job_in_the_queue(cluster, tmp_path):
+    client = cluster.client
+    script = tmp_path / "holds.py"
+    script.write_text(CLIENT_THAT_HOLDS)
+    holder = subprocess.Popen([sys.executable, str(script), client.scheduler.address])
+    try:
+        # Killed once its ranks run: it holds workers, a plugin and tasks on them.
+        deadline = time.monotonic() + 90
+        while not any("killed-client" in str(k) for k in _processing(client)):
+            assert holder.poll() is None and time.monotonic() < deadline, "it never held workers"
+            time.sleep(0.05)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    # The queue bound is the lease's: the killed client's workers must be free by then.
+    result = launch(
+        where_and_sum, 0.0, cluster=cluster, world_size=2, config={"queue_timeout_s": 20.0}
+    )
+    assert [total for _, total in result.results] == [3, 3]
+    _nothing_left_of(client, "killed-client-")
+
+
+def _processing(client) -> list:
+    return [key for keys in client.processing().values() for key in keys]
+
+
+def _hold_without_renewing(request: Request, dask_scheduler) -> dict:
+    from workflows.admission import WorkerQueue
+
+    queue = dask_scheduler.plugins.get("dask-train-queue") or WorkerQueue()
+    return queue.request(request)
+
+
+def test_a_lease_not_renewed_expires_and_frees_its_workers(cluster):
+    client = cluster.client
+    launch(where_and_sum, 0.0, cluster=cluster, world_size=1)  # the queue is on the scheduler
+    frozen = Request(
+        job_id="frozen-0",
+        name="frozen",
+        client="a client that stopped renewing",
+        minimum=2,
+        maximum=2,
+        selection=WorkerSelection(),
+        lease_s=1.0,
+    )
+    assert len(client.run_on_scheduler(_hold_without_renewing, frozen)["granted"]) == 2
+    result = launch(
+        where_and_sum, 0.0, cluster=cluster, world_size=2, config={"queue_timeout_s": 20.0}
+    )
+    assert [total for _, total in result.results] == [3, 3]
+    _nothing_left_of(client, "frozen-")
+
+
+@pytest.mark.timeout(180)
+def test_an_adaptive_cluster_grows_for_a_queued_job_and_shrinks_after(tmp_path):
+    with start_cluster(n_workers=1, dashboard_port=0) as training_cluster:
+        training_cluster.cluster.adapt(minimum=1, maximum=2, interval="200ms", wait_count=2)
+        result = launch(
+            where_and_sum,
+            0.0,
+            cluster=training_cluster,
+            world_size=2,
+            config={"worker_wait_s": 120.0},
+        )
+        assert [total for _, total in result.results] == [3, 3]
+        deadline = time.monotonic() + 60
+        while len(training_cluster.client.scheduler_info(n_workers=-1)["workers"]) > 1:
+            assert time.monotonic() < deadline, "the cluster did not shrink back to 1 worker"
+            time.sleep(0.2)
+
+
+def test_a_too_large_job_fails_naming_the_field(cluster):
+    with pytest.raises(LaunchError, match=r"launch.world_size: 3 workers are needed"):
+        launch(where_and_sum, 0.0, cluster=cluster, world_size=3, config={"worker_wait_s": 0.5})
+    _nothing_left_of(cluster.client, "where_and_sum-")
+
+
+def test_the_readmes_sharing_example_runs_as_pasted(tmp_path):
+    from tests.test_cluster import _run_in_own_session
+    from tests.test_launch import _readme_block
+
+    script = tmp_path / "sharing.py"
+    script.write_text(_readme_block("one waits for the other"))
+    done = _run_in_own_session([sys.executable, str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ast.literal_eval(done.stdout.splitlines()[-1]) == {"first": [0, 1], "second": [0, 1]}
+    assert "waits for 2 of 2 eligible workers" in done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["sharing.py"]
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_of_a_queued_cli_job_exits_130_and_leaves_nothing(cluster, tmp_path):
+    client = cluster.client
+    flag = tmp_path / "release"
+    script = tmp_path / "job.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group()\n")
+    holder = threading.Thread(
+        target=lambda: launch(held_until, str(flag), cluster=cluster, world_size=2, name="holder"),
+        daemon=True,
+    )
+    holder.start()
+    try:
+        wait_for_holder(client, "holder")
+        queued = subprocess.Popen(
+            dask_train("launch", "--scheduler", client.scheduler.address, str(script)),
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        lines = []
+        for line in queued.stderr:  # bounded by the test's timeout
+            lines.append(line)
+            if "waits for 2 of 2 eligible workers, held by holder" in line:
+                break
+        queued.send_signal(signal.SIGTERM)
+        rest = queued.communicate(timeout=60)[1]
+        assert queued.returncode == 130, "".join(lines) + rest
+        queue = client.run_on_scheduler(queue_snapshot)
+        assert [j["name"] for j in queue["holding"]] == ["holder"] and not queue["queued"], queue
+    finally:
+        flag.touch()
+        holder.join(timeout=120)
+
+
+def wait_for_holder(client, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while not any(j["name"] == name for j in client.run_on_scheduler(queue_snapshot)["holding"]):
+        assert time.monotonic() < deadline, f"job {name} never got its workers"
+        time.sleep(0.02)

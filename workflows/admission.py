@@ -1,0 +1,482 @@
+"""Admission to a shared cluster: which job holds which workers, and who waits for them.
+
+A Dask cluster is shared: notebooks, scheduled runs, batch inference and sweep trials ask for
+workers at once. The queue lives on the scheduler (:class:`WorkerQueue`, a scheduler plugin),
+so every client sees the same one. A job asks for ``minimum`` workers of its selection (up to
+``maximum``, for elastic jobs such as batch inference); it gets them when they are free and no
+job that asked earlier still waits for any of them (first come, first served, with no job ever
+overtaking an earlier one on a worker that job could use). A worker is held by at most one job:
+one rank of one job per worker, and on a GPU worker that rank owns the GPU.
+
+Holding survives only a live client. Each hold is a lease the client renews
+(:class:`Admission` does it from a thread); the scheduler drops the holds of a client that
+disconnects at once, and of one that stops renewing (a frozen notebook) after ``lease_s``. A
+dropped hold first tears the job's worker plugins down (which stops its ranks), then frees its
+workers.
+
+On an adaptive deployment the workers that waiting jobs need count in the scheduler's adaptive
+target, so the cluster grows for them; held workers are never chosen to be retired.
+"""
+
+import asyncio
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distributed import Client, Scheduler, SchedulerPlugin
+
+if TYPE_CHECKING:  # the launcher holds jobs' admissions; this module needs only the type
+    from workflows.launcher import WorkerSelection
+
+logger = logging.getLogger(__name__)
+
+QUEUE_PLUGIN_NAME = "dask-train-queue"
+EXPIRY_CHECK_S = 0.5  # how often the scheduler looks for leases that ran out
+TEARDOWN_TIMEOUT_S = 30.0  # a dropped job's worker plugins get this long to let go
+LONG_POLL_S = 1.0  # one wait on the scheduler; the client checks its own bounds in between
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a job asks the queue for; made on the client, checked there."""
+
+    job_id: str
+    name: str
+    client: str
+    minimum: int
+    maximum: int
+    selection: "WorkerSelection"
+    lease_s: float = 20.0
+    # Worker plugins of the job, removed when its holder goes away without releasing.
+    plugins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.minimum <= self.maximum:
+            raise ValueError(f"a job needs 1 <= minimum <= maximum workers, got {self}")
+        if self.lease_s <= 0:
+            raise ValueError(f"launch.lease_s: must be positive, got {self.lease_s}")
+
+    def eligible(self, worker: Any) -> bool:
+        """Whether a scheduler's WorkerState may hold one of this job's ranks."""
+        return self.selection.matches({"resources": worker.resources, "name": worker.name})
+
+
+@dataclass
+class _Entry:
+    request: Request
+    arrived: float
+    lease_until: float
+    granted: list[str] = field(default_factory=list)
+    granted_at: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    draining: bool = False  # its holder went away; its plugins are being torn down
+    teardown: "asyncio.Future[None] | None" = None
+
+    @property
+    def waiting(self) -> bool:
+        return not self.draining and len(self.granted) < self.request.minimum
+
+
+class WorkerQueue(SchedulerPlugin):
+    """The scheduler's record of held workers and waiting jobs (see the module's text)."""
+
+    name = QUEUE_PLUGIN_NAME
+    idempotent = True  # every job registers it; the first registration stays
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}  # in order of arrival
+
+    async def start(self, scheduler: Scheduler) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        self.scheduler = scheduler
+        self._expiry = PeriodicCallback(self._expire, EXPIRY_CHECK_S * 1000)
+        self._expiry.start()
+        _count_waiting_jobs_in_the_adaptive_target(scheduler, self)
+
+    async def close(self) -> None:
+        self._expiry.stop()
+
+    # -- what clients call (through the functions below, with Client.run_on_scheduler) -----
+
+    def request(self, request: Request) -> dict[str, Any]:
+        entry = self.entries.get(request.job_id)
+        now = time.monotonic()
+        if entry is None:
+            entry = _Entry(request, arrived=time.time(), lease_until=now + request.lease_s)
+            self.entries[request.job_id] = entry
+        else:  # asking again (after losing a worker) keeps the job's place in the line
+            entry.request, entry.lease_until = request, now + request.lease_s
+        self._grant()
+        return self.status(request.job_id)
+
+    async def wait(self, job_id: str, timeout_s: float) -> dict[str, Any]:
+        entry = self.entries.get(job_id)
+        if entry is not None and entry.waiting:
+            entry.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.changed.wait(), timeout_s)
+        return self.status(job_id)
+
+    def renew(self, job_id: str) -> bool:
+        entry = self.entries.get(job_id)
+        if entry is None or entry.draining:
+            return False
+        entry.lease_until = time.monotonic() + entry.request.lease_s
+        return True
+
+    def release(self, job_id: str) -> None:
+        if self.entries.pop(job_id, None) is not None:
+            self._grant()
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        entry = self.entries.get(job_id)
+        if entry is None:
+            return {"known": False, "granted": [], "waiting": False}
+        request = entry.request
+        eligible = [w for w in self.scheduler.workers.values() if request.eligible(w)]
+        ahead = [e for e in self.entries.values() if e is not entry and e.arrived < entry.arrived]
+        return {
+            "known": True,
+            "granted": list(entry.granted),
+            "waiting": entry.waiting,
+            "lost": entry.draining,
+            "eligible": len(eligible),
+            "position": sum(e.waiting for e in ahead),
+            "holders": self.holders({w.address for w in eligible}, exclude=job_id),
+        }
+
+    def holders(self, workers: set[str] | None = None, exclude: str = "") -> list[dict[str, Any]]:
+        """The jobs holding workers (of ``workers``, if given): name, since when, how many."""
+        return [
+            {
+                "job_id": job_id,
+                "name": entry.request.name,
+                "workers": len(entry.granted),
+                "since": entry.granted_at,
+            }
+            for job_id, entry in self.entries.items()
+            if entry.granted
+            and job_id != exclude
+            and (workers is None or set(entry.granted) & workers)
+        ]
+
+    def queued(self) -> list[dict[str, Any]]:
+        """The jobs waiting, in the order they will be served."""
+        return [
+            {
+                "job_id": job_id,
+                "name": entry.request.name,
+                "wanted": entry.request.minimum,
+                "since": entry.arrived,
+            }
+            for job_id, entry in self.entries.items()
+            if entry.waiting
+        ]
+
+    def demand(self) -> int:
+        """Workers the jobs hold or wait for: what an adaptive cluster should have."""
+        return sum(max(e.request.minimum, len(e.granted)) for e in self.entries.values())
+
+    # -- granting ---------------------------------------------------------------------------
+
+    def _grant(self) -> None:
+        held = {w for entry in self.entries.values() for w in entry.granted}
+        # In rank order, so that on an idle cluster a job gets the workers the launcher ranks
+        # first (those its Dask collections were placed on).
+        free = sorted(
+            (w for w in self.scheduler.workers.values() if w.address not in held),
+            key=lambda w: rank_order(w.host, w.name, w.address),
+        )
+        for entry in self.entries.values():
+            if not entry.waiting:
+                continue
+            usable = [w for w in free if entry.request.eligible(w)]
+            missing = entry.request.minimum - len(entry.granted)
+            if len(usable) >= missing:
+                room = entry.request.maximum - len(entry.granted)
+                taken = [w.address for w in usable[:room]]
+                entry.granted += taken
+                entry.granted_at = entry.granted_at or time.time()
+                entry.changed.set()
+                free = [w for w in free if w.address not in taken]
+            else:
+                # Nobody who asked later may take what this job could use: it would wait for
+                # ever behind a stream of smaller jobs.
+                free = [w for w in free if w not in usable]
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self._grant()
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        for entry in self.entries.values():
+            if worker in entry.granted:
+                entry.granted.remove(worker)  # the job asks again for its next attempt
+                entry.changed.set()
+        self._grant()
+
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        for entry in list(self.entries.values()):
+            if entry.request.client == client and not entry.draining:
+                self._drop(entry, f"its client {client} disconnected")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for entry in list(self.entries.values()):
+            if entry.lease_until < now and not entry.draining:
+                self._drop(entry, f"its lease ran out ({entry.request.lease_s:g} s unrenewed)")
+
+    def _drop(self, entry: _Entry, reason: str) -> None:
+        request = entry.request
+        logger.warning(
+            "dask-train: dropping job %s's hold on %s: %s", request.job_id, entry.granted, reason
+        )
+        entry.draining = True
+        entry.changed.set()
+        entry.teardown = asyncio.ensure_future(self._tear_down(entry))
+
+    async def _tear_down(self, entry: _Entry) -> None:
+        # The workers go back to the pool only once the job's ranks have let go of them.
+        try:
+            for name in entry.request.plugins:
+                if name in self.scheduler.worker_plugins:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(
+                            self.scheduler.unregister_worker_plugin(None, name), TEARDOWN_TIMEOUT_S
+                        )
+        finally:
+            if self.entries.get(entry.request.job_id) is entry:
+                del self.entries[entry.request.job_id]
+            self._grant()
+
+
+def rank_order(host: str, name: object, address: str) -> tuple[Any, ...]:
+    """Workers' rank order: by host, so that each host's workers get consecutive ranks, then
+    by name in natural order (dask-cuda names workers by device id: 2 before 10)."""
+    natural = [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(name))]
+    return (host, natural, address)
+
+
+def _count_waiting_jobs_in_the_adaptive_target(scheduler: Scheduler, queue: WorkerQueue) -> None:
+    """``cluster.adapt()`` asks the scheduler through these two handlers how many workers it
+    wants and which to retire: the jobs' demand is a floor under the first, and held workers
+    are never in the second."""
+    target = scheduler.handlers["adaptive_target"]
+    to_close = scheduler.handlers["workers_to_close"]
+
+    def adaptive_target(*args: Any, **kwargs: Any) -> int:
+        return max(target(*args, **kwargs), queue.demand())
+
+    def workers_to_close(*args: Any, **kwargs: Any) -> list[str]:
+        held = {w for entry in queue.entries.values() for w in entry.granted}
+        names = {str(scheduler.workers[w].name) for w in held if w in scheduler.workers}
+        return [w for w in to_close(*args, **kwargs) if w not in held and str(w) not in names]
+
+    scheduler.handlers["adaptive_target"] = adaptive_target
+    scheduler.handlers["workers_to_close"] = workers_to_close
+
+
+# -- run on the scheduler with Client.run_on_scheduler ------------------------------------
+
+
+def _queue(scheduler: Scheduler) -> WorkerQueue:
+    return scheduler.plugins[QUEUE_PLUGIN_NAME]
+
+
+def _request(request: Request, dask_scheduler: Scheduler) -> dict[str, Any]:
+    return _queue(dask_scheduler).request(request)
+
+
+async def _wait(job_id: str, timeout_s: float, dask_scheduler: Scheduler) -> dict[str, Any]:
+    queue = _queue(dask_scheduler)
+    queue.renew(job_id)
+    return await queue.wait(job_id, timeout_s)
+
+
+def _renew(job_id: str, dask_scheduler: Scheduler) -> bool:
+    return _queue(dask_scheduler).renew(job_id)
+
+
+def _release(job_id: str, dask_scheduler: Scheduler) -> None:
+    _queue(dask_scheduler).release(job_id)
+
+
+def queue_snapshot(dask_scheduler: Scheduler) -> dict[str, list[dict[str, Any]]]:
+    """The jobs holding workers and those waiting (run on the scheduler)."""
+    queue = dask_scheduler.plugins.get(QUEUE_PLUGIN_NAME)
+    if queue is None:
+        return {"holding": [], "queued": []}
+    return {"holding": queue.holders(), "queued": queue.queued()}
+
+
+# -- the client's side ------------------------------------------------------------------------
+
+
+class AdmissionError(RuntimeError):
+    """The job did not get its workers; the message says why and what to change."""
+
+
+class QueueTimeout(AdmissionError):
+    """The job waited ``launch.queue_timeout_s`` for its workers (or, after losing one,
+    ``launch.worker_wait_s`` for a replacement)."""
+
+
+class TooFewWorkers(AdmissionError):
+    """The cluster has fewer eligible workers than the job needs, held or not."""
+
+
+class HoldLost(AdmissionError):
+    """The scheduler dropped the job's hold (its lease ran out)."""
+
+
+class AdmissionStopped(AdmissionError):
+    """The job's ``stop`` event was set while it waited."""
+
+
+class Admission:
+    """One job's place in the queue and hold on workers: a lifecycle object.
+
+    ``hold()`` returns the job's workers, waiting in the queue for them when they are held by
+    others (at most ``queue_timeout_s`` the first time; after a lost worker, ``worker_wait_s``
+    for a replacement); ``release()`` gives them back. While it holds workers, a thread renews
+    the lease. ``on_queued(status)`` is called once, when the job first has to wait.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        request: Request,
+        *,
+        queue_timeout_s: float,
+        worker_wait_s: float,
+        on_queued: Callable[[dict[str, Any]], None] | None = None,
+        stop: threading.Event | None = None,
+        queue_field: str = "launch.queue_timeout_s",
+    ) -> None:
+        self.client, self.request = client, request
+        self.queue_field = queue_field
+        self.queue_timeout_s, self.worker_wait_s = queue_timeout_s, worker_wait_s
+        self.on_queued, self.stop = on_queued, stop
+        self.waited_s = 0.0
+        self._held = False
+        self._ended = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.queued_once = False
+
+    def hold(self) -> list[str]:
+        """The job's workers, at least ``minimum`` of them (waiting for them if need be)."""
+        first = not self._held
+        if first:
+            self.client.register_plugin(WorkerQueue(), name=QUEUE_PLUGIN_NAME)
+        try:
+            status = self.client.run_on_scheduler(_request, self.request)
+            self._held = True
+            if first:
+                self._start_renewing()
+            if status["waiting"]:
+                status = self._wait(status, first=first)
+            return list(status["granted"])
+        except BaseException:
+            self.release()  # Ctrl-C, a timeout, a refusal: nothing stays on the scheduler
+            raise
+
+    def _wait(self, status: dict[str, Any], *, first: bool) -> dict[str, Any]:
+        started = time.monotonic()
+        bound = self.queue_timeout_s if first else self.worker_wait_s
+        too_few_since: float | None = None
+        while status["waiting"]:
+            if status.get("lost"):
+                raise HoldLost(f"job {self.request.job_id} lost its hold on the workers")
+            now = time.monotonic()
+            if status["eligible"] < self.request.minimum:
+                # Not a queue: the cluster lacks the workers (still starting, or adapting).
+                too_few_since = too_few_since or now
+                if now - too_few_since > self.worker_wait_s:
+                    raise TooFewWorkers(self._too_few(status))
+            else:
+                too_few_since = None
+                if not self.queued_once and status["holders"]:
+                    self.queued_once = True
+                    logger.warning(self.describe_wait(status))
+                    if self.on_queued is not None:
+                        self.on_queued(status)
+            if self.stop is not None and self.stop.is_set():
+                raise AdmissionStopped("the job was asked to stop while it waited for workers")
+            left = bound - (now - started)
+            if left <= 0 and too_few_since is None:
+                raise QueueTimeout(self._timed_out(status, bound, first=first))
+            status = self.client.run_on_scheduler(
+                _wait, self.request.job_id, max(0.05, min(LONG_POLL_S, left))
+            )
+        self.waited_s += time.monotonic() - started
+        return status
+
+    def describe_wait(self, status: dict[str, Any]) -> str:
+        """One line: what the job waits for and who holds it."""
+        held = ", ".join(
+            f"{h['name']} ({h['workers']} since {_clock(h['since'])})" for h in status["holders"]
+        )
+        ahead = f", {status['position']} queued ahead" if status["position"] else ""
+        return (
+            f"job {self.request.job_id} waits for {self.request.minimum} of "
+            f"{status['eligible']} eligible workers, held by {held}{ahead}"
+        )
+
+    def _too_few(self, status: dict[str, Any]) -> str:
+        wanted, have = self.request.minimum, status["eligible"]
+        selection = self.request.selection
+        if selection.resources or selection.name_pattern is not None:
+            return (
+                f"launch.workers: {wanted} workers with {selection.describe()} are needed, but "
+                f"{have} of the cluster's workers match after waiting {self.worker_wait_s:g} s "
+                "(change launch.workers or launch.world_size)"
+            )
+        return (
+            f"launch.world_size: {wanted} workers are needed, but the cluster has {have} after "
+            f"waiting {self.worker_wait_s:g} s (lower launch.world_size or add workers)"
+        )
+
+    def _timed_out(self, status: dict[str, Any], bound: float, *, first: bool) -> str:
+        if not first:
+            return (
+                f"no replacement worker became free within launch.worker_wait_s = {bound:g} s "
+                f"({len(status['granted'])} of {self.request.minimum} held)"
+            )
+        return (
+            f"{self.queue_field}: job {self.request.job_id} waited {bound:g} s for "
+            f"{self.request.minimum} workers; {self.describe_wait(status)}"
+        )
+
+    def _start_renewing(self) -> None:
+        def renew() -> None:
+            while not self._ended.wait(self.request.lease_s / 3):
+                with contextlib.suppress(Exception):  # the scheduler may be restarting
+                    if not self.client.run_on_scheduler(_renew, self.request.job_id):
+                        logger.warning("job %s lost its hold on its workers", self.request.job_id)
+                        return
+
+        self._renewer = threading.Thread(target=renew, name="dask-train-lease", daemon=True)
+        self._renewer.start()
+
+    def release(self) -> None:
+        """Give the workers back and leave the queue; safe to call twice."""
+        self._ended.set()
+        if self._held:
+            self._held = False
+            with contextlib.suppress(Exception):  # a closed client: the scheduler drops it
+                self.client.run_on_scheduler(_release, self.request.job_id)
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _clock(when: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(when)) if when else "now"
