@@ -515,7 +515,13 @@ def _parse_params(ctx: click.Context, param: click.Parameter, values: tuple[str,
     help="a config value to sweep and its range: log:1e-4:1e-1 (log-uniform), 0.0:0.5 "
     "(uniform), int:1:8, or choices 32,64,128 (repeatable)",
 )
-@click.option("--trials", "n_trials", type=click.IntRange(min=1), required=True)
+@click.option(
+    "--trials",
+    "n_trials",
+    type=click.IntRange(min=1),
+    required=True,
+    help="trials in the study, those of an earlier start counted",
+)
 @click.option("--metric", default="val_loss", show_default=True, help="an epoch figure")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True)
 @click.option("--trial-world-size", type=click.IntRange(min=1), default=1, show_default=True)
