@@ -49,10 +49,15 @@ def _descend(ctx, params: dict, log: str) -> None:
         ctx.report(loss=(x - OPTIMUM) ** 2 + 1 / (step + 1), step=step)
 
 
+def _records(log: Path) -> list[dict]:
+    """The complete lines so far (a worker may be writing the next one)."""
+    text = log.read_text() if log.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
 def _runs(log: Path) -> pd.DataFrame:
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
     return (
-        pd.DataFrame(lines)
+        pd.DataFrame(_records(log))
         .groupby("trial")
         .agg(
             start=("time", "min"),
@@ -139,9 +144,7 @@ def _kill_mid_trial(process: subprocess.Popen, log: Path, timeout_s: float = 180
     """SIGKILL the sweep once two trials finished and a third is running."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
-        events = (
-            [json.loads(x)["event"] for x in log.read_text().splitlines()] if log.exists() else []
-        )
+        events = [record["event"] for record in _records(log)]
         if events.count("end") >= 2 and events[-1] == "start":
             os.kill(process.pid, signal.SIGKILL)
             process.wait(timeout=60)
@@ -149,7 +152,7 @@ def _kill_mid_trial(process: subprocess.Popen, log: Path, timeout_s: float = 180
         time.sleep(0.02)
     process.kill()
     process.wait(timeout=60)
-    pytest.fail(f"the sweep never had a trial running after two finished: {log.read_text()}")
+    pytest.fail(f"the sweep never had a trial running after two finished: {_records(log)}")
 
 
 def test_a_sweep_killed_mid_trial_continues_without_running_a_finished_trial_again(
@@ -167,7 +170,7 @@ def test_a_sweep_killed_mid_trial_continues_without_running_a_finished_trial_aga
     """)
     process = subprocess.Popen([sys.executable, "-c", client_code], stderr=subprocess.PIPE)
     _kill_mid_trial(process, log)
-    interrupted = [json.loads(x) for x in log.read_text().splitlines()][-1]
+    interrupted = _records(log)[-1]
 
     result = sweep(
         _counted,
@@ -180,7 +183,7 @@ def test_a_sweep_killed_mid_trial_continues_without_running_a_finished_trial_aga
 
     trials = result.trials
     assert list(trials["number"]) == list(range(5)) and (trials["state"] == "COMPLETE").all()
-    starts = pd.DataFrame([json.loads(x) for x in log.read_text().splitlines()])
+    starts = pd.DataFrame(_records(log))
     starts = starts[starts["event"] == "start"]
     runs = starts.groupby("trial").size()
     assert sorted(runs.index) == [f"resumed-trial-{n}" for n in range(5)]

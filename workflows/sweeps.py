@@ -475,7 +475,9 @@ def _sampler(
     if isinstance(sampler, optuna.samplers.BaseSampler):
         return sampler
     if sampler == "tpe":
-        return optuna.samplers.TPESampler()
+        # Trials that run at once: those without a value yet count as bad, so that the next
+        # one is sampled elsewhere (Optuna 5's default; 4.x's was False).
+        return optuna.samplers.TPESampler(constant_liar=True)
     if sampler == "random":
         return optuna.samplers.RandomSampler()
     if sampler != "grid":
@@ -499,21 +501,16 @@ def _sampler(
 def _pruner(optuna: ModuleType, pruner: Any) -> "BasePruner":
     if isinstance(pruner, optuna.pruners.BasePruner):
         return pruner
-    chosen = (
-        {
-            None: optuna.pruners.NopPruner,
-            "median": optuna.pruners.MedianPruner,
-            "hyperband": optuna.pruners.HyperbandPruner,
-            "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
-        }.get(pruner)
-        if isinstance(pruner, str | None)
-        else None
-    )
-    if chosen is None:
-        raise ValueError(
-            f"pruner: None, one of {list(PRUNERS)} or an Optuna pruner, got {pruner!r}"
-        )
-    return chosen()
+    if pruner is None:
+        return optuna.pruners.NopPruner()
+    named = {
+        "median": optuna.pruners.MedianPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+        "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+    }
+    if isinstance(pruner, str) and pruner in named:
+        return named[pruner]()
+    raise ValueError(f"pruner: None, one of {list(PRUNERS)} or an Optuna pruner, got {pruner!r}")
 
 
 def _storage(optuna: ModuleType, storage: Any) -> "BaseStorage":
