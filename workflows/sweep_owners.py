@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from distributed import Client
@@ -48,8 +48,12 @@ class TrialOwners:
     """This sweep's marks: written when it starts or takes over a trial, renewed every
     ``BEAT_S`` by a thread of its own, released when the sweep ends with trials unfinished."""
 
-    def __init__(self, study: "Study", client: Client) -> None:
-        self.study, self.client = study, client
+    def __init__(
+        self, study: "Study", client: Client, on_lost: Callable[[int], None] | None = None
+    ) -> None:
+        """``on_lost(trial_id)``: another sweep took over a trial of ours (our beats stopped
+        reaching the storage for ``STALE_AFTER_S``), whose job should stop now."""
+        self.study, self.client, self.on_lost = study, client, on_lost
         self._storage = study._storage
         self._scheduler_id = client.scheduler_info().get("id", "")
         self._held: dict[int, dict[str, Any]] = {}  # trial id -> its mark
@@ -150,6 +154,8 @@ class TrialOwners:
             # now, and overwriting it would make two sweeps run the trial.
             logger.warning("trial id %d was taken over by another sweep", trial_id)
             self.done(trial_id)
+            if self.on_lost is not None:
+                self.on_lost(trial_id)
             return
         self._storage.set_trial_system_attr(trial_id, OWNER_ATTR, mark | {"beat": time.time()})
 

@@ -594,7 +594,7 @@ class Sweep:
     ) -> None:
         self.optuna, self.spec, self.client, self.on_trial = optuna, spec, client, on_trial
         self.study = self._open_study()
-        self.owners = TrialOwners(self.study, client)
+        self.owners = TrialOwners(self.study, client, on_lost=self._stop_lost)
         self.topic = SWEEP_TOPIC_PREFIX + spec.study_name
         self._running: dict[Future, RunningTrial] = {}
 
@@ -668,6 +668,12 @@ class Sweep:
             trial.stop.set()
         wait(self._running, timeout=STOP_BOUND_S)
 
+    def _stop_lost(self, trial_id: int) -> None:
+        """Another sweep runs this trial now: ours stops, and leaves the trial to it."""
+        for trial in list(self._running.values()):
+            if trial.trial._trial_id == trial_id:
+                trial.stop.set()
+
     def _study_done(self) -> bool:
         trials = self.study.get_trials(deepcopy=False)
         unfinished = [t for t in trials if not t.state.is_finished()]
@@ -718,7 +724,8 @@ class Sweep:
         except JobStopped:
             if trial.feed.pruned:
                 self._finish(trial, "PRUNED", started)
-            # Otherwise the sweep was interrupted: the trial stays RUNNING, released.
+            # Otherwise the sweep was interrupted (the trial stays RUNNING, released), or
+            # another sweep took the trial over.
             return
         except Exception as error:
             logger.info("trial %d failed: %s: %s", trial.number, type(error).__name__, error)
