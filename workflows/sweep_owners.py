@@ -101,10 +101,19 @@ class TrialOwners:
         others = [t for t in trials if t.state == TrialState.RUNNING and t._trial_id not in mine]
         if not others:
             return []
-        connected = set(self.client.run_on_scheduler(_connected_clients))
+        connected = self._connected()
         return [t for t in others if self._is_abandoned(t, connected)]
 
-    def _is_abandoned(self, trial: "FrozenTrial", connected: set[str]) -> bool:
+    def _connected(self) -> set[str] | None:
+        """The clients connected to our scheduler; None where it runs no code of ours
+        (``distributed.scheduler.pickle`` off): then only beats tell."""
+        try:
+            return set(self.client.run_on_scheduler(_connected_clients))
+        except Exception as error:
+            logger.debug("no client list from the scheduler: %s", error)
+            return None
+
+    def _is_abandoned(self, trial: "FrozenTrial", connected: set[str] | None) -> bool:
         mark = trial.system_attrs.get(OWNER_ATTR)
         now = time.time()
         if not isinstance(mark, dict):
@@ -114,7 +123,7 @@ class TrialOwners:
             return (datetime.datetime.now() - started).total_seconds() > STALE_AFTER_S
         if mark.get("released"):
             return True
-        if mark.get("scheduler") == self._scheduler_id:
+        if connected is not None and mark.get("scheduler") == self._scheduler_id:
             return mark.get("client") not in connected
         return now - float(mark.get("beat", 0)) > STALE_AFTER_S
 
