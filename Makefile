@@ -9,13 +9,13 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-collections bench-store gpu-check test-shuffled clean
+.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-collections bench-store bench-sweep gpu-check test-shuffled clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,notebook,mlflow,timm]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,notebook,mlflow,timm,sweep]' 2>&1 | $(QUIET_PIP)
 	$(BIN)/python -c "import dask_cuda, distributed, torch, torchvision; print('installed torch', torch.__version__, '/ distributed', distributed.__version__, '/ dask-cuda', dask_cuda.__version__)"
 	touch $(STAMP)
 
@@ -74,6 +74,9 @@ bench-collections: $(STAMP)
 
 bench-store: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.array_store
+
+bench-sweep: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.sweep
 
 # The GPU checks (.ci/gpu-check): the gpu tests and a short DDP benchmark on nccl, within
 # 10 minutes on one GPU. In this project's .venv by default; `make gpu-check PYTHON_ENV=system`

@@ -2,13 +2,15 @@
 
 The public API is small::
 
-    from workflows import launch, load_config, predict, start_cluster, train
+    from workflows import launch, load_config, predict, start_cluster, sweep, train
 
     with start_cluster(n_workers=2) as cluster:
         mine = launch(my_training_function, cluster=cluster)  # fn(ctx, ...) on every rank
         result = train("workflows/configs/digits_ddp.toml", cluster=cluster)
         scored = predict(model="runs/<run>", input="data/stores/digits", output="preds",
                          cluster=cluster)
+        best = sweep(my_training_function, {"lr": ("log", 1e-4, 1e-1)}, n_trials=8,
+                     metric="val_loss", cluster=cluster).best_params  # pip install '.[sweep]'
 """
 
 import importlib
@@ -40,6 +42,8 @@ _HOMES = {
     "LaunchResult": "workflows.jobs",
     "TrainingFailed": "workflows.jobs",
     "launch": "workflows.jobs",
+    "SweepResult": "workflows.sweeps",
+    "sweep": "workflows.sweeps",
     "RankContext": "workers.rank_context",
 }
 
@@ -69,6 +73,7 @@ __all__ = [
     "RankFailed",
     "RunConfig",
     "SecurityConfig",
+    "SweepResult",
     "TrainResult",
     "TrainingCluster",
     "TrainingFailed",
@@ -77,5 +82,6 @@ __all__ = [
     "load_config",
     "predict",
     "start_cluster",
+    "sweep",
     "train",
 ]

@@ -23,6 +23,7 @@ from workers.sources import SourceError
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError
+from workflows.sweep_space import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:
     from workflows.cluster import TrainingCluster
@@ -483,6 +484,163 @@ def predict(
         f"{result.images_per_s:.0f} images/s, {result.seconds:.1f} s{accuracy}; "
         f"results in {result.output}"
     )
+
+
+def _parse_params(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict:
+    """``--param KEY=SPEC`` options as a space; a bad one is a usage error naming it."""
+    from workflows.sweep_space import parse_param
+
+    space: dict[str, Any] = {}
+    for text in values:
+        try:
+            key, form = parse_param(text)
+        except ValueError as error:
+            raise click.BadParameter(str(error)) from None
+        if key in space:
+            raise click.BadParameter(f"{key!r} is given twice")
+        space[key] = form
+    return space
+
+
+@main.command("sweep")
+@config_argument
+@set_option
+@click.option(
+    "--param",
+    "space",
+    multiple=True,
+    required=True,
+    callback=_parse_params,
+    metavar="KEY=SPEC",
+    help="a config value to sweep and its range: log:1e-4:1e-1 (log-uniform), 0.0:0.5 "
+    "(uniform), int:1:8, or choices 32,64,128 (repeatable)",
+)
+@click.option(
+    "--trials",
+    "n_trials",
+    type=click.IntRange(min=1),
+    required=True,
+    help="trials in the study, those of an earlier start counted",
+)
+@click.option("--metric", default="val_loss", show_default=True, help="an epoch figure")
+@click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True)
+@click.option("--trial-world-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--max-concurrent",
+    type=click.IntRange(min=1),
+    help="trials at once (default: the workers over --trial-world-size)",
+)
+@click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True)
+@click.option("--pruner", type=click.Choice(PRUNERS), help="stop trials that fall behind")
+@click.option(
+    "--storage",
+    metavar="URL_OR_PATH",
+    help="sqlite:///sweep.db or a journal file (*.log, *.jsonl); default: study.jsonl in the "
+    "sweep's directory",
+)
+@click.option("--study-name", metavar="NAME", help="default: the sweep directory's name")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="the sweep's directory (default runs/<name>-sweep-<UTC time>); an earlier one "
+    "continues its study",
+)
+@scheduler_option
+def sweep(
+    config: Path,
+    overrides: tuple[str, ...],
+    space: dict[str, Any],
+    n_trials: int,
+    metric: str,
+    mode: str,
+    trial_world_size: int,
+    max_concurrent: int | None,
+    sampler: str,
+    pruner: str | None,
+    storage: str | None,
+    study_name: str | None,
+    output: Path | None,
+    scheduler: str | None,
+) -> None:
+    """Sweep CONFIG's values: one training run per trial, chosen by Optuna, several at once;
+    trials.csv and best.json in the sweep's directory."""
+    from workflows.cluster import start_cluster
+    from workflows.sweep_directory import SweepDirectory
+    from workflows.sweeps import run_sweep, sweep_spec
+
+    resolved = _load(config, overrides, scheduler)
+    try:
+        directory = SweepDirectory.open(
+            resolved.name, output, study_name=study_name, storage=storage
+        )
+    except ConfigError as error:
+        _fail(EXIT_INVALID, str(error))
+    checkpoints = None if resolved.checkpoint.directory else directory.checkpoints
+    settings = {"n_trials": n_trials, "metric": metric, "mode": mode}
+    choices = {"trial_world_size": trial_world_size, "sampler": sampler, "pruner": pruner}
+    try:
+        # Written first: a journal storage is a file in the directory.
+        directory.write_request(
+            {"config": resolved.model_dump(mode="json"), "space": space, **settings, **choices}
+        )
+        spec = sweep_spec(
+            resolved,
+            space,
+            **settings,
+            **choices,
+            max_concurrent=max_concurrent,
+            storage=directory.storage,
+            study_name=directory.study_name,
+            checkpoint_dir=checkpoints,
+        )
+    except (ValueError, ImportError, OSError) as error:
+        directory.release()
+        _fail(EXIT_INVALID, str(error))
+    _quiet_optuna()
+    interrupted = f"interrupted; continue the sweep with --output {directory.path}"
+    with (
+        _exit_codes("sweep", interrupted=interrupted),
+        start_cluster(resolved.cluster) as cluster,
+    ):
+        click.echo(f"sweep directory: {directory.path}")
+        _echo_dashboard(cluster)
+        result = run_sweep(spec, cluster=cluster, on_trial=_trial_line(metric))
+        directory.write_results(result, metric=metric, mode=mode)
+    if result.best_trial is None:
+        _fail(EXIT_FAILED, f"sweep failed: no trial completed; see {directory.path / 'trials.csv'}")
+    best = result.best_trial
+    click.echo(
+        f"done: best trial {best.number}, {metric} {best.value:.4f}, {_described(best.params)}; "
+        f"results in {directory.path}"
+    )
+
+
+def _quiet_optuna() -> None:
+    """The sweep prints one line per trial; Optuna's own line for each would double them."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _described(params: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        for key, value in params.items()
+    )
+
+
+def _trial_line(metric: str) -> Callable[[dict[str, Any]], None]:
+    def echo(record: dict[str, Any]) -> None:
+        if record["state"] == "RUNNING":
+            return
+        value = record["value"]
+        figure = f"{metric} {value:.4f}" if value is not None else record.get("error", "")
+        click.echo(
+            f"trial {record['number']} {record['state']}: {figure}, "
+            f"{_described(record['params'])} ({record['wall_s']:.1f} s)"
+        )
+
+    return echo
 
 
 @main.command(

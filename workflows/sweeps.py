@@ -1,0 +1,867 @@
+"""Hyperparameter sweeps: trials of one training function (or config) packed on one cluster,
+chosen by Optuna, pruned early, resumable.
+
+>>> from workflows import start_cluster, sweep
+>>> def fit(ctx, params):
+...     ...  # train with params["lr"], params["hidden"]; ctx.report(val_loss=..., step=...)
+>>> with start_cluster(n_workers=4) as cluster:
+...     result = sweep(fit, {"lr": ("log", 1e-4, 1e-1), "hidden": [32, 64, 128]},
+...                    n_trials=20, metric="val_loss", pruner="median", cluster=cluster)
+>>> result.best_params
+
+Each trial is one :func:`workflows.launch` job of ``trial_world_size`` ranks, named
+``<study>-trial-<n>``; ``max_concurrent`` of them run at once, each from a client thread.
+Rank 0's ``ctx.report`` records carrying ``metric`` are the trial's intermediate values (step:
+the record's ``step``, else its ``seq``): a trial the pruner stops has its job's ranks stopped
+and is PRUNED. A trial's value is the last ``metric`` rank 0 reported; a function that never
+reports it may return it instead (rank 0's return value, a number). A trial that raises is
+FAIL, with its error in the ``error`` user attribute, and the sweep goes on.
+
+Given a config (a ``RunConfig``, a TOML path or a dict) instead, the space's keys are config
+paths (``training.lr``) and each trial runs the built-in trainer (:func:`workflows.train`) on
+``trial_world_size`` ranks; the metric is read from its epoch records (``val_loss``,
+``val_accuracy``, ...), the step being the epoch.
+
+With a ``storage``, a sweep started again with the same ``study_name`` continues the study:
+finished trials are never run again, the trials a dead client left RUNNING are re-run with the
+parameters they hold (``workflows/sweep_owners.py``), and the study ends with ``n_trials``
+trials. Every trial's state change is also a Dask event on ``dask-train-sweep-<study>`` for the
+Training page.
+"""
+
+import contextlib
+import logging
+import math
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+from distributed import Client
+
+from workflows.cluster import TrainingCluster, live_workers, start_cluster
+from workflows.config import ConfigError, RunConfig, load_config
+from workflows.launcher import JobStopped, WorkerSelection, select_workers
+from workflows.sweep_owners import TrialOwners
+from workflows.sweep_space import (
+    PRUNERS,
+    SAMPLERS,
+    config_override,
+    first_value,
+    search_space,
+    suggest,
+)
+
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.distributions import BaseDistribution
+    from optuna.pruners import BasePruner
+    from optuna.samplers import BaseSampler
+    from optuna.storages import BaseStorage
+    from optuna.trial import FrozenTrial, Trial
+
+logger = logging.getLogger(__name__)
+
+SWEEP_TOPIC_PREFIX = "dask-train-sweep-"
+INSTALL_HINT = "sweep() needs Optuna, an optional extra: pip install 'dask-train[sweep]'"
+JOURNAL_SUFFIXES = (".log", ".jsonl")
+# Keywords sweep() gives every trial's launch() itself: the caller's would clash.
+RESERVED = ("cluster", "world_size", "name", "checkpoint_dir", "on_event", "stop")
+POLL_S = 1.0  # waiting for other sweeps' trials, and for ours between finishes
+STOP_BOUND_S = 120.0  # interrupted: how long stopped trials may take to let go of their ranks
+# The figures of the built-in trainer's epoch records, by task (workers/losses.py).
+EPOCH_FIGURES = {"classification": ("loss", "accuracy"), "regression": ("loss", "mse", "mae", "r2")}
+
+TrialHandler = Callable[[dict[str, Any]], None]
+
+
+class TrialError(RuntimeError):
+    """A trial that ran but produced no value of the metric."""
+
+
+@dataclass
+class BestTrial:
+    """The best finished trial."""
+
+    number: int
+    params: dict[str, Any]
+    value: float
+    checkpoint_dir: str | None  # its checkpoints (sweep(checkpoint_dir=...), a config's folder)
+    config: RunConfig | None  # a config sweep's: the trial's config, parameters applied
+
+
+@dataclass
+class SweepResult:
+    """What a sweep hands back. ``best_*`` are None when no trial completed.
+
+    ``trials`` has one row per trial of the study (earlier runs of it included): ``number``,
+    ``state`` (COMPLETE, PRUNED, FAIL, RUNNING, WAITING), ``value``, ``params`` (a dict) and
+    one ``params_<key>`` column per key, ``wall_s``, ``ranks`` (ranks that returned),
+    ``job_id``, ``started_at`` and ``ended_at`` (epoch seconds, on the client), ``error`` and
+    ``checkpoint_dir``. ``study`` is the ``optuna.Study``: ``optuna.visualization`` takes it.
+    """
+
+    study_name: str
+    best_params: dict[str, Any] | None
+    best_value: float | None
+    best_trial: BestTrial | None
+    trials: pd.DataFrame = field(repr=False)
+    study: "Study" = field(repr=False)
+
+
+@dataclass
+class TrialJob:
+    """What one trial's run needs."""
+
+    number: int
+    name: str
+    params: dict[str, Any]
+    stop: threading.Event
+    on_event: TrialHandler
+
+
+@dataclass
+class TrialOutcome:
+    value: float
+    ranks: int
+    job_id: str
+    checkpoint_dir: str | None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass
+class FunctionTrials:
+    """Trials of a rank function: ``fn(ctx, params, **kwargs)`` on every rank of a launch."""
+
+    fn: Callable[..., Any]
+    kwargs: dict[str, Any]
+    world_size: int
+    metric: str
+    checkpoint_dir: Path | None
+    workers: WorkerSelection = field(default_factory=WorkerSelection)
+
+    def prepare(self, client: Client, space: Mapping[str, Any]) -> None:
+        """Nothing to share between a function's trials."""
+
+    def read(self, record: dict[str, Any]) -> tuple[float, int] | None:
+        """Rank 0's figure of the metric in a report record, with its step."""
+        if record.get("kind") != "report" or record.get("rank") != 0:
+            return None
+        value, step = record.get(self.metric), record.get("step")
+        if not _is_number(value):
+            return None
+        return float(value), step if isinstance(step, int) else int(record["seq"])
+
+    def run(self, client: Client, job: TrialJob) -> TrialOutcome:
+        from workflows.jobs import launch
+
+        folder = self.checkpoint_dir / job.name if self.checkpoint_dir else None
+        result = launch(
+            self.fn,
+            job.params,
+            cluster=client,
+            world_size=self.world_size,
+            name=job.name,
+            checkpoint_dir=folder,
+            on_event=job.on_event,
+            stop=job.stop,
+            **self.kwargs,
+        )
+        reported = [r[self.metric] for r in result.metrics[0] if _is_number(r.get(self.metric))]
+        returned = result.results[0]
+        if not reported and not _is_number(returned):
+            raise TrialError(
+                f"rank 0 reported no {self.metric!r} (ctx.report({self.metric}=...)) and "
+                f"returned {type(returned).__name__}, not a number"
+            )
+        return TrialOutcome(
+            value=float(reported[-1] if reported else returned),
+            ranks=len(result.results),
+            job_id=result.job_id,
+            checkpoint_dir=str(folder.absolute()) if folder else None,
+        )
+
+
+@dataclass
+class ConfigTrials:
+    """Trials of the built-in trainer: the base config with each trial's parameters set."""
+
+    base: dict[str, Any]
+    world_size: int
+    metric: str
+    checkpoint_dir: Path | None
+
+    @property
+    def workers(self) -> WorkerSelection:
+        return load_config(self.base).launch.workers
+
+    def config_for(self, number: int, name: str, params: Mapping[str, Any]) -> RunConfig:
+        """The trial's config: ``params`` set by path, its own name, ranks and folders."""
+        overrides = [config_override(key, value) for key, value in params.items()]
+        overrides += [config_override("name", name), f"launch.world_size={self.world_size}"]
+        base = load_config(self.base)
+        checkpoints = self.checkpoint_dir or base.checkpoint.directory
+        if checkpoints:
+            overrides.append(config_override("checkpoint.directory", f"{checkpoints}/{name}"))
+        if base.tracking.tensorboard:
+            overrides.append(
+                config_override("tracking.tensorboard", f"{base.tracking.tensorboard}/{name}")
+            )
+        if base.tracking.mlflow_uri:
+            # One experiment for the sweep, one MLflow run per trial.
+            experiment = base.tracking.experiment or base.name
+            overrides.append(config_override("tracking.experiment", experiment))
+        return load_config(self.base, overrides)
+
+    def check(self, space: Mapping[str, "BaseDistribution"]) -> None:
+        """Every key a config path that takes its first value, and the metric one the epoch
+        records carry: a typo fails here, before any trial."""
+        try:
+            self.config_for(0, "sweep-check", {})
+        except ConfigError as error:
+            raise ValueError(f"trial_world_size: {error}") from None
+        for key, distribution in space.items():
+            try:
+                load_config(self.base, [config_override(key, first_value(distribution))])
+            except ConfigError as error:
+                raise ValueError(f"space[{key!r}]: not a config value here: {error}") from None
+        try:
+            first = {key: first_value(d) for key, d in space.items()}
+            config = self.config_for(0, "sweep-check", first)
+        except ConfigError as error:
+            raise ValueError(f"space: {error}") from None
+        figures = EPOCH_FIGURES[config.training.resolved_task]
+        known = [*figures, *(f"val_{name}" for name in figures), "samples_per_s", "lr"]
+        if self.metric not in known:
+            raise ValueError(
+                f"metric: {self.metric!r} is not in the epoch records of a "
+                f"{config.training.resolved_task} run; use one of {known}"
+            )
+
+    def prepare(self, client: Client, space: Mapping[str, Any]) -> None:
+        """Build (or find) the dataset store once, before trials that share it start together.
+        Keys that change the store (``data.*``, ``training.seed``) make each trial build its
+        own: run those one at a time."""
+        from workflows.preprocess import prepare_store
+        from workflows.user_datasets import USER_DATASETS
+
+        config = load_config(self.base)
+        changes_store = any(k.startswith("data.") or k == "training.seed" for k in space)
+        if changes_store or config.data.dataset in USER_DATASETS:
+            return
+        prepare_store(client, config.data.resolved(), seed=config.training.seed)
+
+    def read(self, record: dict[str, Any]) -> tuple[float, int] | None:
+        """The metric in an epoch record, with the epoch as its step."""
+        if record.get("kind") != "epoch" or not _is_number(record.get(self.metric)):
+            return None
+        return float(record[self.metric]), int(record["epoch"])
+
+    def run(self, client: Client, job: TrialJob) -> TrialOutcome:
+        from workflows.driver import train
+
+        config = self.config_for(job.number, job.name, job.params)
+        result = train(config, cluster=client, on_event=job.on_event, stop=job.stop)
+        reported = [r[self.metric] for r in result.history if _is_number(r.get(self.metric))]
+        if not reported:
+            raise TrialError(f"the epoch records carry no {self.metric!r}")
+        checkpoints = config.checkpoint.directory
+        return TrialOutcome(
+            value=float(reported[-1]),
+            ranks=result.world_size,
+            job_id=result.job_id,
+            checkpoint_dir=str(Path(checkpoints).absolute()) if checkpoints else None,
+        )
+
+
+Trials = FunctionTrials | ConfigTrials
+
+
+@dataclass
+class SweepSpec:
+    """A sweep's request, validated."""
+
+    trials: Trials
+    space: dict[str, "BaseDistribution"]
+    n_trials: int
+    trial_world_size: int
+    max_concurrent: int | None
+    metric: str
+    direction: str
+    sampler: "BaseSampler"
+    pruner: "BasePruner"
+    storage: "BaseStorage"
+    study_name: str
+
+
+def sweep(
+    fn_or_config: Callable[..., Any] | RunConfig | str | Path | dict[str, Any],
+    space: Mapping[str, Any],
+    *,
+    n_trials: int,
+    trial_world_size: int = 1,
+    max_concurrent: int | None = None,
+    metric: str,
+    mode: str = "min",
+    sampler: "str | BaseSampler" = "tpe",
+    pruner: "str | BasePruner | None" = None,
+    storage: "str | Path | BaseStorage | None" = None,
+    study_name: str | None = None,
+    cluster: TrainingCluster | Client | None = None,
+    checkpoint_dir: str | Path | None = None,
+    on_trial: TrialHandler | None = None,
+    **kwargs: Any,
+) -> SweepResult:
+    """Run ``n_trials`` trials of ``fn_or_config`` over ``space``; the best, every trial, and
+    the Optuna study.
+
+    ``fn(ctx, params, **kwargs)`` runs on every rank of a trial (``params``: the trial's
+    values by key); keywords that :func:`workflows.launch` takes (``config``, ``data``,
+    ``max_failures``, ...) go to each trial's launch. ``sampler``: "tpe", "random", "grid"
+    (every key a list of choices) or an Optuna sampler; ``pruner``: None, "median",
+    "hyperband", "successive_halving" or an Optuna pruner; ``storage``: None (in memory), a
+    database URL (``sqlite:///sweep.db``), a journal file (``*.log``, ``*.jsonl``) or an
+    Optuna storage. ``max_concurrent`` defaults to the eligible workers over
+    ``trial_world_size``. ``checkpoint_dir``: each trial checkpoints into its own
+    ``<study>-trial-<n>`` folder there (``ctx.save``; a trial taken over resumes from it).
+    ``on_trial`` receives each trial's state changes (the records of the Dask events).
+    ``cluster=None`` starts a local cluster and closes it afterwards. A config sweep takes no
+    keywords for a function; its trials' checkpoints go to ``checkpoint_dir`` or else the
+    config's ``checkpoint.directory``, one folder per trial.
+    """
+    spec = sweep_spec(
+        fn_or_config,
+        space,
+        n_trials=n_trials,
+        trial_world_size=trial_world_size,
+        max_concurrent=max_concurrent,
+        metric=metric,
+        mode=mode,
+        sampler=sampler,
+        pruner=pruner,
+        storage=storage,
+        study_name=study_name,
+        checkpoint_dir=checkpoint_dir,
+        kwargs=kwargs,
+    )
+    return run_sweep(spec, cluster=cluster, on_trial=on_trial)
+
+
+def run_sweep(
+    spec: SweepSpec,
+    *,
+    cluster: TrainingCluster | Client | None = None,
+    on_trial: TrialHandler | None = None,
+) -> SweepResult:
+    """Run a sweep checked by :func:`sweep_spec` (the CLI checks before its cluster starts)."""
+    owned = cluster is None
+    if cluster is None:
+        base = spec.trials.base if isinstance(spec.trials, ConfigTrials) else None
+        cluster = start_cluster(load_config(base).cluster if base else None)
+    client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
+    try:
+        return Sweep(_optuna(), spec, client, on_trial).run()
+    finally:
+        if owned:
+            cluster.close()
+
+
+def _optuna() -> ModuleType:
+    try:
+        import optuna
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
+    return optuna
+
+
+def sweep_spec(
+    target: Any,
+    space: Mapping[str, Any],
+    *,
+    n_trials: int,
+    trial_world_size: int = 1,
+    max_concurrent: int | None = None,
+    metric: str,
+    mode: str = "min",
+    sampler: Any = "tpe",
+    pruner: Any = None,
+    storage: Any = None,
+    study_name: str | None = None,
+    checkpoint_dir: str | Path | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> SweepSpec:
+    """:func:`sweep`'s arguments checked before anything starts: a ``ValueError`` naming the
+    field, or an ``ImportError`` without Optuna."""
+    optuna = _optuna()
+    _count("n_trials", n_trials)
+    _count("trial_world_size", trial_world_size)
+    if max_concurrent is not None:
+        _count("max_concurrent", max_concurrent)
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric: the name of a reported figure, e.g. 'val_loss'; got {metric!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode: 'min' or 'max', got {mode!r}")
+    if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
+        raise ValueError(f"study_name: a non-empty name, got {study_name!r}")
+    distributions = search_space(space)
+    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    trials = _trials(target, distributions, trial_world_size, metric, folder, kwargs or {})
+    return SweepSpec(
+        trials=trials,
+        space=distributions,
+        n_trials=n_trials,
+        trial_world_size=trial_world_size,
+        max_concurrent=max_concurrent,
+        metric=metric,
+        direction="minimize" if mode == "min" else "maximize",
+        sampler=_sampler(optuna, sampler, distributions, n_trials),
+        pruner=_pruner(optuna, pruner),
+        storage=_storage(optuna, storage),
+        study_name=study_name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+    )
+
+
+def _count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: a whole number of at least 1, got {value!r}")
+
+
+def _trials(
+    target: Any,
+    space: dict[str, "BaseDistribution"],
+    world_size: int,
+    metric: str,
+    checkpoint_dir: Path | None,
+    kwargs: dict[str, Any],
+) -> Trials:
+    if isinstance(target, RunConfig | str | Path | dict):
+        if kwargs:
+            raise ValueError(
+                f"sweep: {sorted(kwargs)[0]}: keyword arguments go to a training function; "
+                "a config sweep takes none (sweep config values through the space)"
+            )
+        try:
+            base = target.model_dump() if isinstance(target, RunConfig) else target
+            base = load_config(base).model_dump(mode="json")
+        except ConfigError as error:
+            raise ValueError(f"config: {error}") from None
+        trials = ConfigTrials(base, world_size, metric, checkpoint_dir)
+        trials.check(space)
+        return trials
+    if not callable(target):
+        raise ValueError(
+            f"fn_or_config: a rank function fn(ctx, params) or a config (RunConfig, TOML path, "
+            f"dict), got {type(target).__name__}"
+        )
+    clashes = [key for key in RESERVED if key in kwargs]
+    if clashes:
+        raise ValueError(f"sweep: {clashes[0]}: set by the sweep for every trial; leave it out")
+    return FunctionTrials(target, kwargs, world_size, metric, checkpoint_dir)
+
+
+def _sampler(
+    optuna: ModuleType, sampler: Any, space: dict[str, "BaseDistribution"], n_trials: int
+) -> "BaseSampler":
+    if isinstance(sampler, optuna.samplers.BaseSampler):
+        return sampler
+    if sampler == "tpe":
+        # Trials that run at once: those without a value yet count as bad, so that the next
+        # one is sampled elsewhere (Optuna 5's default; 4.x's was False).
+        return optuna.samplers.TPESampler(constant_liar=True)
+    if sampler == "random":
+        return optuna.samplers.RandomSampler()
+    if sampler != "grid":
+        raise ValueError(f"sampler: one of {list(SAMPLERS)} or an Optuna sampler, got {sampler!r}")
+    ranges = [
+        k
+        for k, d in space.items()
+        if not isinstance(d, optuna.distributions.CategoricalDistribution)
+    ]
+    if ranges:
+        raise ValueError(
+            f"sampler: 'grid' needs a list of choices for every key; {ranges[0]!r} is a range"
+        )
+    grid = {key: list(d.choices) for key, d in space.items()}
+    points = math.prod(len(choices) for choices in grid.values())
+    if n_trials > points:
+        raise ValueError(f"n_trials: {n_trials} exceeds the grid's {points} points")
+    return optuna.samplers.GridSampler(grid)
+
+
+def _pruner(optuna: ModuleType, pruner: Any) -> "BasePruner":
+    if isinstance(pruner, optuna.pruners.BasePruner):
+        return pruner
+    if pruner is None:
+        return optuna.pruners.NopPruner()
+    named = {
+        "median": optuna.pruners.MedianPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+        "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+    }
+    if isinstance(pruner, str) and pruner in named:
+        return named[pruner]()
+    raise ValueError(f"pruner: None, one of {list(PRUNERS)} or an Optuna pruner, got {pruner!r}")
+
+
+def _storage(optuna: ModuleType, storage: Any) -> "BaseStorage":
+    if storage is None:
+        return optuna.storages.InMemoryStorage()
+    if isinstance(storage, optuna.storages.BaseStorage):
+        return storage
+    text = str(storage) if isinstance(storage, str | Path) else ""
+    if "://" in text:
+        try:
+            return optuna.storages.RDBStorage(text)
+        except Exception as error:
+            raise ValueError(f"storage: {text}: {type(error).__name__}: {error}") from None
+    if text.endswith(JOURNAL_SUFFIXES):
+        path = Path(text).expanduser()
+        if not path.parent.is_dir():
+            raise ValueError(f"storage: {text}: the folder {path.parent} does not exist")
+        backend = optuna.storages.journal.JournalFileBackend(str(path))
+        return optuna.storages.JournalStorage(backend)
+    raise ValueError(
+        f"storage: None, a database URL (sqlite:///sweep.db), a journal file (*.log, *.jsonl) or "
+        f"an Optuna storage, got {storage!r}"
+    )
+
+
+def trial_name(study_name: str, number: int) -> str:
+    """The trial's job name (a config's ``name`` takes only these characters)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{study_name}-trial-{number}")
+
+
+class PruningFeed:
+    """A trial job's ``on_event``: rank 0's figures of the metric become the trial's
+    intermediate values, and once the pruner says so, the job is asked to stop."""
+
+    def __init__(
+        self,
+        trial: "Trial",
+        read: Callable[[dict[str, Any]], tuple[float, int] | None],
+        stop: threading.Event,
+        reported: set[int],
+    ) -> None:
+        self.trial, self.read, self.stop = trial, read, stop
+        self.pruned = False
+        # Steps the trial holds already (one taken over) keep their values: Optuna keeps the
+        # first value of a step.
+        self._steps = set(reported)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        found = None if self.pruned else self.read(record)
+        # A restarted attempt reports the steps since its checkpoint again.
+        if found is None or found[1] in self._steps:
+            return
+        value, step = found
+        self._steps.add(step)
+        self.trial.report(value, step)
+        if self.trial.should_prune():
+            self.pruned = True
+            self.stop.set()
+
+
+@dataclass
+class RunningTrial:
+    trial: "Trial"
+    name: str
+    params: dict[str, Any]
+    stop: threading.Event
+    feed: PruningFeed
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+
+class Sweep:
+    """One client's part in a study: it starts trials (new ones, WAITING ones, and those that
+    dead clients left RUNNING) until the study holds ``n_trials`` finished trials, at most
+    ``max_concurrent`` at a time, each from a thread of its own."""
+
+    def __init__(
+        self, optuna: ModuleType, spec: SweepSpec, client: Client, on_trial: TrialHandler | None
+    ) -> None:
+        self.optuna, self.spec, self.client, self.on_trial = optuna, spec, client, on_trial
+        self.study = self._open_study()
+        self.owners = TrialOwners(self.study, client, on_lost=self._stop_lost)
+        self.topic = SWEEP_TOPIC_PREFIX + spec.study_name
+        self._running: dict[Future, RunningTrial] = {}
+
+    def _open_study(self) -> "Study":
+        spec = self.spec
+        study = self.optuna.create_study(
+            storage=spec.storage,
+            sampler=spec.sampler,
+            pruner=spec.pruner,
+            study_name=spec.study_name,
+            direction=spec.direction,
+            load_if_exists=True,
+        )
+        directions = [d.name.lower() for d in study.directions]
+        if directions != [spec.direction]:
+            raise ValueError(
+                f"mode: study {spec.study_name!r} is set to {' and '.join(directions)}; this "
+                f"sweep would {spec.direction}"
+            )
+        measured = study.user_attrs.get("metric", spec.metric)
+        if measured != spec.metric:
+            raise ValueError(
+                f"metric: study {spec.study_name!r} measures {measured!r}, not {spec.metric!r}"
+            )
+        study.set_user_attr("metric", spec.metric)
+        return study
+
+    def run(self) -> SweepResult:
+        concurrency = self._concurrency()
+        self.spec.trials.prepare(self.client, self.spec.space)
+        pool = ThreadPoolExecutor(concurrency, thread_name_prefix="dask-train-trial")
+        with self.owners.beating():
+            try:
+                self._keep_busy(pool, concurrency)
+            finally:
+                self._stop_running()
+                pool.shutdown(wait=False, cancel_futures=True)
+        return sweep_result(self.study, self.spec)
+
+    def _concurrency(self) -> int:
+        size = self.spec.trial_world_size
+        eligible = len(select_workers(live_workers(self.client), self.spec.trials.workers))
+        if size > eligible:
+            raise ValueError(
+                f"trial_world_size: {size} ranks per trial, but the cluster has {eligible} "
+                "eligible workers"
+            )
+        return self.spec.max_concurrent or max(1, eligible // size)
+
+    def _keep_busy(self, pool: ThreadPoolExecutor, concurrency: int) -> None:
+        running = self._running
+        while True:
+            while len(running) < concurrency and (trial := self._next_trial()) is not None:
+                running[pool.submit(self._run_trial, trial)] = trial
+            if not running:
+                if self._study_done():
+                    return
+                # Other sweeps' trials still run: wait for them, or take them over when their
+                # client dies.
+                time.sleep(POLL_S)
+                continue
+            finished, _ = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            for future in finished:
+                running.pop(future)
+                future.result()  # a trial's own errors are its FAIL: this raises only bugs
+
+    def _stop_running(self) -> None:
+        """Interrupted (Ctrl-C, an error of the sweep itself): stop every running trial's job;
+        its trial stays RUNNING, released for a later sweep to take over."""
+        for trial in self._running.values():
+            trial.stop.set()
+        wait(self._running, timeout=STOP_BOUND_S)
+
+    def _stop_lost(self, trial_id: int) -> None:
+        """Another sweep runs this trial now: ours stops, and leaves the trial to it."""
+        for trial in list(self._running.values()):
+            if trial.trial._trial_id == trial_id:
+                trial.stop.set()
+
+    def _study_done(self) -> bool:
+        trials = self.study.get_trials(deepcopy=False)
+        unfinished = [t for t in trials if not t.state.is_finished()]
+        return len(trials) >= self.spec.n_trials and not unfinished
+
+    def _next_trial(self) -> RunningTrial | None:
+        """A trial to run now: one a dead client left RUNNING, else a WAITING or new one while
+        the study holds fewer than ``n_trials``; None when there is none."""
+        trials = self.study.get_trials(deepcopy=False)
+        for frozen in self.owners.abandoned(trials):
+            if self.owners.claim(frozen):
+                logger.warning(
+                    "taking over trial %d, left running by a sweep that is gone", frozen.number
+                )
+                taken = self.optuna.trial.Trial(self.study, frozen._trial_id)
+                return self._prepared(taken, reported=set(frozen.intermediate_values))
+        waiting = any(t.state == self.optuna.trial.TrialState.WAITING for t in trials)
+        if len(trials) >= self.spec.n_trials and not waiting:
+            return None
+        trial = self.study.ask()
+        self.owners.hold(trial._trial_id)
+        return self._prepared(trial, reported=set())
+
+    def _prepared(self, trial: "Trial", reported: set[int]) -> RunningTrial | None:
+        """The trial with its parameters: those it holds (a trial taken over), the rest
+        sampled now. A trial whose held values do not fit the space is FAIL."""
+        stop = threading.Event()
+        running = RunningTrial(
+            trial=trial,
+            name=trial_name(self.spec.study_name, trial.number),
+            params={},
+            stop=stop,
+            feed=PruningFeed(trial, self.spec.trials.read, stop, reported),
+        )
+        try:
+            running.params = {k: suggest(trial, k, d) for k, d in self.spec.space.items()}
+        except ValueError as error:
+            self._finish(running, "FAIL", time.time(), error=f"its parameters: {error}")
+            return None
+        return running
+
+    def _run_trial(self, trial: RunningTrial) -> None:
+        started = time.time()
+        self._announce(trial, "RUNNING", wall_s=0.0)
+        job = TrialJob(trial.number, trial.name, trial.params, trial.stop, trial.feed)
+        try:
+            outcome = self.spec.trials.run(self.client, job)
+        except JobStopped:
+            if trial.feed.pruned:
+                self._finish(trial, "PRUNED", started)
+            # Otherwise the sweep was interrupted (the trial stays RUNNING, released), or
+            # another sweep took the trial over.
+            return
+        except Exception as error:
+            logger.info("trial %d failed: %s: %s", trial.number, type(error).__name__, error)
+            self._finish(trial, "FAIL", started, error=f"{type(error).__name__}: {error}")
+            return
+        if trial.feed.pruned:  # the pruner spoke as the job ended: it is pruned all the same
+            self._finish(trial, "PRUNED", started, outcome)
+        elif not math.isfinite(outcome.value):
+            self._finish(
+                trial, "FAIL", started, outcome, error=f"{self.spec.metric} was {outcome.value}"
+            )
+        else:
+            self._finish(trial, "COMPLETE", started, outcome)
+
+    def _finish(
+        self,
+        trial: RunningTrial,
+        state: str,
+        started: float,
+        outcome: TrialOutcome | None = None,
+        error: str | None = None,
+    ) -> None:
+        ended = time.time()
+        attrs: dict[str, Any] = {
+            "started_at": started,
+            "ended_at": ended,
+            "wall_s": ended - started,
+        }
+        if outcome is not None:
+            attrs |= {
+                "ranks": outcome.ranks,
+                "job_id": outcome.job_id,
+                "checkpoint_dir": outcome.checkpoint_dir,
+            }
+        if error is not None:
+            attrs["error"] = (error.splitlines() or [""])[0][:1000]
+        try:
+            for key, value in attrs.items():
+                trial.trial.set_user_attr(key, value)
+            value = outcome.value if state == "COMPLETE" and outcome else None
+            with _telling(self.study):
+                told = self.study.tell(
+                    trial.trial,
+                    value,
+                    state=self.optuna.trial.TrialState[state],
+                    skip_if_finished=True,
+                )
+        except self.optuna.exceptions.UpdateFinishedTrialError:
+            logger.warning("trial %d was finished by another sweep meanwhile", trial.number)
+            return
+        finally:
+            self.owners.done(trial.trial._trial_id)
+        job_id = outcome.job_id if outcome else ""
+        self._announce(
+            trial, state, value=told.value, wall_s=attrs["wall_s"], job_id=job_id, error=error
+        )
+
+    def _announce(
+        self,
+        trial: RunningTrial,
+        state: str,
+        *,
+        wall_s: float,
+        value: float | None = None,
+        job_id: str = "",
+        error: str | None = None,
+    ) -> None:
+        """The trial's state change: a Dask event for the Training page, and ``on_trial``."""
+        record = {
+            "kind": "trial",
+            "sweep": self.spec.study_name,
+            "number": trial.number,
+            "state": state,
+            "value": value,
+            "params": trial.params,
+            "job_id": job_id,
+            "wall_s": wall_s,
+        }
+        try:
+            self.client.log_event(self.topic, record)
+        except Exception as failure:  # the page misses one change; the sweep goes on
+            logger.warning("trial %d: no %s event: %s", trial.number, state, failure)
+        if self.on_trial is not None:
+            try:
+                self.on_trial(record | {"error": error} if error else record)
+            except Exception:
+                logger.exception("on_trial raised for trial %d", trial.number)
+
+
+@contextlib.contextmanager
+def _telling(study: "Study") -> Iterator[None]:
+    """A sampler ends ``study.optimize`` by calling ``study.stop()`` from ``after_trial``
+    (``GridSampler``, once its grid is covered), which raises outside ``optimize``; the sweep
+    counts its trials itself, so the stop is let through as a no-op."""
+    local = study._thread_local
+    before, local.in_optimize_loop = local.in_optimize_loop, True
+    try:
+        yield
+    finally:
+        local.in_optimize_loop = before
+
+
+USER_COLUMNS = ("wall_s", "ranks", "job_id", "started_at", "ended_at", "error", "checkpoint_dir")
+
+
+def trials_frame(trials: list["FrozenTrial"], keys: list[str]) -> pd.DataFrame:
+    """One row per trial: see :class:`SweepResult`."""
+    rows = []
+    for trial in trials:
+        row = {"number": trial.number, "state": trial.state.name, "value": trial.value}
+        row |= {"params": dict(trial.params)}
+        row |= {f"params_{key}": trial.params.get(key) for key in keys}
+        row |= {name: trial.user_attrs.get(name) for name in USER_COLUMNS}
+        rows.append(row)
+    columns = ["number", "state", "value", "params", *(f"params_{k}" for k in keys), *USER_COLUMNS]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def sweep_result(study: "Study", spec: SweepSpec) -> SweepResult:
+    from optuna.trial import TrialState
+
+    frame = trials_frame(study.get_trials(deepcopy=False), list(spec.space))
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return SweepResult(spec.study_name, None, None, None, frame, study)
+    best = study.best_trial
+    config = None
+    if isinstance(spec.trials, ConfigTrials):
+        config = spec.trials.config_for(
+            best.number, trial_name(spec.study_name, best.number), best.params
+        )
+    assert best.value is not None
+    chosen = BestTrial(
+        number=best.number,
+        params=dict(best.params),
+        value=best.value,
+        checkpoint_dir=best.user_attrs.get("checkpoint_dir"),
+        config=config,
+    )
+    return SweepResult(spec.study_name, chosen.params, chosen.value, chosen, frame, study)
