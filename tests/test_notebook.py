@@ -33,6 +33,7 @@ def test_training_notebook_executes_end_to_end(store_dir, monkeypatch):
     assert "pipeline cut at ['" in text  # the pipeline strategy, with a planned cut
     assert "accuracy of each rank's shard:" in text  # the user's own loop on launch()
     assert "reports from rank 0" in text
+    assert "best learning rate" in text and "COMPLETE" in text  # the sweep and its trials
     # The tabular section: a factory from the notebook trained on a Parquet dataframe learns.
     accuracy = re.search(r"validation accuracy (\d\.\d+)", text)
     assert accuracy and float(accuracy.group(1)) > 0.8, text[-2000:]

@@ -328,7 +328,7 @@ def test_the_readmes_sharing_example_runs_as_pasted(tmp_path):
     from tests.test_launch import _readme_block
 
     script = tmp_path / "sharing.py"
-    script.write_text(_readme_block("one waits for the other"))
+    script.write_text(_readme_block("one waits in the queue for the other"))
     done = _run_in_own_session([sys.executable, str(script)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ast.literal_eval(done.stdout.splitlines()[-1]) == {"first": [0, 1], "second": [0, 1]}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import optuna
@@ -24,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.commands import CONFIGS, run_dask_train
 from workflows import sweep
-from workflows.sweeps import SWEEP_TOPIC_PREFIX
+from workflows.dashboard import training_page_url
+from workflows.monitoring import SWEEP_PREFIX
 
 OPTIMUM = 0.3
 STEPS = 5
@@ -121,11 +123,17 @@ def test_trials_run_two_at_a_time_a_bad_one_is_pruned_and_the_best_is_near_the_o
     ).all()
 
     # The Training page's feed: a RUNNING event and a final one per trial.
-    events = [e for _, e in cluster.client.get_events(SWEEP_TOPIC_PREFIX + "packed")]
+    events = [e for _, e in cluster.client.get_events(SWEEP_PREFIX + "packed")]
     assert sorted((e["number"], e["state"]) for e in events if e["state"] != "RUNNING") == sorted(
         zip(trials.index, trials["state"], strict=True)
     )
     assert sorted(e["number"] for e in events if e["state"] == "RUNNING") == list(range(8))
+    page = (
+        urllib.request.urlopen(training_page_url(cluster.dashboard_link) + "?refresh=0", timeout=30)
+        .read()
+        .decode()
+    )
+    assert "Sweep packed" in page and page.count("PRUNED") == (trials["state"] == "PRUNED").sum()
 
 
 def _counted(ctx, params: dict, log: str) -> None:
@@ -345,3 +353,15 @@ def test_without_optuna_sweep_says_which_extra_to_install():
     assert done.stderr.strip().splitlines()[-1] == (
         "ImportError: sweep() needs Optuna, an optional extra: pip install 'dask-train[sweep]'"
     )
+
+
+def test_the_readmes_sweep_example_runs_as_pasted(tmp_path):
+    from tests.test_cluster import _run_in_own_session
+    from tests.test_launch import _readme_block
+
+    script = tmp_path / "tune.py"
+    script.write_text(_readme_block("def fit(ctx, params)"))
+    done = _run_in_own_session([sys.executable, str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'lr':" in done.stdout and "COMPLETE" in done.stdout, done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["tune.py"]

@@ -69,7 +69,7 @@ def _range_of(form: tuple[Any, ...]) -> "BaseDistribution":
     kind, bounds = (form[0], form[1:]) if form and isinstance(form[0], str) else (None, form)
     if kind is not None and kind not in KINDS:
         raise ValueError(f"{kind!r} is not a kind of range; use one of {list(KINDS)}")
-    if len(bounds) != 2 or not all(_is_number(b) for b in bounds):
+    if len(bounds) != 2 or not all(is_number(b) for b in bounds):
         raise ValueError(f"{form!r}: a range is two numbers, low and high; use {SHORT_FORMS}")
     low, high = bounds
     if not low <= high:
@@ -84,7 +84,7 @@ def _range_of(form: tuple[Any, ...]) -> "BaseDistribution":
     return FloatDistribution(float(low), float(high), log=kind == "log")
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -49,12 +49,14 @@ from distributed import Client
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import JobStopped, WorkerSelection, select_workers
+from workflows.monitoring import SWEEP_PREFIX
 from workflows.sweep_owners import TrialOwners
 from workflows.sweep_space import (
     PRUNERS,
     SAMPLERS,
     config_override,
     first_value,
+    is_number,
     search_space,
     suggest,
 )
@@ -69,7 +71,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SWEEP_TOPIC_PREFIX = "dask-train-sweep-"
 INSTALL_HINT = "sweep() needs Optuna, an optional extra: pip install 'dask-train[sweep]'"
 JOURNAL_SUFFIXES = (".log", ".jsonl")
 # Keywords sweep() gives every trial's launch() itself: the caller's would clash.
@@ -135,10 +136,6 @@ class TrialOutcome:
     checkpoint_dir: str | None
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 @dataclass
 class FunctionTrials:
     """Trials of a rank function: ``fn(ctx, params, **kwargs)`` on every rank of a launch."""
@@ -158,7 +155,7 @@ class FunctionTrials:
         if record.get("kind") != "report" or record.get("rank") != 0:
             return None
         value, step = record.get(self.metric), record.get("step")
-        if not _is_number(value):
+        if not is_number(value):
             return None
         return float(value), step if isinstance(step, int) else int(record["seq"])
 
@@ -177,9 +174,9 @@ class FunctionTrials:
             stop=job.stop,
             **self.kwargs,
         )
-        reported = [r[self.metric] for r in result.metrics[0] if _is_number(r.get(self.metric))]
+        reported = [r[self.metric] for r in result.metrics[0] if is_number(r.get(self.metric))]
         returned = result.results[0]
-        if not reported and not _is_number(returned):
+        if not reported and not is_number(returned):
             raise TrialError(
                 f"rank 0 reported no {self.metric!r} (ctx.report({self.metric}=...)) and "
                 f"returned {type(returned).__name__}, not a number"
@@ -263,7 +260,7 @@ class ConfigTrials:
 
     def read(self, record: dict[str, Any]) -> tuple[float, int] | None:
         """The metric in an epoch record, with the epoch as its step."""
-        if record.get("kind") != "epoch" or not _is_number(record.get(self.metric)):
+        if record.get("kind") != "epoch" or not is_number(record.get(self.metric)):
             return None
         return float(record[self.metric]), int(record["epoch"])
 
@@ -272,7 +269,7 @@ class ConfigTrials:
 
         config = self.config_for(job.number, job.name, job.params)
         result = train(config, cluster=client, on_event=job.on_event, stop=job.stop)
-        reported = [r[self.metric] for r in result.history if _is_number(r.get(self.metric))]
+        reported = [r[self.metric] for r in result.history if is_number(r.get(self.metric))]
         if not reported:
             raise TrialError(f"the epoch records carry no {self.metric!r}")
         checkpoints = config.checkpoint.directory
@@ -595,7 +592,7 @@ class Sweep:
         self.optuna, self.spec, self.client, self.on_trial = optuna, spec, client, on_trial
         self.study = self._open_study()
         self.owners = TrialOwners(self.study, client, on_lost=self._stop_lost)
-        self.topic = SWEEP_TOPIC_PREFIX + spec.study_name
+        self.topic = SWEEP_PREFIX + spec.study_name
         self._running: dict[Future, RunningTrial] = {}
 
     def _open_study(self) -> "Study":
