@@ -317,9 +317,11 @@ def test_an_adaptive_cluster_grows_for_a_queued_job_and_shrinks_after(tmp_path):
             time.sleep(0.2)
 
 
-def test_a_too_large_job_fails_naming_the_field(cluster):
-    with pytest.raises(LaunchError, match=r"launch.world_size: 3 workers are needed"):
-        launch(where_and_sum, 0.0, cluster=cluster, world_size=3, config={"worker_wait_s": 0.5})
+# A local cluster's size is known: the job fails at once, not after launch.worker_wait_s.
+@pytest.mark.timeout(60)
+def test_a_job_larger_than_the_cluster_can_be_fails_at_once_naming_the_field(cluster):
+    with pytest.raises(LaunchError, match=r"launch.world_size: 3 .* has 2 and can have no more"):
+        launch(where_and_sum, 0.0, cluster=cluster, world_size=3, config={"worker_wait_s": 600})
     _nothing_left_of(cluster.client, "where_and_sum-")
 
 

@@ -54,6 +54,9 @@ class Request:
     lease_s: float = 20.0
     # Worker plugins of the job, removed when its holder goes away without releasing.
     plugins: tuple[str, ...] = ()
+    # The most workers the cluster can ever have, where the client knows it (a local cluster
+    # it started, or its adaptive maximum): a job needing more fails at once.
+    capacity: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.minimum <= self.maximum:
@@ -371,6 +374,9 @@ class Admission:
     def hold(self) -> list[str]:
         """The job's workers, at least ``minimum`` of them (waiting for them if need be)."""
         first = not self._held
+        capacity = self.request.capacity
+        if first and capacity is not None and self.request.minimum > capacity:
+            raise TooFewWorkers(self._too_few(capacity, waited=False))
         if first:
             self.client.register_plugin(WorkerQueue(), name=QUEUE_PLUGIN_NAME)
         try:
@@ -397,7 +403,7 @@ class Admission:
                 # Not a queue: the cluster lacks the workers (still starting, or adapting).
                 too_few_since = too_few_since or now
                 if now - too_few_since > self.worker_wait_s:
-                    raise TooFewWorkers(self._too_few(status))
+                    raise TooFewWorkers(self._too_few(status["eligible"], waited=True))
             else:
                 too_few_since = None
                 if not self.queued_once and status["holders"]:
@@ -427,18 +433,18 @@ class Admission:
             f"{status['eligible']} eligible workers, held by {held}{ahead}"
         )
 
-    def _too_few(self, status: dict[str, Any]) -> str:
-        wanted, have = self.request.minimum, status["eligible"]
-        selection = self.request.selection
+    def _too_few(self, have: int, *, waited: bool) -> str:
+        wanted, selection = self.request.minimum, self.request.selection
+        when = f"after waiting {self.worker_wait_s:g} s" if waited else "and can have no more"
         if selection.resources or selection.name_pattern is not None:
             return (
                 f"launch.workers: {wanted} workers with {selection.describe()} are needed, but "
-                f"{have} of the cluster's workers match after waiting {self.worker_wait_s:g} s "
-                "(change launch.workers or launch.world_size)"
+                f"{have} of the cluster's workers match {when} (change launch.workers or "
+                "launch.world_size)"
             )
         return (
-            f"launch.world_size: {wanted} workers are needed, but the cluster has {have} after "
-            f"waiting {self.worker_wait_s:g} s (lower launch.world_size or add workers)"
+            f"launch.world_size: {wanted} workers are needed, but the cluster has {have} {when} "
+            "(lower launch.world_size or add workers)"
         )
 
     def _timed_out(self, status: dict[str, Any], bound: float, *, first: bool) -> str:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -597,6 +598,19 @@ def _connect(address: str, timeout_s: float, security: Security | None) -> Clien
             f"cluster.scheduler: could not reach the scheduler at {address} within "
             f"{timeout_s:g} s ({error})"
         ) from error
+
+
+def most_workers(client: Client) -> int | None:
+    """The most workers ``client``'s cluster can ever have: a local cluster's size, or its
+    adaptive maximum; None for a cluster we did not start (it may grow)."""
+    cluster = getattr(client, "cluster", None)
+    if cluster is None or not hasattr(cluster, "worker_spec"):
+        return None
+    adaptive = getattr(cluster, "_adaptive", None)
+    if adaptive is not None and getattr(adaptive, "state", None) in ("starting", "running"):
+        maximum = adaptive.maximum
+        return None if maximum == math.inf else int(maximum)
+    return len(cluster.worker_spec)
 
 
 def live_workers(client: Client) -> dict[str, dict]:

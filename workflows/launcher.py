@@ -41,7 +41,7 @@ from workflows.admission import (
     TooFewWorkers,
     rank_order,
 )
-from workflows.cluster import live_workers
+from workflows.cluster import live_workers, most_workers
 from workflows.failure_policy import is_infrastructure_error
 
 logger = logging.getLogger(__name__)
@@ -579,6 +579,9 @@ def admit(
         selection=config.workers,
         lease_s=config.lease_s,
         plugins=(plugin_name(job_id),),
+        capacity=None
+        if config.workers.resources or config.workers.name_pattern
+        else most_workers(client),
     )
     return Admission(
         client,
