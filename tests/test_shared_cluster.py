@@ -377,3 +377,36 @@ def wait_for_holder(client, name: str) -> None:
     while not any(j["name"] == name for j in client.run_on_scheduler(queue_snapshot)["holding"]):
         assert time.monotonic() < deadline, f"job {name} never got its workers"
         time.sleep(0.02)
+
+
+def where_the_data_was_placed(ctx) -> tuple[str, tuple[str, ...]]:
+    from distributed import get_worker
+
+    return get_worker().address, ctx._job.data.workers
+
+
+def test_a_jobs_dask_collections_are_placed_on_the_workers_it_gets(cluster, tmp_path):
+    import dask.array as da
+
+    flag = tmp_path / "release"
+    client = cluster.client
+    # The holder takes the first worker in rank order, where an idle cluster's plan would go.
+    holder = threading.Thread(
+        target=lambda: launch(held_until, str(flag), cluster=cluster, world_size=1, name="holder"),
+        daemon=True,
+    )
+    holder.start()
+    try:
+        wait_for_holder(client, "holder")
+        x = da.random.default_rng(0).random((64, 4), chunks=16)
+        y = da.zeros(64, chunks=16, dtype="int64")
+        result = launch(
+            where_the_data_was_placed, cluster=cluster, world_size=1, data={"train": (x, y)}
+        )
+    finally:
+        flag.touch()
+        holder.join(timeout=120)
+    ((address, planned),) = result.results
+    assert planned == (address,)
+    held = client.run_on_scheduler(queue_snapshot)  # the holder is gone: nothing held
+    assert not held["holding"], held

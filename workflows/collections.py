@@ -66,10 +66,12 @@ def prepared_data(
     *,
     shares: Mapping[str, Shares] | None = None,
     timeout_s: float = 600.0,
+    workers: Sequence[str] | None = None,
 ) -> Iterator[PreparedData]:
-    """:func:`prepare_data` for the ranks of ``settings`` (the workers the launcher will
-    choose, in its rank order), released on exit."""
-    eligible = select_workers(live_workers(client), settings.workers)
+    """:func:`prepare_data` for the ranks of ``settings``, released on exit: ``workers`` are
+    the job's (held from the scheduler's queue, in rank order); without them, the workers the
+    launcher would choose on an idle cluster."""
+    eligible = list(workers or select_workers(live_workers(client), settings.workers))
     world_size = settings.world_size or max(1, len(eligible))
     prepared = prepare_data(
         client,
@@ -93,12 +95,14 @@ def trainer_data(
     settings: LaunchConfig,
     *,
     classification: bool = True,
+    workers: Sequence[str] | None = None,
 ) -> Iterator[PreparedData]:
     """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split,
     of class labels where the task is ``classification``; validation in the contiguous shares
-    its evaluation reads."""
+    its evaluation reads. ``workers``: the job's, as for :func:`prepared_data`."""
     check_trainer_data(data, strategy)
-    with prepared_data(client, data, settings, shares={"val": "contiguous"}) as prepared:
+    shares: dict[str, Shares] = {"val": "contiguous"}
+    with prepared_data(client, data, settings, shares=shares, workers=workers) as prepared:
         if classification:
             for split in prepared.plan.splits.values():
                 where, low = f"data[{split.name!r}]", split.target_range[0]

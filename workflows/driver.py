@@ -28,7 +28,7 @@ from workflows.collections import check_trainer_data, trainer_data
 from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
-from workflows.jobs import TrainingFailed, launch_on
+from workflows.jobs import JobHold, TrainingFailed, launch_on
 from workflows.launcher import select_workers
 from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store, read_manifest
@@ -170,9 +170,19 @@ def _train_on(
             stop=stop,
         )
     settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
-    with trainer_data(
-        client, data, config.training.strategy, settings, classification=classification
-    ) as prepared:
+    # The collections go where the ranks will run: the job holds its workers first.
+    hold = JobHold(client, settings, name=config.name, on_event=on_event, stop=stop)
+    with (
+        hold,
+        trainer_data(
+            client,
+            data,
+            config.training.strategy,
+            settings,
+            classification=classification,
+            workers=hold.workers(),
+        ) as prepared,
+    ):
         return _train_prepared(
             client,
             config,
@@ -181,6 +191,7 @@ def _train_on(
             collections=prepared.plan,
             factory=factory,
             stop=stop,
+            hold=hold,
         )
 
 
@@ -213,6 +224,7 @@ def _train_prepared(
     factory: Callable[..., torch.nn.Module] | None = None,
     manifest: StoreManifest | None = None,
     stop: threading.Event | None = None,
+    hold: JobHold | None = None,
 ) -> TrainResult:
     """Train from ``collections``, or from the store ``manifest`` describes, or else from the
     store that preprocessing ``config.data`` builds (or finds complete)."""
@@ -278,6 +290,7 @@ def _train_prepared(
         task_prefix="train",
         signing_key_file=config.checkpoint.signing_key_file,
         stop=stop,
+        hold=hold,
     )
     results: list[RankResult] = launched.results
     rank0 = results[0]

@@ -48,6 +48,7 @@ from workflows.launcher import (
     ProcessGroup,
     RankFailed,
     admit,
+    hold_workers,
 )
 from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
 from workflows.tracking import Tracker, TrackingConfig
@@ -185,11 +186,14 @@ def launch(
             cluster = start_cluster()
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
+            # The collections go where the ranks will run: the job holds its workers first.
+            hold = JobHold(client, settings, name=name, on_event=on_event, stop=stop)
             with (
-                prepared_data(client, data, settings)
+                hold,
+                prepared_data(client, data, settings, workers=hold.workers())
                 if data is not None
-                else contextlib.nullcontext()
-            ) as prepared:
+                else contextlib.nullcontext() as prepared,
+            ):
                 result = launch_on(
                     client,
                     fn,
@@ -203,6 +207,7 @@ def launch(
                     called_at=called_at,
                     data=prepared.plan if prepared is not None else None,
                     stop=stop,
+                    hold=hold,
                 )
         finally:
             if owned:
@@ -211,6 +216,49 @@ def launch(
             summary = {"world_size": result.world_size, "recoveries": result.recoveries}
             tracker.finish({"strategy": "launch", **summary})
         return result
+
+
+class JobHold:
+    """A job's id and its place in the scheduler's queue, made before anything of the job
+    runs. ``launch_on`` makes one; work that must know the job's workers first (placing its
+    Dask collections where its ranks will run) makes it and calls ``workers()``."""
+
+    def __init__(
+        self,
+        client: Client,
+        settings: LaunchConfig,
+        *,
+        name: str,
+        on_event: EventHandler | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.client, self.settings, self.on_event = client, settings, on_event
+        self.job_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.topic = EVENT_PREFIX + self.job_id
+        # Until launch_on's relay exists, a record goes to the topic and on_event directly.
+        self.emit: Callable[[dict[str, Any]], None] = self._emit_directly
+        self.admission = admit(
+            client, settings, job_id=self.job_id, name=name, on_queued=self._queued, stop=stop
+        )
+
+    def workers(self) -> list[str]:
+        """The job's workers in rank order, waiting in the queue for them if need be."""
+        return hold_workers(self.client, self.admission, self.settings.workers)
+
+    def _queued(self, status: dict[str, Any]) -> None:
+        # on_event handlers, the Training page and /metrics see the job waiting.
+        self.emit({"kind": "queued", "job_id": self.job_id, **status})
+
+    def _emit_directly(self, record: dict[str, Any]) -> None:
+        self.client.log_event(self.topic, record)
+        if self.on_event is not None:
+            self.on_event(record)
+
+    def __enter__(self) -> "JobHold":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.admission.release()
 
 
 def launch_on(
@@ -231,31 +279,29 @@ def launch_on(
     signing_key_file: str | None = None,
     data: CollectionPlan | None = None,
     stop: threading.Event | None = None,
+    hold: JobHold | None = None,
 ) -> LaunchResult:
     """The attempts of one launch on a connected client (``launch`` and ``train`` use it).
 
     ``final_records`` picks, from the ranks' return values, records that ``on_event`` must
     receive even if their events were still in flight (the built-in trainer's epochs). The
     rank tasks are named ``<task_prefix>-<name>-<rank>-<generation>`` on the dashboard.
+    ``hold``: the job's place in the queue, when the caller took it first (``JobHold``).
     """
     # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
     directory = str(Path(checkpoint_dir).absolute()) if checkpoint_dir is not None else None
     # The scheduler keeps the latest figures of every job for /metrics and the Training page.
     client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
-    job_id = f"{name}-{uuid.uuid4().hex[:8]}"
-    events = EventRelay(client, EVENT_PREFIX + job_id, on_event)
+    hold = hold or JobHold(client, settings, name=name, on_event=on_event, stop=stop)
+    job_id, admission = hold.job_id, hold.admission
+    events = EventRelay(client, hold.topic, on_event)
+    hold.emit = events.emit
     heartbeat_topic = HEARTBEAT_PREFIX + job_id
     policy = FailurePolicy(settings.max_failures, retry_code_errors)
     recoveries: list[Recovery] = []
     failure: Failure | None = None
-
-    def queued(status: dict[str, Any]) -> None:
-        # on_event handlers, the Training page and /metrics see the job waiting.
-        events.emit({"kind": "queued", "job_id": job_id, **status})
-
     # The job's hold on its workers spans its attempts: a recovering job keeps its place.
-    admission = admit(client, settings, job_id=job_id, name=name, on_queued=queued, stop=stop)
-    with events, admission:
+    with events, hold:
         for attempt in range(settings.max_failures + 1):
             resume = latest_good_checkpoint(directory, signing_key_file) if directory else None
             if resume:

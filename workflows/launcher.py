@@ -545,17 +545,22 @@ class ProcessGroup:
         return list(live_workers(self.client))
 
     def _hold_workers(self) -> list[str]:
-        """The job's workers, from the scheduler's queue, in rank order."""
-        try:
-            granted = self.admission.hold()
-        except AdmissionStopped as error:
-            raise JobStopped(str(error)) from None
-        except (QueueTimeout, TooFewWorkers) as error:
-            raise LaunchError(str(error)) from None
-        except HoldLost as error:
-            raise GroupFormationError(str(error)) from None
-        info = live_workers(self.client)
-        return select_workers({a: info[a] for a in granted if a in info}, self.config.workers)
+        return hold_workers(self.client, self.admission, self.config.workers)
+
+
+def hold_workers(client: Client, admission: Admission, selection: WorkerSelection) -> list[str]:
+    """The job's workers from the scheduler's queue (waiting for them), in rank order; the
+    queue's refusals as the launcher's errors."""
+    try:
+        granted = admission.hold()
+    except AdmissionStopped as error:
+        raise JobStopped(str(error)) from None
+    except (QueueTimeout, TooFewWorkers) as error:
+        raise LaunchError(str(error)) from None
+    except HoldLost as error:
+        raise GroupFormationError(str(error)) from None
+    info = live_workers(client)
+    return select_workers({a: info[a] for a in granted if a in info}, selection)
 
 
 def admit(
