@@ -9,13 +9,13 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-collections bench-store bench-sweep gpu-check test-shuffled clean
+.PHONY: install demo test docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-collections bench-store bench-sweep gpu-check test-shuffled clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,notebook,mlflow,timm,sweep]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,notebook,mlflow,timm,sweep,docs]' 2>&1 | $(QUIET_PIP)
 	$(BIN)/python -c "import dask_cuda, distributed, torch, torchvision; print('installed torch', torch.__version__, '/ distributed', distributed.__version__, '/ dask-cuda', dask_cuda.__version__)"
 	touch $(STAMP)
 
@@ -31,10 +31,16 @@ lint: $(STAMP)
 browser:
 	@command -v chromium >/dev/null || { apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || echo "chromium not installed: the Training page browser test will be skipped"; }
 
+# The documentation site, into site/ (ignored). --strict: a broken link, a missing reference or a
+# docstring that does not parse fails the build. The configuration page is generated from the
+# pydantic models, the API reference from docstrings, the CLI page from click.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 # The equivalence tests run a second time on torch's plain-C CPU kernels: their rounding is
 # another CPU's (AVX-512 and AVX2 machines block reductions differently), and a tolerance tuned
 # on one kernel path fails on the other.
-test: lint browser
+test: lint browser docs
 	$(BIN)/pytest
 	ATEN_CPU_CAPABILITY=default $(BIN)/pytest -m equivalence -p no:cacheprovider
 
@@ -58,7 +64,7 @@ bench-pipeline: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.pipeline
 
 screenshot: $(STAMP) browser
-	$(BIN)/python -m workflows.screenshot --output workflows/assets/training-page.png
+	$(BIN)/python -m workflows.screenshot --output docs/assets/training-page.png
 
 bench-predict: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.inference

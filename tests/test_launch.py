@@ -199,11 +199,19 @@ def test_a_user_exception_shows_the_markers_of_the_same_exception_in_one_process
 
 
 def _readme_block(containing: str) -> str:
-    """The README's Python example that contains ``containing``."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    blocks = [b.split("\n```", 1)[0] for b in readme.split("```python\n")[1:]]
-    (block,) = [b for b in blocks if containing in b]
-    return block
+    """The Python example that contains ``containing``, from README.md or a page of docs/.
+
+    The same program may be shown on several pages (the README's quick start and its guide):
+    every copy must be the same, so the one that runs is the one every reader sees.
+    """
+    repo = Path(__file__).parents[1]
+    blocks = []
+    for page in [repo / "README.md", *sorted((repo / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        blocks += [b.split("\n```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = {b for b in blocks if containing in b}
+    assert len(found) == 1, f"{len(found)} different examples contain {containing!r}"
+    return found.pop()
 
 
 @pytest.mark.slow

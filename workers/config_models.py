@@ -41,7 +41,10 @@ class CheckpointConfig(BaseModel):
         description="a folder every worker can reach; `dask-train run` uses <run dir>/checkpoints",
     )
     every_steps: int = Field(default=0, ge=0, description="0: at epoch ends only")
-    at_epoch_end: bool = True
+    at_epoch_end: bool = Field(
+        default=True,
+        description="checkpoint at each epoch's end (the last step is always checkpointed)",
+    )
     keep: int = Field(default=3, ge=1, description="newest checkpoints kept")
     resume: Literal["auto", "never"] = Field(
         default="auto", description="auto: continue from the newest good checkpoint"
@@ -75,7 +78,12 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic", "parquet", "zarr"] = "digits"
+    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic", "parquet", "zarr"] = Field(
+        default="digits",
+        description="digits: scikit-learn's, no download; cifar10: the pickled batches; "
+        "imagefolder: a class-per-folder tree of images; synthetic: a learnable set of any size; "
+        "parquet, zarr: your own files, read as Dask collections",
+    )
     root: str | None = Field(
         default=None,
         description="cifar10: folder holding cifar-10-batches-py; imagefolder: "
@@ -102,8 +110,16 @@ class DataConfig(BaseModel):
         "tasks and read its chunks (data larger than the cluster's memory)",
     )
     storage_options: dict[str, Any] = Field(default_factory=dict, description="for fsspec URLs")
-    image_size: int = Field(default=32, ge=8, le=1024)
-    val_fraction: float = Field(default=0.2, gt=0.0, lt=1.0, description="without a val split")
+    image_size: int = Field(
+        default=32, ge=8, le=1024, description="images are resized to this square"
+    )
+    val_fraction: float = Field(
+        default=0.2,
+        gt=0.0,
+        lt=1.0,
+        description="held out for validation where the data has no val split (cifar10 has its "
+        "own; imagefolder uses train/ and val/ when both exist); seeded by training.seed",
+    )
     synthetic_samples: int = Field(default=4096, ge=16, description="synthetic: total samples")
     on_bad: Literal["fail", "skip"] = Field(
         default="fail", description="a corrupt image or batch file: fail naming it, or skip it"
@@ -189,19 +205,31 @@ class TrainingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    strategy: Literal[STRATEGIES] = "ddp"  # type: ignore[valid-type]
-    epochs: int = Field(default=3, ge=1)
+    strategy: Literal[STRATEGIES] = Field(  # type: ignore[valid-type]
+        default="ddp",
+        description="ddp, data_parallel (nn.DataParallel over one worker's GPUs), "
+        "model_parallel or pipeline",
+    )
+    epochs: int = Field(default=3, ge=1, description="passes over the training split")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
     batch_size: int = Field(default=64, ge=1, description="global batch per optimizer step")
-    grad_accum_steps: int = Field(default=1, ge=1)
-    lr: float = Field(default=0.05, gt=0)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    grad_clip_norm: float | None = Field(default=None, gt=0)
-    seed: int = 0
+    grad_accum_steps: int = Field(
+        default=1, ge=1, description="micro-batches per optimizer step (DDP: no_sync between)"
+    )
+    lr: float = Field(default=0.05, gt=0, description="SGD's learning rate")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD's momentum")
+    weight_decay: float = Field(default=0.0, ge=0, description="SGD's weight decay")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        default="constant", description="cosine: decays to 0 over the run, after the warm-up"
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="steps of linear warm-up")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="bf16 autocast (CPU or GPU), or fp16 with loss scaling (GPU)"
+    )
+    grad_clip_norm: float | None = Field(
+        default=None, gt=0, description="clip the whole model's gradient norm to this"
+    )
+    seed: int = Field(default=0, description="model initialization, data split and shuffling")
     log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
     loss: str = Field(
         default="cross_entropy",
@@ -248,8 +276,12 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    n_microbatches: int = Field(default=8, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        default="1f1b", description="the pipeline schedule (torch.distributed.pipelining)"
+    )
+    n_microbatches: int = Field(
+        default=8, ge=1, description="micro-batches per step (model_parallel: 1)"
+    )
     stages_per_rank: int = Field(default=1, ge=1, description="more than 1: interleaved only")
     split_points: tuple[str, ...] | None = Field(
         default=None,
@@ -261,7 +293,10 @@ class PipelineConfig(BaseModel):
         "or give each stage an equal number of layers",
     )
     dp: int = Field(default=1, ge=1, description="data-parallel replicas of every stage")
-    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    dp_mode: Literal["fsdp", "ddp"] = Field(
+        default="fsdp",
+        description="how a stage's replicas average gradients: FSDP2, or DDP (1f1b only)",
+    )
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> "PipelineConfig":

@@ -55,8 +55,31 @@ class RankOutcome:
 class RankContext:
     """The rank's place in the group, and its ways to report, checkpoint and resume.
 
-    ``report`` and ``heartbeat`` never block and involve no other rank. ``save`` and
+    `workflows.launch` builds one on every rank and passes it as ``fn``'s first argument,
+    ``ctx``. ``report`` and ``heartbeat`` never block and involve no other rank. ``save`` and
     ``restore`` are collective: every rank calls them at the same point.
+
+    Attributes:
+        rank: This rank, from 0.
+        world_size: The number of ranks.
+        local_rank: The rank among this host's ranks (torchrun's ``LOCAL_RANK``).
+        local_world_size: The number of ranks on this host (``LOCAL_WORLD_SIZE``).
+        node_rank: This host's place among the hosts (``GROUP_RANK``).
+        device: The worker's GPU, else the CPU.
+        backend: ``"nccl"`` or ``"gloo"``.
+        master_addr: The rendezvous host (rank 0's worker).
+        attempt: 0, then one more after each restart (``TORCHELASTIC_RESTART_COUNT``).
+        max_failures: The bound on restarts.
+        job_name: The job's name.
+        checkpoint_dir: `launch`'s ``checkpoint_dir``, or ``None``.
+        signing_key_file: The key that signs and checks checkpoints, or ``None``.
+
+    Example:
+        ```python
+        def fn(ctx):
+            model = DistributedDataParallel(nn.Linear(10, 1).to(ctx.device))
+            ctx.report(rank=ctx.rank, of=ctx.world_size)
+        ```
     """
 
     def __init__(self, membership: Membership, job: RankJob) -> None:
@@ -96,9 +119,16 @@ class RankContext:
     # -- metrics ------------------------------------------------------------------------------
 
     def report(self, **metrics: Any) -> None:
-        """Send a metrics record (numbers, strings) to the client, the dashboard and the run
-        directory. Any rank, any number of times; it never waits for other ranks. A ``step``
-        among the metrics becomes the record's step."""
+        """Send a metrics record to the client, the dashboard and the run directory.
+
+        Any rank, any number of times; it never waits for other ranks. The record reaches
+        `launch`'s ``on_event``, ``LaunchResult.metrics``, the Training page and ``/metrics``;
+        it also counts as a heartbeat.
+
+        Args:
+            **metrics: Numbers and strings by name; a ``step`` among them becomes the
+                record's step.
+        """
         with self._lock:
             record = {
                 "kind": "report",
@@ -113,10 +143,16 @@ class RankContext:
         self._beat(samples=0)
 
     def heartbeat(self, samples: int = 0) -> None:
-        """Tell the launcher this rank makes progress, with the samples it processed since the
-        last call (the dashboard shows each rank's samples/s). Sent at most once a second; a
-        rank silent for ``launch.hang_timeout_s`` after its first progress counts as hung.
-        ``report`` does this too; call it in loops that report rarely."""
+        """Tell the launcher this rank makes progress.
+
+        Sent at most once a second; a rank silent for ``launch.hang_timeout_s`` after its
+        first progress counts as hung. ``report`` does this too; call it in loops that report
+        rarely.
+
+        Args:
+            samples: Samples processed since the last call (the dashboard shows each rank's
+                samples/s).
+        """
         self._beat(samples=samples)
 
     @property
@@ -125,7 +161,11 @@ class RankContext:
         return self._resume_from
 
     def emit(self, record: Mapping[str, Any]) -> None:
-        """Send one record as it is (the built-in trainer's epoch and step records)."""
+        """Send one record as it is (the built-in trainer's epoch and step records).
+
+        Args:
+            record: The record, sent to the client unchanged.
+        """
         self._worker.log_event(self._job.event_topic, dict(record))
 
     def _beat(self, *, samples: int | None) -> None:
@@ -160,12 +200,28 @@ class RankContext:
         start_step: int = 0,
     ) -> Batches:
         """This rank's ``(x, y)`` tensor batches of ``split`` (from ``launch(data=...)``) for
-        ``epoch``, from ``start_step`` on (a resumed run skips the steps it trained).
+        ``epoch``.
 
-        ``batch_size`` is this rank's (as with a DataLoader under DistributedSampler). Across
-        ranks, an epoch holds every sample exactly once; every rank gets ``len(batches)``
-        batches (the same number), the last one shorter; the order is drawn from (seed,
-        epoch, rank). x is float32; y int64 for integer labels, float32 otherwise.
+        Across ranks, an epoch holds every sample exactly once; every rank gets the same
+        number of batches, the last one shorter. The rows of a rank are the ones its worker
+        holds, fixed for the run.
+
+        Args:
+            split: A key of `launch`'s ``data`` (``"train"``, ``"val"``).
+            batch_size: This rank's batch (as with a DataLoader under DistributedSampler).
+            epoch: The epoch: with ``seed``, it draws the order.
+            seed: The order's seed; the order comes from (seed, epoch, rank).
+            shuffle: ``False`` keeps the rows in order (validation).
+            start_step: Skip the batches before it (a resumed run skips the steps it
+                trained); the batches after are the ones an uninterrupted run has.
+
+        Returns:
+            An iterable of batches: ``x`` float32; ``y`` int64 for integer labels, float32
+            otherwise. ``len()`` is the batches left, ``.steps`` the epoch's steps.
+
+        Raises:
+            ValueError: `launch` was given no ``data``.
+            KeyError: ``split`` is not one of its keys.
         """
         if self._job.data is None:
             raise ValueError(
@@ -187,7 +243,17 @@ class RankContext:
         )
 
     def data_plan(self, split: str) -> SplitPlan:
-        """How ``split`` was planned: sample counts of every rank, rows moved for balance."""
+        """How ``split`` was planned: sample counts of every rank, rows moved for balance.
+
+        Args:
+            split: A key of `launch`'s ``data``.
+
+        Returns:
+            The split's plan.
+
+        Raises:
+            ValueError: `launch` was given no ``data``.
+        """
         if self._job.data is None:
             raise ValueError("ctx.data_plan: no data; pass data= to launch()")
         return self._job.data[split]
@@ -197,9 +263,17 @@ class RankContext:
     def save(self, state: Mapping[str, Any], *, step: int) -> None:
         """Checkpoint ``state`` as of ``step`` (collective: every rank calls it).
 
-        ``state`` maps names to modules, optimizers, objects with ``state_dict()``, tensors,
-        and numbers, strings, lists and dicts of them. The checkpoint is committed atomically
-        with a manifest of checksums; the newest ``keep_checkpoints`` are kept.
+        The checkpoint is committed atomically with a manifest of checksums; the newest
+        ``keep_checkpoints`` are kept. Each rank's RNG state is saved with it.
+
+        Args:
+            state: Names to modules (plain, DDP or FSDP), optimizers (give their model in the
+                same dict), objects with ``state_dict()``, tensors, and numbers, strings,
+                lists and dicts of them.
+            step: The step this state is at; ``restore`` returns it.
+
+        Raises:
+            ValueError: `launch` was given no ``checkpoint_dir``.
         """
         from workers.training_state import save_state
 
@@ -213,8 +287,18 @@ class RankContext:
         self.heartbeat()  # a long save is progress too
 
     def restore(self, state: dict[str, Any]) -> int | None:
-        """Load the newest complete checkpoint into ``state`` (collective) and return its step,
-        or ``None`` when there is none to continue from (a fresh run)."""
+        """Load the newest complete checkpoint into ``state`` (collective).
+
+        Args:
+            state: The same names as were saved; the objects are loaded in place.
+
+        Returns:
+            The checkpoint's step, or ``None`` when there is none to continue from (a fresh
+            run).
+
+        Raises:
+            ValueError: `launch` was given no ``checkpoint_dir``.
+        """
         from workers.training_state import load_state
 
         self._require_directory("restore")
@@ -231,6 +315,14 @@ class RankContext:
         return self.checkpoint_dir
 
     def outcome(self, value: Any) -> RankOutcome:
+        """This rank's return value with everything it reported (for the launcher).
+
+        Args:
+            value: ``fn``'s return value.
+
+        Returns:
+            What the client receives from this rank.
+        """
         return RankOutcome(
             rank=self.rank,
             value=value,

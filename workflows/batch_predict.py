@@ -79,7 +79,9 @@ class PredictConfig(BaseModel):
         description="class and confidence only; or every class's probability; or the top k",
     )
     top_k: int = Field(default=3, ge=1, description="outputs = 'top_k': how many classes")
-    format: Literal["parquet", "zarr"] = "parquet"
+    format: Literal["parquet", "zarr"] = Field(
+        default="parquet", description="predictions.parquet, or predictions.zarr arrays"
+    )
     partition_size: int = Field(default=1024, ge=1, description="samples per predict task")
     split: Literal["val", "train"] = Field(
         default="val", description="which split of a dataset store (or of train/ and val/)"
@@ -124,7 +126,23 @@ def load_predict_config(
 
 @dataclass
 class PredictResult:
-    """What a finished scoring hands back to the client."""
+    """What a finished `predict` hands back to the client.
+
+    Attributes:
+        output: The output folder.
+        predictions: The Parquet folder or the zarr group inside it.
+        format: ``"parquet"`` or ``"zarr"``.
+        count: Samples scored.
+        partitions: ``predict-…`` tasks run.
+        workers: Workers that scored.
+        classes: The model's class names, by index.
+        seconds: From the first task submitted to the last file written.
+        images_per_s: ``count / seconds``.
+        metrics: Accuracy, per-class precision, recall and support, the confusion matrix;
+            ``None`` without labels.
+        token: The job's id on the workers.
+        notes: What the client adapted (e.g. re-normalized input), one line each.
+    """
 
     output: str
     predictions: str  # the Parquet folder or the zarr group
@@ -140,7 +158,12 @@ class PredictResult:
     notes: list[str] = field(default_factory=list)
 
     def read(self) -> pd.DataFrame:
-        """The predictions, one row per input sample, in input order."""
+        """The predictions, one row per input sample, in input order.
+
+        Returns:
+            A pandas DataFrame: ``index``, ``sample_id``, ``label``, ``prediction``,
+            ``confidence`` and the outputs' columns.
+        """
         if self.format == "parquet":
             frame = pd.read_parquet(self.predictions)
             return frame.sort_values("index", ignore_index=True)
@@ -546,9 +569,28 @@ def predict(
     """Score ``input`` with the trained ``model`` on ``cluster`` (or on a local cluster
     started and closed here) and write the predictions to ``output``.
 
-    ``model`` is a run directory or a checkpoint (then ``config`` says what it is); ``input`` a
-    dataset store, an image folder or a CIFAR-10 test batch; ``settings`` a PredictConfig or its
-    fields as a dict.
+    The model travels once to each worker (a worker plugin); one ``predict-…`` task per
+    partition scores and writes its rows. Everything is checked on the client first.
+
+    Args:
+        model: A run directory (`dask-train run`'s, or its ``model.pt``), or a checkpoint
+            that ``config`` describes.
+        input: A dataset store, an image folder (with or without class folders) or CIFAR-10's
+            test batch.
+        output: A path that must not exist: ``predictions.parquet`` (or ``.zarr``),
+            ``metrics.json``, ``confusion_matrix.png`` and ``summary.json`` go there.
+        config: For a bare checkpoint: the run config (a `RunConfig`, TOML path or dict)
+            naming the model and the store whose statistics it was trained with.
+        settings: A `PredictConfig` or a dict of its fields (the ``[predict]`` keys).
+        cluster: A `TrainingCluster` or a Dask ``Client``; ``None`` starts a local cluster
+            and closes it afterwards.
+
+    Returns:
+        The counts, timings and metrics; ``read()`` loads the predictions.
+
+    Raises:
+        ConfigError: A model, input, output or setting that cannot work, before anything
+            runs; the message names the argument (``--model:``, ``--input:``, ...).
     """
     prepared = prepare(model=model, input=input, output=output, config=config, settings=settings)
     owned = cluster is None

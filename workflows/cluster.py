@@ -131,7 +131,13 @@ def _ensure_fork_server() -> None:
 
 
 class ClusterConfig(BaseModel):
-    """Which cluster to run on, or how to start one."""
+    """Which cluster to run on, or how to start one: the ``[cluster]`` section.
+
+    Attributes:
+        dashboard_host: the address a local cluster's dashboard listens on (loopback: reach
+            it through an ssh tunnel)
+        connect_timeout_s: how long to try to reach an existing scheduler, in seconds
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -236,7 +242,18 @@ def no_gpus_or_raise(error: Exception) -> int:
 
 
 class TrainingCluster:
-    """A Dask client plus, when we started it, the local cluster behind it."""
+    """A Dask client plus, when we started it, the local cluster behind it.
+
+    Made by `start_cluster`; a context manager that closes what it started. Pass it as
+    ``cluster=`` to `launch`, `train`, `predict` and `sweep`.
+
+    Attributes:
+        client: The ``distributed.Client``.
+        cluster: The local cluster started here, or ``None`` when connected to a scheduler.
+        kind: ``"cuda"`` (a ``LocalCUDACluster``), ``"cpu"`` (a ``LocalCluster``) or
+            ``"remote"``.
+        config: The `ClusterConfig` it was made from.
+    """
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -279,13 +296,16 @@ class TrainingCluster:
 
     @property
     def dashboard_link(self) -> str | None:
+        """The Dask dashboard's URL; the Training page is at ``/training`` beside it."""
         return self.client.dashboard_link if hasattr(self, "client") else None
 
     @property
     def worker_addresses(self) -> list[str]:
+        """The addresses of the workers alive now, sorted."""
         return sorted(live_workers(self.client))
 
     def close(self) -> None:
+        """Close the client, and the local cluster when it was started here."""
         client = getattr(self, "client", None)
         if client is not None:
             client.close()
@@ -329,8 +349,32 @@ async def _close_nannies(nannies: list[Nanny], timeout_s: float) -> None:
 def start_cluster(config: ClusterConfig | None = None, **overrides: object) -> TrainingCluster:
     """Start (or connect to) the cluster described by ``config``; keyword overrides win.
 
-    >>> with start_cluster(n_workers=2, dashboard_port=0) as cluster:
-    ...     print(cluster.dashboard_link)
+    Without ``scheduler`` or ``scheduler_file`` it starts a local cluster: one worker per GPU
+    that NVML sees, else 2 single-threaded CPU worker processes. Call it under
+    ``if __name__ == "__main__":`` in a script.
+
+    Args:
+        config: A `ClusterConfig` (the ``[cluster]`` section); default all defaults.
+        **overrides: `ClusterConfig` fields, e.g. ``n_workers=2``, ``dashboard_port=0`` or
+            ``scheduler="tcp://host:8786"``.
+
+    Returns:
+        The client and, for a local cluster, the cluster; close it, or use it in ``with``.
+
+    Raises:
+        pydantic.ValidationError: An override is not a `ClusterConfig` field or not valid.
+        ScriptWithoutMainGuard: Called while a worker process imports the script (the
+            missing main guard).
+        TimeoutError: A local cluster did not start within ``start_timeout_s``.
+        ConnectionError: The scheduler (or its file) was not reached within
+            ``connect_timeout_s``.
+        NvmlError: NVML is installed but cannot count the GPUs.
+
+    Example:
+        ```python
+        with start_cluster(n_workers=2, dashboard_port=0) as cluster:
+            print(cluster.dashboard_link)
+        ```
     """
     # Validated again as a whole, so overrides are checked (and nested sections may be dicts).
     config = ClusterConfig.model_validate({**(config or ClusterConfig()).model_dump(), **overrides})

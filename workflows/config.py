@@ -33,9 +33,19 @@ class ConfigError(ValueError):
 
 
 class RunConfig(BaseModel):
+    """A run's whole configuration: the TOML file's sections, validated and frozen.
+
+    Made by `load_config`. Each section is a model of its own; every key is in the
+    configuration reference.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(default="run", pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(
+        default="run",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the job's name, in task keys, event topics, run directories and `/metrics`",
+    )
     cluster: ClusterConfig = ClusterConfig()
     launch: LaunchConfig = LaunchConfig()
     data: DataConfig = DataConfig()
@@ -229,7 +239,28 @@ def model_builder(
 def load_config(
     source: str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()
 ) -> RunConfig:
-    """Read a TOML file (or a dict), apply ``section.key=value`` overrides, validate."""
+    """Read a TOML file (or a dict), apply ``section.key=value`` overrides, validate.
+
+    Nothing starts: a config is checked without a cluster.
+
+    Args:
+        source: A TOML file's path, or a dict of its sections.
+        overrides: ``"section.key=value"`` strings, as ``--set`` takes them; the value is read
+            as TOML (``training.lr=0.01``, ``pipeline.split_points=['layer3']``), else as a
+            string.
+
+    Returns:
+        The validated, frozen configuration.
+
+    Raises:
+        ConfigError: The file is missing or not TOML, a key is unknown or a value invalid;
+            one line naming the field (``training.epohcs: unknown key``).
+
+    Example:
+        ```python
+        config = load_config("workflows/configs/digits_ddp.toml", ["training.epochs=3"])
+        ```
+    """
     raw = read_raw_config(source, overrides)
     try:
         return RunConfig.model_validate(raw)

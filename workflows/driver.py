@@ -40,7 +40,29 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What a finished job hands back to the client."""
+    """What a finished `train` hands back to the client.
+
+    Every samples/s figure is the job's, all data-parallel replicas together.
+
+    Attributes:
+        name: The config's name.
+        strategy: ``ddp``, ``data_parallel``, ``model_parallel`` or ``pipeline``.
+        world_size: The number of ranks.
+        history: One dict per epoch: loss and the task's metrics (train and ``val_``),
+            samples/s, learning rate.
+        samples_per_s: Samples per second over the whole run.
+        steady_samples_per_s: The same after the first steps' one-off costs.
+        wall_s: Seconds from the call to the end.
+        first_step_s: From the ``train`` call to the first finished step, preprocessing and
+            planning included.
+        store: The dataset store used; ``None`` when trained from Dask collections.
+        state_dict: Rank 0's final parameters, on the CPU (the whole model's for staged
+            strategies).
+        split_points: Where a staged strategy cut the model; ``None`` otherwise.
+        recoveries: One dict per restart: the failure, the step resumed from, the seconds lost.
+        first_step_after_launch_s: From the ranks' launch (the store ready) to the first step.
+        job_id: The job's label on ``/metrics`` and the Training page: ``<name>-<8 hex>``.
+    """
 
     name: str
     strategy: str
@@ -61,6 +83,7 @@ class TrainResult:
 
     @property
     def final(self) -> dict[str, float]:
+        """The last epoch's figures (``history[-1]``)."""
         return self.history[-1]
 
 
@@ -96,20 +119,44 @@ def train(
 ) -> TrainResult:
     """Train ``config`` on ``cluster`` (or on a local cluster started and closed here).
 
-    ``data={"train": (X, y), "val": (X_val, y_val)}`` (Dask arrays or dataframes) takes the
-    place of ``config.data``'s dataset: the partitions are read where they lie
-    (``workflows/collections.py``).
+    The dataset store is built or checked first, then every rank runs the built-in trainer
+    under `launch`: checkpoints, recovery and events work as for your own function.
 
-    ``model``: a callable returning an ``nn.Module``, used in place of ``model.name`` (which
-    the run's records then do not describe); it is called with ``model.kwargs``, plus
-    ``num_classes`` and the input shape where it takes them. Code the workers cannot import
-    travels to them (workflows/code_shipping.py).
+    Args:
+        config: A `RunConfig`, a TOML file's path, or a dict of its sections.
+        model: A callable returning an ``nn.Module``, used in place of ``model.name`` (which
+            the run's records then do not describe). It is called with ``model.kwargs``, and
+            ``num_classes`` and the input shape where it takes them. Code the workers cannot
+            import travels to them.
+        cluster: A `TrainingCluster` or a Dask ``Client``; ``None`` starts a local cluster
+            from ``config.cluster`` and closes it afterwards.
+        on_event: Receives each rank-0 metrics record (epoch ends, and steps when
+            ``training.log_every_steps`` is set) while the job runs; the default prints the
+            epoch lines, ``None`` is silent.
+        tracker: Where the records also go; without one, the TensorBoard folder and MLflow run
+            that ``config.tracking`` names (opened and finished here).
+        data: ``{"train": (X, y), "val": (X_val, y_val)}``, Dask arrays or dataframes, in
+            place of ``config.data``'s dataset: the partitions are read where they lie.
+        stop: Setting this event ends the job: its ranks are stopped and `JobStopped` is
+            raised.
 
-    ``on_event`` receives each rank-0 metrics record (epoch ends, and steps when
-    ``training.log_every_steps`` is set) while the job runs. The records also go to
-    ``tracker``, or, without one, to the TensorBoard folder and MLflow run that
-    ``config.tracking`` names (opened and finished here). Setting ``stop`` (a
-    ``threading.Event``) ends the job: its ranks are stopped and ``JobStopped`` is raised.
+    Returns:
+        The history, the final parameters (rank 0's, on the CPU) and the timings.
+
+    Raises:
+        ConfigError: The config, the model or the loss is invalid; the message names the
+            field.
+        DataError: A ``data`` collection cannot be trained on (a `ValueError`).
+        TrainingFailed: More failures than ``launch.max_failures`` allows.
+        LaunchError: Too few eligible workers, or a backend the workers lack.
+        JobStopped: ``stop`` was set.
+
+    Example:
+        ```python
+        with start_cluster(n_workers=2) as cluster:
+            result = train("workflows/configs/digits_ddp.toml", cluster=cluster)
+        print(result.final["val_accuracy"])
+        ```
     """
     called_at = time.time()
     if not isinstance(config, RunConfig):

@@ -64,7 +64,21 @@ class TrainingFailed(RuntimeError):
 
 @dataclass
 class LaunchResult:
-    """What one ``launch`` hands back: every rank's return value and reports."""
+    """What one ``launch`` hands back: every rank's return value and reports.
+
+    Attributes:
+        name: The job's name.
+        world_size: The number of ranks.
+        results: Each rank's return value, in rank order.
+        metrics: Each rank's ``ctx.report`` records, every attempt's, in order.
+        recoveries: One dict per restart: the failure, the step resumed from, the seconds
+            lost (``redo_s``, ``restart_s``, ``seconds_lost``).
+        wall_s: From the call to the last rank's return.
+        first_step_s: From the call to the first report or heartbeat of any rank.
+        attempts: 1, plus one per restart.
+        outcomes: Each rank's outcome (return value and reports), in rank order.
+        job_id: The job's label on ``/metrics`` and the Training page: ``<name>-<8 hex>``.
+    """
 
     name: str
     world_size: int
@@ -144,16 +158,58 @@ def launch(
 ) -> LaunchResult:
     """Call ``fn(ctx, *args, **kwargs)`` on every rank, the process group already formed.
 
-    ``cluster`` is a :class:`TrainingCluster` or a ``Client``; ``None`` starts a local cluster
-    and closes it afterwards. ``world_size`` defaults to every eligible worker. ``config`` is a
-    :class:`LaunchConfig` (or its fields as a dict); the keyword settings (``max_failures``,
-    ``backend``, ``workers``, ``hang_timeout_s``, ``first_step_timeout_s``) override its
-    fields. ``checkpoint_dir`` is where ``ctx.save`` writes (a folder every worker reaches).
-    ``on_event`` receives every record the ranks report, as it arrives. ``data`` maps split
-    names ("train", "val") to ``(X, y)`` Dask collections: they are persisted on the rank
-    workers and assigned to ranks where they lie, and ``ctx.shard(split, ...)`` yields each
-    rank's batches (``workflows/collections.py``). Setting ``stop`` (a ``threading.Event``)
-    ends the job: its ranks are stopped and :class:`JobStopped` is raised.
+    Args:
+        fn: The rank function. Its first argument is the rank's `RankContext`; defined in a
+            script or a notebook it travels by value, from a module the workers lack the
+            module is uploaded to them.
+        *args: Passed to ``fn`` after ``ctx``.
+        cluster: A `TrainingCluster` or a Dask ``Client``; ``None`` starts a local cluster
+            and closes it afterwards.
+        world_size: How many ranks; default every eligible worker.
+        name: The job's name (task keys, the Training page); default ``fn``'s name.
+        checkpoint_dir: Where ``ctx.save`` writes and ``ctx.restore`` reads, a folder every
+            worker reaches.
+        keep_checkpoints: The newest checkpoints kept.
+        on_event: Called with every record the ranks send (``ctx.report``, recoveries), in
+            order, on a thread of its own.
+        config: A `LaunchConfig` or a dict of its fields (the ``[launch]`` keys).
+        max_failures: Overrides ``config.max_failures``: restarts before `TrainingFailed`.
+        backend: Overrides ``config.backend`` (``"gloo"``, ``"nccl"``, ``"auto"``).
+        workers: Overrides ``config.workers``, e.g. ``{"resources": {"GPU": 1}}``.
+        hang_timeout_s: Overrides ``config.hang_timeout_s``.
+        first_step_timeout_s: Overrides ``config.first_step_timeout_s``.
+        tracking: A ``TrackingConfig`` or a dict of its fields: rank 0's reports also go to
+            TensorBoard or MLflow.
+        data: Split names (``"train"``, ``"val"``) to ``(X, y)`` Dask arrays or dataframes:
+            persisted on the rank workers, assigned to ranks where they lie, read on a rank
+            with ``ctx.shard(split, ...)``.
+        stop: Setting this event ends the job: its ranks are stopped and `JobStopped` is
+            raised.
+        **kwargs: Passed to ``fn``.
+
+    Returns:
+        Every rank's return value and reports, the recoveries and the timings.
+
+    Raises:
+        TrainingFailed: More failures than ``max_failures`` allows, or a lost worker that
+            never came back.
+        LaunchError: The job cannot run as configured (too few workers, a backend the
+            workers lack); the message names the field.
+        JobStopped: ``stop`` was set.
+        CodeNotShippable: ``fn`` needs a module that cannot be sent to the workers.
+        ValueError: A bad argument (``keep_checkpoints < 1``, a bad ``data`` collection).
+
+    An exception raised by ``fn`` itself is raised here once, never retried, with the rank's
+    traceback.
+
+    Example:
+        ```python
+        def fn(ctx, scale):
+            return ctx.rank * scale
+
+        with start_cluster(n_workers=2) as cluster:
+            print(launch(fn, 10, cluster=cluster).results)  # [0, 10]
+        ```
     """
     called_at = time.time()
     overrides = {

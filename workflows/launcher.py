@@ -49,7 +49,8 @@ RELEASE_POLL_S = 0.05
 
 
 class WorkerSelection(BaseModel):
-    """Which of an existing cluster's workers may take ranks (all of them by default)."""
+    """Which of an existing cluster's workers may take ranks (all of them by default): the
+    ``[launch.workers]`` section."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -96,7 +97,8 @@ class WorkerSelection(BaseModel):
 
 
 class LaunchConfig(BaseModel):
-    """How many ranks, which backend, and how long each wait may last."""
+    """How many ranks, which backend, and how long each wait may last: the ``[launch]``
+    section."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -210,6 +212,13 @@ class RankFailed(RuntimeError):
 
     ``infrastructure`` tells a lost worker or a communication failure (worth another attempt)
     from an exception raised by the training code (``error``, with its remote traceback).
+
+    Attributes:
+        rank: The rank that failed.
+        worker: Its worker's address.
+        infrastructure: True for a lost worker or a communication failure.
+        error: The exception the training code raised, if it raised one.
+        detected_at: When the launcher saw the failure (epoch seconds).
     """
 
     def __init__(
@@ -268,9 +277,14 @@ class Heartbeats:
 class ProcessGroup:
     """One generation of a torch.distributed process group over Dask workers.
 
-    ``admission`` is the job's hold on workers (``launch`` keeps one across its attempts);
-    without one, the group asks the scheduler's queue for its workers itself, under a job id of
-    its own, and gives them back at ``shutdown``.
+    The lower-level piece under `launch`, which most code never needs.
+
+    Args:
+        client: The Dask client.
+        config: The `LaunchConfig`; default all defaults.
+        admission: The job's hold on workers (``launch`` keeps one across its attempts);
+            without one, the group asks the scheduler's queue for its workers itself, under a
+            job id of its own, and gives them back at ``shutdown``.
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 Tooling, not part of the scheduler: it trains briefly through the driver, so it lives apart
 from ``workflows.dashboard``, which the scheduler imports.
 
-    python -m workflows.screenshot [--output workflows/assets/training-page.png]
+    python -m workflows.screenshot [--output docs/assets/training-page.png]
 """
 
 import argparse
@@ -46,7 +46,7 @@ def screenshot(url: str, path: str, *, width: int = 1300, height: int = 900) -> 
 def main() -> None:
     """Train digits briefly on a local cluster and save a screenshot of the Training page."""
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    parser.add_argument("--output", default="workflows/assets/training-page.png")
+    parser.add_argument("--output", default="docs/assets/training-page.png")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, start_cluster(n_workers=2, dashboard_port=0) as c:
         config = load_config(

@@ -9,7 +9,7 @@ chosen by Optuna, pruned early, resumable.
 ...                    n_trials=20, metric="val_loss", pruner="median", cluster=cluster)
 >>> result.best_params
 
-Each trial is one :func:`workflows.launch` job of ``trial_world_size`` ranks, named
+Each trial is one `workflows.launch` job of ``trial_world_size`` ranks, named
 ``<study>-trial-<n>``; ``max_concurrent`` of them run at once, each from a client thread.
 Rank 0's ``ctx.report`` records carrying ``metric`` are the trial's intermediate values (step:
 the record's ``step``, else its ``seq``): a trial the pruner stops has its job's ranks stopped
@@ -100,13 +100,20 @@ class BestTrial:
 
 @dataclass
 class SweepResult:
-    """What a sweep hands back. ``best_*`` are None when no trial completed.
+    """What a `sweep` hands back. ``best_*`` are None when no trial completed.
 
-    ``trials`` has one row per trial of the study (earlier runs of it included): ``number``,
-    ``state`` (COMPLETE, PRUNED, FAIL, RUNNING, WAITING), ``value``, ``params`` (a dict) and
-    one ``params_<key>`` column per key, ``wall_s``, ``ranks`` (ranks that returned),
-    ``job_id``, ``started_at`` and ``ended_at`` (epoch seconds, on the client), ``error`` and
-    ``checkpoint_dir``. ``study`` is the ``optuna.Study``: ``optuna.visualization`` takes it.
+    Attributes:
+        study_name: The study's name.
+        best_params: The best trial's parameters by key.
+        best_value: The best trial's value.
+        best_trial: The best trial: ``number``, ``params``, ``value``, ``checkpoint_dir``,
+            and for a config sweep the trial's ``config``.
+        trials: One row per trial of the study (earlier runs of it included): ``number``,
+            ``state`` (COMPLETE, PRUNED, FAIL, RUNNING, WAITING), ``value``, ``params`` (a
+            dict) and one ``params_<key>`` column per key, ``wall_s``, ``ranks`` (ranks that
+            returned), ``job_id``, ``started_at`` and ``ended_at`` (epoch seconds, on the
+            client), ``error`` and ``checkpoint_dir``.
+        study: The ``optuna.Study``: ``optuna.visualization`` takes it.
     """
 
     study_name: str
@@ -320,21 +327,55 @@ def sweep(
     **kwargs: Any,
 ) -> SweepResult:
     """Run ``n_trials`` trials of ``fn_or_config`` over ``space``; the best, every trial, and
-    the Optuna study.
+    the Optuna study. Needs the ``[sweep]`` extra (Optuna).
 
-    ``fn(ctx, params, **kwargs)`` runs on every rank of a trial (``params``: the trial's
-    values by key); keywords that :func:`workflows.launch` takes (``config``, ``data``,
-    ``max_failures``, ...) go to each trial's launch. ``sampler``: "tpe", "random", "grid"
-    (every key a list of choices) or an Optuna sampler; ``pruner``: None, "median",
-    "hyperband", "successive_halving" or an Optuna pruner; ``storage``: None (in memory), a
-    database URL (``sqlite:///sweep.db``), a journal file (``*.log``, ``*.jsonl``) or an
-    Optuna storage. ``max_concurrent`` defaults to the eligible workers over
-    ``trial_world_size``. ``checkpoint_dir``: each trial checkpoints into its own
-    ``<study>-trial-<n>`` folder there (``ctx.save``; a trial taken over resumes from it).
-    ``on_trial`` receives each trial's state changes (the records of the Dask events).
-    ``cluster=None`` starts a local cluster and closes it afterwards. A config sweep takes no
-    keywords for a function; its trials' checkpoints go to ``checkpoint_dir`` or else the
-    config's ``checkpoint.directory``, one folder per trial.
+    Each trial is a `launch` job of ``trial_world_size`` ranks; several run at once, and the
+    scheduler's queue packs them onto the workers. A study in a ``storage`` is resumable: the
+    same call again never reruns a finished trial and ends with ``n_trials`` trials.
+
+    Args:
+        fn_or_config: A function ``fn(ctx, params, **kwargs)`` run on every rank of a trial
+            (``params``: the trial's values by key); or a config (`RunConfig`, a TOML path or
+            a dict) whose trials run the built-in trainer, with config paths
+            (``"training.lr"``) as the keys of ``space``.
+        space: Key to Optuna distribution, or ``("log", 1e-4, 1e-1)`` (log-uniform),
+            ``(0.0, 0.5)`` (uniform), ``(1, 4)`` or ``("int", 1, 4)`` (integers, both ends
+            included), ``[32, 64, 128]`` (choices).
+        n_trials: How many trials the study ends with.
+        trial_world_size: Ranks per trial.
+        max_concurrent: Trials at once; default the eligible workers over
+            ``trial_world_size``.
+        metric: The figure to optimize: the last one rank 0 reported under this name (its
+            ``step`` the pruner's step), else rank 0's return value if a number; for a config,
+            an epoch figure (``val_loss``, ``val_accuracy``, ...).
+        mode: ``"min"`` or ``"max"``.
+        sampler: ``"tpe"``, ``"random"``, ``"grid"`` (every key a list of choices) or an
+            Optuna sampler.
+        pruner: ``None``, ``"median"``, ``"hyperband"``, ``"successive_halving"`` or an Optuna
+            pruner; a pruned trial's ranks are stopped at once.
+        storage: ``None`` (in memory), a database URL (``sqlite:///sweep.db``), a journal
+            file (``*.log``, ``*.jsonl``) or an Optuna storage.
+        study_name: The study's name in ``storage``.
+        cluster: A `TrainingCluster` or a Dask ``Client``; ``None`` starts a local cluster
+            and closes it afterwards.
+        checkpoint_dir: Each trial checkpoints into its own ``<study>-trial-<n>`` folder
+            there (``ctx.save``; a trial taken over resumes from it). A config sweep uses the
+            config's ``checkpoint.directory`` without it.
+        on_trial: Receives each trial's state changes (the records of the Dask events on
+            ``dask-train-sweep-<study>``).
+        **kwargs: Keywords `launch` takes (``config``, ``data``, ``max_failures``, ...) go to
+            each trial's launch; the others to ``fn``. A config sweep takes none for a
+            function.
+
+    Returns:
+        The best parameters and value, every trial as a DataFrame, and the study.
+
+    Raises:
+        ValueError: A bad ``space`` form, ``metric``, ``mode`` or ``trial_world_size``; the
+            message names it.
+        ImportError: Optuna is not installed.
+
+    A trial that raises is recorded as FAIL; the sweep goes on.
     """
     spec = sweep_spec(
         fn_or_config,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 logger = logging.getLogger(__name__)
 EventHandler = Callable[[dict[str, Any]], None]
@@ -50,9 +50,19 @@ class TrackingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tensorboard: str | None = None  # a folder for the event files
-    mlflow_uri: str | None = None  # sqlite:///path/mlflow.db or http(s)://server
-    experiment: str | None = None  # the MLflow experiment; default: the config's name
+    tensorboard: str | None = Field(
+        default=None,
+        description="a folder for TensorBoard's event files; `dask-train run` uses "
+        "<run dir>/tensorboard",
+    )
+    mlflow_uri: str | None = Field(
+        default=None,
+        description="sqlite:///path/mlflow.db or http(s)://host:port; needs the [mlflow] extra",
+    )
+    experiment: str | None = Field(
+        default=None,
+        description="the MLflow experiment (needs mlflow_uri); unset: the config's name",
+    )
 
     @field_validator("tensorboard", "experiment")
     @classmethod
