@@ -1,0 +1,558 @@
+"""The documentation agrees with the code: README.md and every page of docs/.
+
+How each kind of block is checked is written up in docs/development.md ("How the examples are
+checked"). Whole programs run as pasted (the ``train()`` quick start here; the own-loop, sharing
+and sweep examples in their own modules); every other block is checked against the code
+without starting anything, so that a renamed option, a removed keyword argument or a renamed
+config key fails here.
+"""
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import json
+import re
+import shlex
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+LANGUAGES = {"python", "toml", "bash", "text", "cron"}
+WHOLE_PROGRAM = 'if __name__ == "__main__":'
+QUICK_START = "make demo's config"
+CHECKED = re.compile(r"^# checked by (tests/\w+\.py)::(\w+)")
+# Each whole program, found by a line of its own, and the test that runs it as pasted.
+PROGRAMS = {
+    "def train_loop(ctx, steps, lr)": "tests/test_launch.py::"
+    "test_the_readmes_own_loop_example_runs_twice_and_writes_nothing_beside_it",
+    "one waits in the queue for the other": "tests/test_shared_cluster.py::"
+    "test_the_readmes_sharing_example_runs_as_pasted",
+    "def fit(ctx, params)": "tests/test_sweep.py::test_the_readmes_sweep_example_runs_as_pasted",
+    QUICK_START: "tests/test_docs.py::test_the_train_quick_start_prints_the_demos_figures",
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # of the opening fence, from 1
+    language: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+
+def fenced_blocks() -> list[Block]:
+    """Every fenced block of every page, its indentation (a block in a list item) removed."""
+    found = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            opening = re.match(r"^(\s*)```(\S*)\s*$", lines[i])
+            if not opening:
+                i += 1
+                continue
+            indent, language = opening.groups()
+            body = []
+            j = i + 1
+            while not re.match(rf"^{indent}```\s*$", lines[j]):
+                body.append(lines[j].removeprefix(indent))
+                j += 1
+            found.append(Block(page, i + 1, language, "\n".join(body) + "\n"))
+            i = j + 1
+    return found
+
+
+BLOCKS = fenced_blocks()
+
+
+def _blocks(language: str) -> list[Block]:
+    return [block for block in BLOCKS if block.language == language]
+
+
+def _ids(blocks: list[Block]) -> list[str]:
+    return [str(block) for block in blocks]
+
+
+def _test_exists(test_id: str) -> bool:
+    path, _, name = test_id.partition("::")
+    return f"def {name}(" in (REPO / path).read_text()
+
+
+# -- every block -------------------------------------------------------------------------------
+
+
+def test_every_block_names_its_language():
+    unnamed = [str(b) for b in BLOCKS if b.language not in LANGUAGES]
+    assert not unnamed, f"fenced blocks need one of {sorted(LANGUAGES)}: {unnamed}"
+
+
+@pytest.mark.parametrize("block", _blocks("text"), ids=_ids(_blocks("text")))
+def test_every_shown_output_is_marked_illustrative_or_checked(block):
+    first = block.text.splitlines()[0]
+    checked = CHECKED.match(first)
+    if checked:
+        test_id = f"{checked.group(1)}::{checked.group(2)}"
+        assert _test_exists(test_id), f"{block}: no test {test_id}"
+    else:
+        assert first.startswith("# illustrative: "), (
+            f"{block}: start shown output with '# illustrative: <what varies>' or "
+            "'# checked by tests/<file>.py::<test>'"
+        )
+
+
+# -- Python ------------------------------------------------------------------------------------
+
+
+def test_every_whole_program_is_run_by_a_test():
+    programs = [b for b in _blocks("python") if WHOLE_PROGRAM in b.text]
+    assert programs
+    for block in programs:
+        runs = [test for marker, test in PROGRAMS.items() if marker in block.text]
+        assert len(runs) == 1, f"{block}: a whole program no test runs; add it to PROGRAMS"
+        assert _test_exists(runs[0]), f"{block}: no test {runs[0]}"
+
+
+@pytest.mark.parametrize("block", _blocks("python"), ids=_ids(_blocks("python")))
+def test_python_blocks_agree_with_the_code(block):
+    assert check_python(block.text) == [], str(block)
+
+
+def check_python(source: str) -> list[str]:
+    """What in a Python fragment disagrees with the code: names it imports from the project
+    that do not exist, keyword arguments the functions it calls do not take, and config
+    values (literal ``load_config``, ``settings=``, ``config=`` arguments) that do not load."""
+    tree = ast.parse(source)
+    problems: list[str] = []
+    imported: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PROJECT:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    problems.append(f"{node.module} has no {alias.name}")
+                else:
+                    imported[alias.asname or alias.name] = getattr(module, alias.name)
+    functions = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    for node in ast.walk(tree):
+        on_ctx = isinstance(node, ast.Attribute) and _is_ctx(node.value)
+        if on_ctx and node.attr not in _context_names():
+            problems.append(f"ctx.{node.attr}: RankContext has no such attribute")
+        if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Name) and node.func.id in imported:
+            problems += _check_call(imported[node.func.id], node, functions)
+        elif isinstance(node.func, ast.Attribute) and _is_ctx(node.func.value):
+            method = getattr(_rank_context(), node.func.attr, None)
+            if callable(method):
+                problems += _check_call(method, node, functions)
+    return problems
+
+
+PROJECT = ("workflows", "workers")
+
+
+def _is_ctx(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "ctx"
+
+
+def _rank_context() -> type:
+    from workers.rank_context import RankContext
+
+    return RankContext
+
+
+def _context_names() -> set[str]:
+    """RankContext's public attributes: its class's, and those ``__init__`` sets."""
+    cls = _rank_context()
+    init = ast.parse(inspect.getsource(cls.__init__).strip().replace("\n    ", "\n"))
+    assigned = {
+        target.attr
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+    }
+    return {name for name in {*dir(cls), *assigned} if not name.startswith("_")}
+
+
+def _parameters(fn: Any, *, skip: int = 0) -> set[str]:
+    """The keyword-passable parameters of ``fn`` (a function defined in the block, as its
+    ``ast.FunctionDef``, or a live callable), after its first ``skip``."""
+    if isinstance(fn, ast.FunctionDef):
+        args = fn.args
+        return {a.arg for a in [*args.posonlyargs, *args.args][skip:] + args.kwonlyargs}
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    parameters = list(inspect.signature(fn).parameters.values())[skip:]
+    return {p.name for p in parameters if p.kind not in kinds}
+
+
+def _check_call(fn: Any, call: ast.Call, functions: dict[str, ast.FunctionDef]) -> list[str]:
+    import workflows
+    from workflows.batch_predict import PredictConfig
+    from workflows.cluster import ClusterConfig
+    from workflows.config import ConfigError, load_config
+    from workflows.launcher import LaunchConfig
+
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    allowed = _parameters(fn)
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    # Where the keywords a function does not name go: launch and sweep pass them on to the
+    # user's function (and sweep to launch), start_cluster to ClusterConfig.
+    user_fn = call.args[0] if call.args and isinstance(call.args[0], ast.Name) else None
+    user_fn = functions.get(user_fn.id) if user_fn is not None else None
+    if fn is workflows.launch or fn is workflows.sweep:
+        if fn is workflows.sweep:
+            allowed |= _parameters(workflows.launch)
+        if user_fn is None:
+            open_ended = True  # the function is not in the block: its parameters are unknown
+        else:
+            allowed |= _parameters(user_fn, skip=2 if fn is workflows.sweep else 1)
+            open_ended = False
+    elif fn is workflows.start_cluster:
+        allowed |= set(ClusterConfig.model_fields)
+        open_ended = False
+    problems = [
+        f"{name}() takes no keyword argument {kw.arg!r}"
+        for kw in call.keywords
+        if kw.arg is not None and kw.arg not in allowed and not open_ended
+    ]
+    # Literal config values load, starting nothing.
+    literal = _literals(call)
+    try:
+        if fn is workflows.load_config and literal is not None:
+            args, _ = literal
+            source = args[0]
+            if isinstance(source, str) and not Path(source).is_absolute():
+                source = REPO / source
+            load_config(source, *args[1:])
+        keywords = literal[1] if literal is not None else _literal_keywords(call)
+        if fn is workflows.predict and isinstance(keywords.get("settings"), dict):
+            PredictConfig.from_dict(keywords["settings"])
+        if fn in (workflows.launch, workflows.sweep) and isinstance(keywords.get("config"), dict):
+            LaunchConfig.model_validate(keywords["config"])
+        if fn is workflows.start_cluster:
+            ClusterConfig.model_validate(keywords)
+    except (ConfigError, ValueError) as error:
+        problems.append(f"{name}(): {_without_missing_files(str(error))}")
+    return [p for p in problems if not p.endswith("(): ")]
+
+
+def _literals(call: ast.Call) -> tuple[list[Any], dict[str, Any]] | None:
+    """The call's arguments, when every one is a literal."""
+    try:
+        args = [ast.literal_eval(a) for a in call.args]
+        keywords = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg}
+    except ValueError:
+        return None
+    return args, keywords
+
+
+def _literal_keywords(call: ast.Call) -> dict[str, Any]:
+    found = {}
+    for kw in call.keywords:
+        try:
+            found[kw.arg] = ast.literal_eval(kw.value)
+        except ValueError:
+            continue
+    return found
+
+
+def _without_missing_files(message: str) -> str:
+    """A config error less the files it names that are not on this machine (the docs name a
+    user's certificate files): the keys and the types are still checked."""
+    return "; ".join(p for p in message.split("; ") if not p.endswith("no such file"))
+
+
+# -- TOML and shell ----------------------------------------------------------------------------
+
+
+def load_toml(text: str) -> None:
+    from workflows.batch_predict import load_predict_config
+    from workflows.config import ConfigError
+
+    try:
+        load_predict_config(tomllib.loads(text))
+    except ConfigError as error:
+        left = _without_missing_files(str(error))
+        if left:
+            raise ConfigError(left) from None
+
+
+@pytest.mark.parametrize("block", _blocks("toml"), ids=_ids(_blocks("toml")))
+def test_toml_blocks_load(block):
+    load_toml(block.text)
+
+
+def dask_train_commands(text: str) -> list[list[str]]:
+    """The arguments of every ``dask-train`` command in shell lines (a ``$ `` prompt allowed),
+    continuation lines joined, comments and redirections left out."""
+    commands = []
+    for line in text.replace("\\\n", " ").splitlines():
+        words = shlex.split(line.removeprefix("$ "), comments=True)
+        for i, word in enumerate(words):
+            starts = i == 0 or words[i - 1] in ("&&", ";", "|")
+            if starts and (word == "dask-train" or word.endswith("/dask-train")):
+                args = []
+                for arg in words[i + 1 :]:
+                    if arg in ("|", "&&", ";", "&", ">", ">>", "2>&1"):
+                        break
+                    args.append(arg)
+                commands.append(args)
+    return commands
+
+
+def check_command(args: list[str]) -> list[str]:
+    """Parse ``dask-train ARGS`` with the CLI's own click parser (nothing runs), then load its
+    CONFIG with its ``--set`` overrides."""
+    import click
+
+    from workflows.batch_predict import load_predict_config
+    from workflows.cli import main
+    from workflows.config import ConfigError
+
+    options = [a for a in args if a in ("-v", "--verbose")]
+    rest = args[len(options) :]
+    if not rest or rest[0] not in main.commands:
+        return [f"dask-train: no command in {args}"]
+    command = main.commands[rest[0]]
+    try:
+        with command.make_context(rest[0], list(rest[1:])) as context:
+            params = dict(context.params)
+    except click.ClickException as error:
+        return [f"dask-train {' '.join(args)}: {error.format_message()}"]
+    config = params.get("config")
+    if config is None:
+        return []
+    if not (REPO / config).is_file():
+        return [f"dask-train {rest[0]}: {config} is not a file of this repository"]
+    try:
+        load_predict_config(REPO / config, params.get("overrides", ()))
+    except ConfigError as error:
+        left = _without_missing_files(str(error))
+        if left:
+            return [f"dask-train {' '.join(args)}: {left}"]
+    return []
+
+
+SHELL = [b for b in BLOCKS if b.language == "bash" or (b.language == "text" and "$ dask" in b.text)]
+
+
+@pytest.mark.parametrize("block", SHELL, ids=_ids(SHELL))
+def test_dask_train_commands_parse_and_their_configs_load(block):
+    text = block.text
+    if block.language == "text":
+        text = "\n".join(line for line in text.splitlines() if line.startswith("$ "))
+    problems = [p for args in dask_train_commands(text) for p in check_command(args)]
+    assert problems == [], str(block)
+
+
+def test_the_checks_fail_on_drift():
+    # A renamed keyword, a removed ctx method's argument, an unknown config key, an option the
+    # CLI lacks: each is reported.
+    fragment = """
+from workflows import launch, load_config, start_cluster
+
+
+def fn(ctx, lr):
+    ctx.save({}, steps=3)
+    return ctx.rnak
+
+
+config = load_config("workflows/configs/digits_ddp.toml", ["training.epohcs=2"])
+launch(fn, cluster=None, checkpoint_directory="x", lr=0.1, momentum=0.9)
+start_cluster(n_worker=2)
+"""
+    problems = "\n".join(check_python(fragment))
+    for wrong in ("'steps'", "rnak", "epohcs", "'checkpoint_directory'", "'momentum'", "n_worker"):
+        assert wrong in problems, (wrong, problems)
+    assert "'lr'" not in problems
+    with pytest.raises(ValueError, match=r"training\.epohcs"):
+        load_toml("[training]\nepohcs = 2\n")
+    assert check_command(["run", "workflows/configs/digits_ddp.toml", "--sett", "x=1"])
+    assert check_command(["run", "workflows/configs/digits_ddp.toml", "--set", "training.lrr=1"])
+    assert check_command(["launch", "--world-size", "2", "train.py"]) == []
+
+
+# -- links, references, pages ------------------------------------------------------------------
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_the_readmes_links_lead_somewhere():
+    readme = (REPO / "README.md").read_text()
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", readme, flags=re.M)}
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        if (REPO / path).exists() if path else anchor in anchors:
+            continue
+        broken.append(target)
+    assert broken == []
+
+
+def test_the_readme_is_short_and_its_first_screen_leads_to_your_own_loop():
+    readme = (REPO / "README.md").read_text().splitlines()
+    assert len(readme) <= 200
+    first_screen = "\n".join(readme[:12])
+    assert "docs/guides/own-loop.md" in first_screen
+    assert "#quick-start-your-own-loop-launch" in first_screen
+
+
+def _configuration_hook():
+    spec = importlib.util.spec_from_file_location(
+        "configuration_hook", REPO / "docs" / "hooks" / "configuration.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _leaf_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys of a dumped config: a non-empty dict is a section, anything else a key."""
+    keys = set()
+    for name, value in values.items():
+        if isinstance(value, dict) and value:
+            keys |= _leaf_keys(value, f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def test_the_configuration_page_lists_every_key_with_a_description():
+    from workflows.batch_predict import PredictConfig
+    from workflows.config import RunConfig
+
+    hook = _configuration_hook()
+    page = (REPO / "docs" / "reference" / "configuration.md").read_text()
+    rendered = hook.on_page_markdown(page, page=None)
+    assert hook.MARKER not in rendered
+    rows = re.findall(r"^\| `([\w.]+)` \|(.*)\|$", rendered, flags=re.M)
+    listed = {key for key, _ in rows}
+    expected = _leaf_keys(RunConfig().model_dump()) | {
+        f"predict.{key}" for key in PredictConfig().model_dump()
+    }
+    assert listed == expected
+    undescribed = [key for key, cells in rows if not cells.split("|")[-1].strip()]
+    assert undescribed == []
+
+
+def test_the_api_reference_lists_every_public_name():
+    import workflows
+
+    page = (REPO / "docs" / "reference" / "api.md").read_text()
+    paths = re.findall(r"^::: ([\w.]+)$", page, flags=re.M)
+    documented = {}
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        documented[name] = getattr(importlib.import_module(module), name)
+    for name in workflows.__all__:
+        assert name in documented, f"docs/reference/api.md: no ::: entry for {name}"
+        assert documented[name] is getattr(workflows, name), name
+
+
+def _documented_arguments(doc: str) -> set[str]:
+    section = re.search(r"^Args:\n((?: {4}.*\n?|\n)+)", doc, flags=re.M)
+    if not section:
+        return set()
+    return set(re.findall(r"^ {4}(\*{0,2}\w+)(?: \([^)]*\))?:", section.group(1), flags=re.M))
+
+
+def _public_callables() -> list[tuple[str, Any]]:
+    import workflows
+
+    found = [
+        (name, getattr(workflows, name))
+        for name in workflows.__all__
+        if inspect.isfunction(getattr(workflows, name))
+    ]
+    context = _rank_context()
+    for name, member in vars(context).items():
+        if not name.startswith("_") and inspect.isfunction(member):
+            found.append((f"RankContext.{name}", member))
+    return found
+
+
+@pytest.mark.parametrize("name, fn", _public_callables(), ids=[n for n, _ in _public_callables()])
+def test_public_functions_document_every_parameter_and_the_return_value(name, fn):
+    doc = inspect.getdoc(fn) or ""
+    signature = inspect.signature(fn)
+    expected = set()
+    for parameter in signature.parameters.values():
+        if parameter.name == "self":
+            continue
+        stars = {parameter.VAR_POSITIONAL: "*", parameter.VAR_KEYWORD: "**"}
+        expected.add(stars.get(parameter.kind, "") + parameter.name)
+    assert _documented_arguments(doc) == expected, name
+    returns = signature.return_annotation
+    if returns not in (None, "None", inspect.Signature.empty):
+        assert "\nReturns:\n" in f"\n{doc}", f"{name}: no Returns section"
+
+
+def test_the_notebook_page_lists_the_notebooks_sections_in_order():
+    notebook = json.loads((REPO / "notebooks" / "train_on_dask.ipynb").read_text())
+    headings = [
+        line.removeprefix("## ").strip()
+        for cell in notebook["cells"]
+        if cell["cell_type"] == "markdown"
+        for line in "".join(cell["source"]).splitlines()
+        if line.startswith("## ")
+    ]
+    page = (REPO / "docs" / "guides" / "notebook.md").read_text()
+    listed = re.findall(r"^\d+\. \*\*(.+?)\*\*", page, flags=re.M)
+    assert listed == headings
+
+
+# -- the train() quick start, run as pasted ----------------------------------------------------
+
+EPOCH = re.compile(r"^(Epoch \[\d+/\d+\], .*), \d+ samples/s$")
+
+
+@pytest.mark.slow
+def test_the_train_quick_start_prints_the_demos_figures(tmp_path):
+    from tests.test_cluster import _run_in_own_session
+    from tests.test_launch import _readme_block
+
+    # As pasted, from a checkout's root: its relative config path, its store under data/.
+    script = tmp_path / "quick.py"
+    script.write_text(_readme_block(QUICK_START))
+    configs = tmp_path / "workflows" / "configs"
+    configs.mkdir(parents=True)
+    (configs / "digits_ddp.toml").write_text(
+        (REPO / "workflows/configs/digits_ddp.toml").read_text()
+    )
+    done = _run_in_own_session([sys.executable, str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [m.group(1) for m in map(EPOCH.match, done.stdout.splitlines()) if m]
+    final_accuracy = float(done.stdout.splitlines()[-1].split()[0])
+    assert len(printed) == 5, done.stdout
+    # Every demo output shown, epoch for epoch, less the throughput; and its closing line.
+    shown = [
+        b for b in _blocks("text") if b.text.startswith(f"# checked by {PROGRAMS[QUICK_START]}")
+    ]
+    assert shown
+    for block in shown:
+        lines = block.text.splitlines()
+        assert [m.group(1) for m in map(EPOCH.match, lines) if m] == printed, str(block)
+        (closing,) = [line for line in lines if line.startswith("done: ")]
+        assert f"val accuracy {final_accuracy:.4f}," in closing, str(block)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "quick.py", "workflows"]
