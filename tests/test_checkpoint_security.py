@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from workers.checkpoint import (
     MANIFEST,
     CheckpointDamaged,
-    TensorsOnlyPlanner,
     _sha256,
     latest_good_checkpoint,
     list_checkpoints,
+    tensors_only_planner,
     verify_checkpoint,
 )
 from workflows.driver import train
@@ -238,7 +238,7 @@ def test_a_planted_non_tensor_item_is_refused_and_never_unpickled(copy_of, tmp_p
         dcp.load(
             {"progress": torch.zeros(3, dtype=torch.int64)},
             storage_reader=dcp.FileSystemReader(planted),
-            planner=TensorsOnlyPlanner(),
+            planner=tensors_only_planner(),
         )
     assert not marker.exists()
 

@@ -21,6 +21,7 @@ checkpoint without the right one is refused.
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import hmac
 import io
@@ -37,10 +38,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+# torch.distributed.checkpoint is imported where it is used: it costs ~0.7 s, and the client
+# imports this module to find the checkpoint a run continues from, which needs none of it.
 # Re-exported: the section's model lives in a torch-free module, for config checks.
 from workers.config_models import CheckpointConfig as CheckpointConfig
 
@@ -70,6 +71,8 @@ class Progress:
 def _state(
     modules: list[nn.Module], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
 ) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optimizer_state = get_state_dict(_whole(modules), optimizer)
     # Only the optimizer's tensors (momentum buffers): its hyperparameters come from the config
     # and the LR schedule, and DCP writes non-tensor entries from rank 0 alone, which would
@@ -137,6 +140,8 @@ def write_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(tensors, checkpoint_id=partial)
     dist.barrier()  # every rank's files are on disk
     final = None
@@ -243,7 +248,10 @@ def load_checkpoint(
         state[sums_key] = torch.zeros(saved.size, dtype=torch.float64)  # the task's length
     if rng_key in metadata.state_dict_metadata:
         state[rng_key] = torch.get_rng_state()
-    dcp.load(state, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner())
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dcp.load(state, storage_reader=safe_reader(path), planner=tensors_only_planner())
     _, current = get_state_dict(_whole(modules), optimizer)
     set_state_dict(
         _whole(modules),
@@ -425,24 +433,40 @@ def read_metadata(path: Path) -> Any:
     return metadata
 
 
-class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
+@functools.cache
+def _dcp_classes() -> tuple[type, type]:
+    """DCP's file reader and load planner, made safe; defined on first use (see the imports)."""
+    import torch.distributed.checkpoint as dcp
 
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class TensorsOnlyPlanner(dcp.DefaultLoadPlanner):
+        """DCP's planner, less its bytes path, which unpickles with ``weights_only=False``."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            raise CheckpointDamaged(
+                f"checkpoint item {read_item.dest_index.fqn!r} is not a tensor; refused unread"
+            )
+
+    return SafeReader, TensorsOnlyPlanner
 
 
-class TensorsOnlyPlanner(dcp.DefaultLoadPlanner):
-    """DCP's planner, less its bytes path, which unpickles with ``weights_only=False``."""
+def safe_reader(path: str | Path) -> Any:
+    """A DCP storage reader of ``path`` whose metadata goes through :func:`read_metadata`."""
+    return _dcp_classes()[0](path)
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        raise CheckpointDamaged(
-            f"checkpoint item {read_item.dest_index.fqn!r} is not a tensor; refused unread"
-        )
+
+def tensors_only_planner() -> Any:
+    """A DCP load planner that refuses any item that is not a tensor, unread."""
+    return _dcp_classes()[1]()
 
 
 def _read_key(signing_key_file: str) -> bytes:

@@ -25,7 +25,7 @@ from workers.collection_shard import (
     collections_model_inputs,
     trainer_splits,
 )
-from workers.config_models import TrainingConfig
+from workers.config_models import PipelineConfig, TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store
 from workers.layout import Layout
 from workers.losses import Criterion
@@ -34,7 +34,6 @@ from workers.precision import Precision
 from workers.process_group import Membership
 from workers.rank_context import RankContext
 from workers.strategies.base import EpochSums, Strategy, get_strategy
-from workers.strategies.pipeline import PipelineConfig
 
 
 @dataclass(frozen=True)

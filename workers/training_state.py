@@ -20,19 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from workers.checkpoint import (
-    SafeReader,
-    TensorsOnlyPlanner,
     read_metadata,
+    safe_reader,
+    tensors_only_planner,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -86,7 +79,13 @@ def load_state(
         raise KeyError(
             f"{path}: the checkpoint has no {missing}; it holds {sorted(manifest['values'])}"
         )
-    dcp.load(template, storage_reader=SafeReader(path), planner=TensorsOnlyPlanner())
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    dcp.load(template, storage_reader=safe_reader(path), planner=tensors_only_planner())
     model = _optimizer_model(state)
     for key, value in state.items():
         stored = manifest["values"][key]
@@ -109,6 +108,11 @@ def load_state(
 
 
 def _capture(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     """Split ``state`` into the tensors DCP stores and the JSON values the manifest keeps."""
     model = _optimizer_model(state)
     tensors: dict[str, Any] = {}

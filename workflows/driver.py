@@ -30,7 +30,6 @@ from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, TrainingFailed, launch_on
 from workflows.launcher import select_workers
-from workflows.planner import resolve_split_points
 from workflows.preprocess import StoreManifest, prepare_store, read_manifest
 from workflows.tracking import Tracker
 from workflows.user_datasets import USER_DATASETS, read_user_dataset
@@ -293,6 +292,9 @@ def _train_prepared(
         manifest = prepare_store(client, data, seed=config.training.seed)
     pipeline = None
     if config.training.strategy in STAGED:
+        # torch.distributed.pipelining costs ~0.8 s to import: only staged runs pay it.
+        from workflows.planner import resolve_split_points
+
         # Cut once on the client, so every rank holds the same stages.
         assert manifest is not None  # staged strategies take no collections (trainer_data)
         # A factory is built here as every rank builds it, to check and plan its cut.
