@@ -177,7 +177,6 @@ def test_the_queue_wait_is_bounded_and_a_queued_ctrl_c_leaves_nothing(cluster, t
     _nothing_left_of(cluster.client, "holder-")
 
 
-@pytest.mark.equivalence
 def test_a_worker_lost_by_one_job_restarts_only_that_job(four_workers, tmp_path):
     flag = tmp_path / "a-finished"
     b_running = threading.Event()
