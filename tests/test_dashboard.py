@@ -85,3 +85,21 @@ def test_the_scheduler_side_modules_do_not_import_the_driver():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_long_lived_schedulers_page_plots_the_newest_jobs_and_folds_the_sweeps():
+    from workflows.dashboard import PLOTTED_JOBS, render_page
+
+    record = {"strategy": "ddp", "world_size": 2, "epoch": 1, "epochs": 1, "step": 3}
+    history = [{"epoch": 1, "loss": 1.0, "accuracy": 0.5}]
+    jobs = {f"job{i}": record | {"history": history, "ranks": {0: 9.0}} for i in range(20)}
+    trials = {
+        0: {"state": "COMPLETE", "value": 0.25, "params": {"lr": 0.1}},
+        1: {"state": "PRUNED", "value": None, "params": {"lr": 0.9}},
+    }
+    html = render_page(jobs, sweeps={"tune": trials}, refresh=False)
+    # The Div's HTML sits escaped inside the Bokeh document's JSON.
+    plotted = [f"job{i}" for i in range(20) if f"&lt;h2&gt;job{i}&lt;/h2&gt;" in html]
+    assert plotted == [f"job{i}" for i in range(20 - PLOTTED_JOBS, 20)]
+    assert "Earlier jobs" in html and "job0" in html  # the oldest, as a row
+    assert "Sweep tune: 2 trials (1 complete, 1 pruned)" in html

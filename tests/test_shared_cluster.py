@@ -409,3 +409,48 @@ def test_a_jobs_dask_collections_are_placed_on_the_workers_it_gets(cluster, tmp_
     assert planned == (address,)
     held = client.run_on_scheduler(queue_snapshot)  # the holder is gone: nothing held
     assert not held["holding"], held
+
+
+def ends_after(ctx, seconds: float) -> float:
+    time.sleep(seconds)
+    return time.time()
+
+
+def starts(ctx) -> float:
+    return time.time()
+
+
+def test_no_later_job_takes_a_worker_an_earlier_waiting_job_could_use(cluster, caplog, tmp_path):
+    # A one-worker job that arrives while a two-worker job waits gets no worker before the
+    # two-worker job has had both, though one would be free first.
+    client, flag = cluster.client, tmp_path / "release"
+    runs: dict = {}
+
+    def run(name: str, *args, **kwargs) -> threading.Thread:
+        def target() -> None:
+            runs[name] = launch(*args, cluster=cluster, name=name, **kwargs)
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        return thread
+
+    def wait_until_queued(name: str) -> None:
+        deadline = time.monotonic() + 60
+        while not any(j["name"] == name for j in client.run_on_scheduler(queue_snapshot)["queued"]):
+            assert time.monotonic() < deadline, f"job {name} never queued"
+            time.sleep(0.02)
+
+    with caplog.at_level(logging.WARNING, logger="workflows.admission"):
+        threads = [run("holder", held_until, str(flag), world_size=2)]
+        wait_for_holder(client, "holder")
+        threads.append(run("second", ends_after, 0.3, world_size=2))
+        wait_until_queued("second")
+        threads.append(run("third", starts, world_size=1))
+        wait_until_queued("third")
+        flag.touch()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert min(runs["third"].results) >= max(runs["second"].results)
+    (line,) = [r.getMessage() for r in caplog.records if "job third-" in r.getMessage()]
+    assert "waits for 1 of 2 eligible workers, held by holder (2 since" in line, line
+    assert line.endswith(", 1 queued ahead"), line

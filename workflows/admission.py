@@ -406,7 +406,7 @@ class Admission:
                     raise TooFewWorkers(self._too_few(status["eligible"], waited=True))
             else:
                 too_few_since = None
-                if not self.queued_once and status["holders"]:
+                if not self.queued_once:
                     self.queued_once = True
                     logger.warning(self.describe_wait(status))
                     if self.on_queued is not None:
@@ -423,14 +423,21 @@ class Admission:
         return status
 
     def describe_wait(self, status: dict[str, Any]) -> str:
-        """One line: what the job waits for and who holds it."""
-        held = ", ".join(
-            f"{h['name']} ({h['workers']} since {_clock(h['since'])})" for h in status["holders"]
-        )
-        ahead = f", {status['position']} queued ahead" if status["position"] else ""
+        """One line: what the job waits for, who holds it and who is ahead in the line."""
+        reasons = []
+        if status["holders"]:
+            reasons.append(
+                "held by "
+                + ", ".join(
+                    f"{h['name']} ({h['workers']} since {_clock(h['since'])})"
+                    for h in status["holders"]
+                )
+            )
+        if status["position"]:
+            reasons.append(f"{status['position']} queued ahead")
         return (
             f"job {self.request.job_id} waits for {self.request.minimum} of "
-            f"{status['eligible']} eligible workers, held by {held}{ahead}"
+            f"{status['eligible']} eligible workers" + "".join(f", {r}" for r in reasons)
         )
 
     def _too_few(self, have: int, *, waited: bool) -> str:

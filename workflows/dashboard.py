@@ -18,6 +18,9 @@ from workers.config_models import METRICS
 
 ROUTE = "/training"
 REFRESH_S = 5
+# The newest jobs get their plots; older ones a row each, so that a long-lived shared
+# scheduler's page stays light and its newest job on the first screen.
+PLOTTED_JOBS = 5
 
 
 def training_page_url(dashboard_link: str) -> str:
@@ -68,11 +71,10 @@ def render_page(
     blocks = [Div(text="<h1>Training</h1>")]
     if queue and (queue["holding"] or queue["queued"]):
         blocks.append(Div(text=_queue_table(queue)))
-    for sweep, trials in (sweeps or {}).items():
-        blocks.append(Div(text=_trials_table(sweep, trials)))
     if not jobs:
         blocks.append(Div(text="<p>No training job has reported to this scheduler yet.</p>"))
-    for job, state in reversed(list(jobs.items())):  # newest first
+    newest_first = list(reversed(list(jobs.items())))
+    for job, state in newest_first[:PLOTTED_JOBS]:
         history = state.get("history", [])
         ranks = state.get("ranks", {})
         facts = (
@@ -111,6 +113,10 @@ def render_page(
         reports = state.get("reports", [])
         if reports:
             blocks.append(row(*_report_plots(reports, figure)))
+    for sweep, trials in reversed(list((sweeps or {}).items())):  # newest first
+        blocks.append(Div(text=_trials_table(sweep, trials)))
+    if newest_first[PLOTTED_JOBS:]:
+        blocks.append(Div(text=_earlier_jobs_table(newest_first[PLOTTED_JOBS:])))
     # BokehJS from the dashboard's static route, relative so a proxy's prefix is kept: inlined,
     # it made every reload of this page 1.7 MB.
     resources = Resources(mode="server", root_url="./")
@@ -134,7 +140,24 @@ def _queue_table(queue: dict[str, list[dict[str, Any]]]) -> str:
     )
 
 
+def _earlier_jobs_table(jobs: list[tuple[str, dict[str, Any]]]) -> str:
+    rows = [
+        (
+            job,
+            state.get("strategy", "?"),
+            state.get("world_size", "?"),
+            f"{state.get('epoch', 0)}/{state.get('epochs', '?')}",
+            state.get("step", 0),
+            state.get("recoveries", 0),
+        )
+        for job, state in jobs
+    ]
+    header = ("job", "strategy", "ranks", "epoch", "step", "recoveries")
+    return _table("Earlier jobs", header, rows)
+
+
 def _trials_table(sweep: str, trials: dict[int, dict[str, Any]]) -> str:
+    """A sweep's trials, folded under one line of its counts by state."""
     rows = []
     for number in sorted(trials):
         trial = trials[number]
@@ -145,7 +168,11 @@ def _trials_table(sweep: str, trials: dict[int, dict[str, Any]]) -> str:
         )
         shown = "" if value is None else f"{value:.5g}"
         rows.append((number, trial.get("state", "?"), shown, params))
-    return _table(f"Sweep {sweep}", ("trial", "state", "value", "params"), rows)
+    states = [str(trial.get("state", "?")) for trial in trials.values()]
+    counts = ", ".join(f"{states.count(state)} {state.lower()}" for state in sorted(set(states)))
+    table = _table("", ("trial", "state", "value", "params"), rows)
+    summary = f"Sweep {sweep}: {len(trials)} trials ({counts})"
+    return f"<details><summary>{_escape(summary)}</summary>{table}</details>"
 
 
 def _table(title: str, header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> str:
@@ -153,7 +180,8 @@ def _table(title: str, header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> 
     body = "".join(
         "<tr>" + "".join(f"<td>{_escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows
     )
-    return f"<h2>{_escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
+    heading = f"<h2>{_escape(title)}</h2>" if title else ""
+    return f"{heading}<table><tr>{head}</tr>{body}</table>"
 
 
 def _clock(when: float | None) -> str:
