@@ -5,6 +5,7 @@ Real clusters, real worker processes, real clients in other processes.
 
 import _thread
 import ast
+import contextlib
 import logging
 import os
 import signal
@@ -42,6 +43,25 @@ def held_until(ctx, flag: str) -> int:
     ctx.report(started=1)
     _wait_for_file(flag, timeout_s=120)
     return ctx.rank
+
+
+@contextlib.contextmanager
+def holding(cluster, flag, *, world_size: int):
+    """A job named "holder" holds ``world_size`` workers (reporting once) until the block ends."""
+    holder = threading.Thread(
+        target=lambda: launch(
+            held_until, str(flag), cluster=cluster, world_size=world_size, name="holder"
+        ),
+        daemon=True,
+    )
+    holder.start()
+    try:
+        wait_for_holder(cluster.client, "holder")
+        yield
+    finally:
+        flag.touch()
+        holder.join(timeout=120)
+    assert not holder.is_alive(), "the holder did not end"
 
 
 def _in_threads(*calls) -> list:
@@ -104,16 +124,11 @@ def test_a_second_two_rank_job_waits_with_one_line_and_shows_on_metrics(cluster,
             seen["page"] = urllib.request.urlopen(page + "?refresh=0", timeout=30).read().decode()
             flag.touch()  # now the holder may finish
 
-    def holder():
-        return launch(held_until, str(flag), cluster=cluster, world_size=2, name="holder")
-
-    def waiter():
-        wait_for_holder(cluster.client, "holder")  # asked for once the holder holds both
-        return launch(where_and_sum, 0.0, cluster=cluster, world_size=2, on_event=on_event)
-
-    with caplog.at_level(logging.WARNING, logger="workflows.admission"):
-        held, waited = _in_threads(holder, waiter)
-    assert held.results == [0, 1]
+    with (
+        caplog.at_level(logging.WARNING, logger="workflows.admission"),
+        holding(cluster, flag, world_size=2),
+    ):
+        waited = launch(where_and_sum, 0.0, cluster=cluster, world_size=2, on_event=on_event)
     assert [total for _, total in waited.results] == [3, 3]
     lines = [r.getMessage() for r in caplog.records if "waits for" in r.getMessage()]
     assert (
@@ -128,52 +143,32 @@ def test_a_second_two_rank_job_waits_with_one_line_and_shows_on_metrics(cluster,
 
 def test_the_queue_wait_is_bounded_and_a_queued_ctrl_c_leaves_nothing(cluster, tmp_path):
     flag = tmp_path / "release"
-    started = threading.Event()
-
-    def holder():
-        def on_event(record: dict) -> None:
-            if record.get("kind") == "report":
-                started.set()
-
-        return launch(
-            held_until, str(flag), cluster=cluster, world_size=2, name="holder", on_event=on_event
-        )
 
     def interrupt_once_queued(record: dict) -> None:
         if record.get("kind") == "queued":
             _thread.interrupt_main()  # Ctrl-C while the job waits in the queue
 
-    def queued_jobs():
-        assert started.wait(60), "the holder never started"
-        try:
-            with pytest.raises(LaunchError, match=r"^launch.queue_timeout_s: job late-\w+ waited"):
-                launch(
-                    where_and_sum,
-                    0.0,
-                    cluster=cluster,
-                    world_size=2,
-                    name="late",
-                    config={"queue_timeout_s": 0.5},
-                )
-            with pytest.raises(KeyboardInterrupt):
-                launch(
-                    where_and_sum,
-                    0.0,
-                    cluster=cluster,
-                    world_size=2,
-                    name="interrupted",
-                    on_event=interrupt_once_queued,
-                )
-            _nothing_left_of(cluster.client, "late-")
-            _nothing_left_of(cluster.client, "interrupted-")
-        finally:
-            flag.touch()
-
-    holder_thread = threading.Thread(target=lambda: holder(), daemon=True)
-    holder_thread.start()
-    queued_jobs()  # in the main thread: Ctrl-C lands there
-    holder_thread.join(timeout=120)
-    assert not holder_thread.is_alive()
+    with holding(cluster, flag, world_size=2):  # the launches below: in the main thread
+        with pytest.raises(LaunchError, match=r"^launch.queue_timeout_s: job late-\w+ waited"):
+            launch(
+                where_and_sum,
+                0.0,
+                cluster=cluster,
+                world_size=2,
+                name="late",
+                config={"queue_timeout_s": 0.5},
+            )
+        with pytest.raises(KeyboardInterrupt):
+            launch(
+                where_and_sum,
+                0.0,
+                cluster=cluster,
+                world_size=2,
+                name="interrupted",
+                on_event=interrupt_once_queued,
+            )
+        _nothing_left_of(cluster.client, "late-")
+        _nothing_left_of(cluster.client, "interrupted-")
     _nothing_left_of(cluster.client, "holder-")
 
 
@@ -343,13 +338,7 @@ def test_sigterm_of_a_queued_cli_job_exits_130_and_leaves_nothing(cluster, tmp_p
     flag = tmp_path / "release"
     script = tmp_path / "job.py"
     script.write_text("import torch.distributed as dist\ndist.init_process_group()\n")
-    holder = threading.Thread(
-        target=lambda: launch(held_until, str(flag), cluster=cluster, world_size=2, name="holder"),
-        daemon=True,
-    )
-    holder.start()
-    try:
-        wait_for_holder(client, "holder")
+    with holding(cluster, flag, world_size=2):
         queued = subprocess.Popen(
             dask_train("launch", "--scheduler", client.scheduler.address, str(script)),
             stderr=subprocess.PIPE,
@@ -366,9 +355,6 @@ def test_sigterm_of_a_queued_cli_job_exits_130_and_leaves_nothing(cluster, tmp_p
         assert queued.returncode == 130, "".join(lines) + rest
         queue = client.run_on_scheduler(queue_snapshot)
         assert [j["name"] for j in queue["holding"]] == ["holder"] and not queue["queued"], queue
-    finally:
-        flag.touch()
-        holder.join(timeout=120)
 
 
 def wait_for_holder(client, name: str) -> None:
@@ -390,21 +376,12 @@ def test_a_jobs_dask_collections_are_placed_on_the_workers_it_gets(cluster, tmp_
     flag = tmp_path / "release"
     client = cluster.client
     # The holder takes the first worker in rank order, where an idle cluster's plan would go.
-    holder = threading.Thread(
-        target=lambda: launch(held_until, str(flag), cluster=cluster, world_size=1, name="holder"),
-        daemon=True,
-    )
-    holder.start()
-    try:
-        wait_for_holder(client, "holder")
+    with holding(cluster, flag, world_size=1):
         x = da.random.default_rng(0).random((64, 4), chunks=16)
         y = da.zeros(64, chunks=16, dtype="int64")
         result = launch(
             where_the_data_was_placed, cluster=cluster, world_size=1, data={"train": (x, y)}
         )
-    finally:
-        flag.touch()
-        holder.join(timeout=120)
     ((address, planned),) = result.results
     assert planned == (address,)
     held = client.run_on_scheduler(queue_snapshot)  # the holder is gone: nothing held
