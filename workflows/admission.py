@@ -134,8 +134,11 @@ class WorkerQueue(SchedulerPlugin):
         return True
 
     def release(self, job_id: str) -> None:
-        if self.entries.pop(job_id, None) is not None:
-            self._grant()
+        entry = self.entries.get(job_id)
+        if entry is None or entry.draining:  # a dropped hold frees its workers once torn down
+            return
+        del self.entries[job_id]
+        self._grant()
 
     def status(self, job_id: str) -> dict[str, Any]:
         entry = self.entries.get(job_id)
