@@ -344,6 +344,8 @@ def test_a_worker_sigkilled_mid_epoch_still_sees_every_sample_once(own_cluster, 
         data={"train": (x, y)},
     )
     assert result.attempts == 2 and result.recoveries[0]["resumed_from_step"] == 10
+    # The loop never says where its state stands (ctx.step_done): the checkpoint it is.
+    assert result.recoveries[0]["recovered_from"] == "checkpoint"
     for r in result.results:
         assert r["resumed_at"] == 10 and r["steps"] == 20
         for epoch in range(2):

@@ -90,14 +90,20 @@ def test_sigkill_of_a_worker_mid_epoch_is_survived_with_the_same_parameters(
     assert sent, "the kill never happened"
     assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie"
     (recovery,) = result.recoveries
-    assert recovery["resumed_from_step"] >= 10 and recovery["resumed_from_step"] % 5 == 0
-    assert recovery["seconds_lost"] > 0
+    # The survivor's state in memory, not the checkpoint of step 10: nothing was redone but
+    # the step in flight.
+    assert recovery["recovered_from"] == "replica"
+    assert recovery["resumed_from_step"] >= 12
+    assert recovery["restart_s"] > 0
     assert [r["epoch"] for r in result.history] == [1]
 
     uninterrupted = train(checkpointed("straight", epochs=1), cluster=own_cluster, on_event=None)
     assert not uninterrupted.recoveries
     _assert_same_parameters(result.state_dict, uninterrupted.state_dict)
-    assert result.history[-1]["loss"] == pytest.approx(uninterrupted.history[-1]["loss"])
+    assert result.history[-1]["val_loss"] == uninterrupted.history[-1]["val_loss"]
+    # The replacement rank counts the epoch's train loss from the recovery on: an average
+    # over fewer samples, not the same number.
+    assert result.history[-1]["loss"] == pytest.approx(uninterrupted.history[-1]["loss"], rel=0.2)
 
 
 @pytest.mark.slow

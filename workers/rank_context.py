@@ -16,7 +16,9 @@ import cloudpickle
 import torch
 from distributed import get_worker, secede
 
+from workers import live_recovery
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
+from workers.live_recovery import LiveSource
 from workers.process_group import Membership, current_membership, rank_threads
 from workers.remote_traceback import keep_positions
 
@@ -40,6 +42,9 @@ class RankJob:
     signing_key_file: str | None = None  # checkpoints signed and verified with this key
     data: CollectionPlan | None = None  # launch(fn, data=...): what ctx.shard reads
     data_timeout_s: float = 600.0  # the bound on reading partitions held elsewhere
+    job_id: str = ""  # what the ranks' kept states are filed under, across attempts
+    # After a lost worker: the surviving rank whose kept state ``restore`` receives.
+    live_source: LiveSource | None = None
 
 
 @dataclass
@@ -71,6 +76,7 @@ class RankContext:
         attempt: 0, then one more after each restart (``TORCHELASTIC_RESTART_COUNT``).
         max_failures: The bound on restarts.
         job_name: The job's name.
+        job_id: The job's id (``<name>-<8 hex>``), the same in every attempt.
         checkpoint_dir: `launch`'s ``checkpoint_dir``, or ``None``.
         signing_key_file: The key that signs and checks checkpoints, or ``None``.
 
@@ -94,6 +100,7 @@ class RankContext:
         self.attempt = job.attempt
         self.max_failures = job.max_failures
         self.job_name = job.name
+        self.job_id = job.job_id
         self.checkpoint_dir = job.checkpoint_dir
         self.signing_key_file = job.signing_key_file
         self.membership = membership
@@ -154,6 +161,11 @@ class RankContext:
                 samples/s).
         """
         self._beat(samples=samples)
+
+    @property
+    def live_source(self) -> LiveSource | None:
+        """The surviving rank whose kept state this attempt continues from, or None."""
+        return self._job.live_source
 
     @property
     def resume_from(self) -> str | None:
@@ -286,25 +298,50 @@ class RankContext:
         )
         self.heartbeat()  # a long save is progress too
 
-    def restore(self, state: dict[str, Any]) -> int | None:
-        """Load the newest complete checkpoint into ``state`` (collective).
+    def restore(self, state: dict[str, Any], *, replicated: bool | None = None) -> int | None:
+        """Continue ``state`` where the job stands (collective), and keep it for recovery.
+
+        After a lost worker, the ranks receive the newest state a surviving replica kept (see
+        `step_done`): no step is redone. Otherwise, and when no replica survived, the newest
+        complete checkpoint in ``checkpoint_dir`` is loaded. From then on this rank's worker
+        keeps ``state`` (the objects, not copies) for the job's next attempt.
 
         Args:
-            state: The same names as were saved; the objects are loaded in place.
+            state: The same names on every rank; the objects are loaded in place.
+            replicated: Whether every rank holds the same state, so that one survivor's
+                can stand for a lost rank's. ``None``: when every module in ``state`` is a
+                ``DistributedDataParallel`` (FSDP shards and pipeline stages are not).
 
         Returns:
-            The checkpoint's step, or ``None`` when there is none to continue from (a fresh
-            run).
-
-        Raises:
-            ValueError: `launch` was given no ``checkpoint_dir``.
+            The step the state is at, or ``None`` when there is nothing to continue from (a
+            fresh run).
         """
         from workers.training_state import load_state
 
-        self._require_directory("restore")
-        if self._resume_from is None:
-            return None
-        return load_state(self._resume_from, state, signing_key_file=self.signing_key_file)
+        step: int | None = None
+        source = self._job.live_source
+        if source is not None:
+            step = live_recovery.receive(
+                self._job.job_id, state, source, device=self.device, backend=self.backend
+            ).step
+        elif self._resume_from is not None:
+            step = load_state(self._resume_from, state, signing_key_file=self.signing_key_file)
+        live_recovery.keep(self._job.job_id, state, step=step or 0, replicated=replicated)
+        return step
+
+    def step_done(self, step: int) -> None:
+        """Say that the state given to `restore` is now at ``step``.
+
+        Call it right after each optimizer step; it only copies the state's small parts
+        (buffers, schedulers, numbers), never parameters. After a lost worker the job then
+        continues from the newest step a surviving replica reached, instead of redoing the
+        steps since the last checkpoint. A rank whose optimizer stepped after its last
+        ``step_done`` is never used as the source.
+
+        Args:
+            step: The steps the state has taken (what `restore` returns to the next attempt).
+        """
+        live_recovery.step_done(self._job.job_id, step)
 
     def _require_directory(self, action: str) -> str:
         if self.checkpoint_dir is None:
@@ -340,8 +377,13 @@ def run_function(job: RankJob) -> RankOutcome:
         # still compute the partitions ranks read (Dask recomputes those a lost worker held);
         # with every thread in a rank task, waiting for them would never end.
         secede()
+    # A state another job left here (its client died) must not share the device with this one.
+    live_recovery.forget(job.job_id, others=True)
     with rank_threads.running(job.generation):
         value = job.fn(ctx, *job.args, **job.kwargs)
+    # Done: nothing to recover any more. A rank that failed keeps its state for the next
+    # attempt, and the launcher drops it if there is none.
+    live_recovery.forget(job.job_id)
     return ctx.outcome(value)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers import live_recovery
 from workers.checkpoint import CheckpointConfig, Progress, load_checkpoint, save_checkpoint
 from workers.collection_shard import (
     CollectionPlan,
@@ -106,21 +107,6 @@ class Checkpoints:
         return cls(save=save, every_steps=config.every_steps, at_epoch_end=config.at_epoch_end)
 
 
-def restore_from(path: str, *, signing_key_file: str | None = None) -> Restore:
-    """Load the verified checkpoint at ``path``: parameters, optimizer, scaler, RNG, progress."""
-
-    def restore(state: CheckpointState) -> Progress:
-        return load_checkpoint(
-            path,
-            modules=state.modules,
-            optimizer=state.optimizer,
-            scaler=state.scaler,
-            signing_key_file=signing_key_file,
-        )
-
-    return restore
-
-
 @dataclass(frozen=True)
 class Hooks:
     """The loop's only ways out of the rank; each is optional."""
@@ -130,6 +116,19 @@ class Hooks:
     # The step reached, after every step: the launcher's proof of life. Throttle it yourself.
     heartbeat: Callable[[int], None] | None = None
     checkpoints: Checkpoints | None = None
+    # Where the loop stands after every step and at each epoch's end (kept for recovery).
+    step_done: Callable[["Position"], None] | None = None
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a step left the loop; the sums stay on the device (no host sync per step)."""
+
+    epoch: int
+    batch: int  # the next batch of that epoch
+    step: int
+    sums: EpochSums
+    history: list[dict[str, Any]]
 
 
 @dataclass
@@ -211,7 +210,8 @@ class Trainer:
 
 def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
     """The built-in trainer as a rank function of :func:`workflows.launch`: its records and
-    heartbeats go out through the context, and it continues from the attempt's checkpoint."""
+    heartbeats go out through the context, it continues from a surviving replica's state or
+    the attempt's checkpoint, and keeps its state for the next attempt."""
     last_step: list[int | None] = [None]
 
     def heartbeat(step: int) -> None:
@@ -219,6 +219,9 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         if last_step[0] is not None:
             ctx.heartbeat(samples=(step - last_step[0]) * job.layout.per_rank_batch)
         last_step[0] = step
+
+    def step_done(position: Position) -> None:
+        live_recovery.step_done(ctx.job_id, position.step, progress=_progress(position))
 
     checkpoints = None
     if job.checkpoint is not None and job.checkpoint.directory is not None:
@@ -231,12 +234,49 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         layout=job.layout,
         pipeline=job.pipeline,
         factory=job.factory,
-        hooks=Hooks(report=ctx.emit, heartbeat=heartbeat, checkpoints=checkpoints),
-        restore=None
-        if ctx.resume_from is None
-        else restore_from(ctx.resume_from, signing_key_file=ctx.signing_key_file),
+        hooks=Hooks(
+            report=ctx.emit, heartbeat=heartbeat, checkpoints=checkpoints, step_done=step_done
+        ),
+        restore=_continue(ctx),
         collections=job.collections,
     )
+
+
+def _continue(ctx: RankContext) -> Restore:
+    """Load a surviving replica's kept state, else the attempt's checkpoint (if any); then keep
+    this rank's state for the next attempt."""
+    source = ctx.live_source
+
+    def restore(state: CheckpointState) -> Progress:
+        if source is not None:
+            got = live_recovery.receive(
+                ctx.job_id, _kept_state(state), source, device=ctx.device, backend=ctx.backend
+            )
+            # The epoch's running sums are each rank's own: a survivor keeps its own, a
+            # replacement counts from here (the epoch's train metrics cover fewer samples).
+            own = got.own_progress or {}
+            sums = own.get("sums")
+            start = Progress(
+                epoch=got.progress["epoch"],
+                batch=got.progress["batch"],
+                step=got.step,
+                sums=[*sums.tolist(), float(own["count"])] if sums is not None else [],
+                history=got.progress["history"],
+            )
+        elif ctx.resume_from is not None:
+            start = load_checkpoint(
+                ctx.resume_from,
+                modules=state.modules,
+                optimizer=state.optimizer,
+                scaler=state.scaler,
+                signing_key_file=ctx.signing_key_file,
+            )
+        else:
+            start = Progress()
+        live_recovery.keep(ctx.job_id, _kept_state(state), step=start.step)
+        return start
+
+    return restore
 
 
 def train(
@@ -403,6 +443,8 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     batches = trainer.batches.epoch(epoch, start_batch=start_batch)
     for batch, (x, y) in enumerate(batches, start_batch):
         loss = train_step(trainer, x, y, sums=sums)
+        if hooks.step_done:
+            hooks.step_done(Position(epoch, batch + 1, trainer.step, sums, trainer.history))
         if hooks.heartbeat:
             hooks.heartbeat(trainer.step)
         trainer.throughput.step_done(trainer.batches.job_rows(batch), epoch_started=epoch_started)
@@ -437,6 +479,9 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         "lr": trainer.schedule.get_last_lr()[0],
     }
     trainer.history.append(record)
+    if hooks.step_done:
+        empty = EpochSums(device=trainer.device, criterion=trainer.criterion)
+        hooks.step_done(Position(epoch + 1, 0, trainer.step, empty, trainer.history))
     if hooks.report:
         hooks.report(record)
     if checkpoints and (checkpoints.at_epoch_end or trainer.step >= trainer.total_steps):
@@ -480,6 +525,22 @@ def _save(trainer: Trainer, progress: Progress, *, hooks: Hooks) -> None:
     hooks.checkpoints.save(trainer.checkpoint_state, progress)
     if hooks.heartbeat:
         hooks.heartbeat(trainer.step)
+
+
+def _kept_state(state: CheckpointState) -> dict[str, Any]:
+    """The trainer's state as live recovery keeps and hands it over."""
+    modules = {f"module{i}": module for i, module in enumerate(state.modules)}
+    return modules | {"optimizer": state.optimizer, "scaler": state.scaler}
+
+
+def _progress(position: Position) -> dict[str, Any]:
+    return {
+        "epoch": position.epoch,
+        "batch": position.batch,
+        "history": position.history,
+        "sums": position.sums.values,
+        "count": position.sums.count,
+    }
 
 
 def _zeros(trainer: Trainer) -> list[float]:

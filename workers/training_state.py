@@ -43,7 +43,7 @@ def save_state(
     signing_key_file: str | None = None,
 ) -> None:
     """Write ``state`` as the checkpoint of ``step`` (collective: every rank calls it)."""
-    tensors, values = _capture(state)
+    tensors, values = capture_state(state)
     tensors[RNG_KEY] = {f"rank{dist.get_rank()}": _rng_state()}
     write_checkpoint(
         directory,
@@ -68,7 +68,7 @@ def load_state(
     # client chose it.
     manifest = verify_checkpoint(path, signing_key_file)
     saved = set(read_metadata(path).state_dict_metadata)
-    template, _ = _capture(state)
+    template, _ = capture_state(state)
     rank = f"rank{dist.get_rank()}"
     # Another world size has other ranks: a rank with no saved RNG keeps its own.
     rng = {k: v for k, v in _rng_state().items() if f"{RNG_KEY}.{rank}.{k}" in saved}
@@ -80,40 +80,51 @@ def load_state(
             f"{path}: the checkpoint has no {missing}; it holds {sorted(manifest['values'])}"
         )
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
 
     dcp.load(template, storage_reader=safe_reader(path), planner=tensors_only_planner())
-    model = _optimizer_model(state)
-    for key, value in state.items():
-        stored = manifest["values"][key]
-        if isinstance(value, nn.Module):
-            set_model_state_dict(value, template[key])
-        elif isinstance(value, torch.optim.Optimizer):
-            assert model is not None
-            set_optimizer_state_dict(
-                model,
-                value,
-                {"state": template[key], "param_groups": _join(stored["param_groups"], {})},
-            )
-        elif _stateful(value):
-            value.load_state_dict(_join(stored, template.get(key, {})))
-        else:
-            state[key] = _join(stored, template.get(key, {}))
+    apply_state(state, template, manifest["values"])
     if rng:
         _set_rng_state(rng)
     return int(manifest["step"])
 
 
-def _capture(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def apply_state(
+    state: dict[str, Any], tensors: Mapping[str, Any], values: Mapping[str, Any]
+) -> None:
+    """Load what :func:`capture_state` made of a state (``tensors`` loaded or received,
+    ``values`` as kept) into ``state``: modules, optimizers and stateful objects in place,
+    tensors copied into the ones in ``state``, other values replaced in the dict."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = _optimizer_model(state)
+    for key, value in state.items():
+        stored = values[key]
+        if isinstance(value, nn.Module):
+            set_model_state_dict(value, tensors[key])
+        elif isinstance(value, torch.optim.Optimizer):
+            assert model is not None
+            set_optimizer_state_dict(
+                model,
+                value,
+                {"state": tensors.get(key, {}), "param_groups": _join(stored["param_groups"], {})},
+            )
+        elif _stateful(value):
+            value.load_state_dict(_join(stored, tensors.get(key, {})))
+        else:
+            state[key] = _join(stored, tensors.get(key, {}))
+
+
+def capture_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``state`` into its tensors (what DCP stores) and JSON values (what the manifest
+    keeps); the tensors are the state's own, not copies."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    """Split ``state`` into the tensors DCP stores and the JSON values the manifest keeps."""
     model = _optimizer_model(state)
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}

@@ -58,7 +58,8 @@ class TrainResult:
         state_dict: Rank 0's final parameters, on the CPU (the whole model's for staged
             strategies).
         split_points: Where a staged strategy cut the model; ``None`` otherwise.
-        recoveries: One dict per restart: the failure, the step resumed from, the seconds lost.
+        recoveries: One dict per restart: the failure, what it continued from, the step
+            resumed from, the seconds lost.
         first_step_after_launch_s: From the ranks' launch (the store ready) to the first step.
         job_id: The job's label on ``/metrics`` and the Training page: ``<name>-<8 hex>``.
     """

@@ -30,8 +30,10 @@ from typing import Any
 import cloudpickle
 from distributed import Client
 
+from workers import live_recovery
 from workers.checkpoint import latest_good_checkpoint
 from workers.collection_shard import CollectionPlan
+from workers.live_recovery import LiveSource
 from workers.rank_context import RankJob, RankOutcome, run_pickled
 from workers.remote_traceback import rebuilt_traceback
 from workflows.cluster import TrainingCluster, start_cluster
@@ -49,6 +51,7 @@ from workflows.launcher import (
     RankFailed,
     admit,
     hold_workers,
+    run_bounded,
 )
 from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
 from workflows.tracking import Tracker, TrackingConfig
@@ -71,8 +74,9 @@ class LaunchResult:
         world_size: The number of ranks.
         results: Each rank's return value, in rank order.
         metrics: Each rank's ``ctx.report`` records, every attempt's, in order.
-        recoveries: One dict per restart: the failure, the step resumed from, the seconds
-            lost (``redo_s``, ``restart_s``, ``seconds_lost``).
+        recoveries: One dict per restart: the failure, what it continued from
+            (``recovered_from``: ``"replica"``, ``"checkpoint"``, ``"start"``), the step
+            resumed from, the seconds lost (``redo_s``, ``restart_s``, ``seconds_lost``).
         wall_s: From the call to the last rank's return.
         first_step_s: From the call to the first report or heartbeat of any rank.
         attempts: 1, plus one per restart.
@@ -94,25 +98,38 @@ class LaunchResult:
 
 @dataclass
 class Recovery:
-    """One restart: what failed, and the checkpoint the next attempt continued from."""
+    """One restart: what failed, and what the next attempt continued from: a surviving
+    replica's kept state (``"replica"``), the newest checkpoint (``"checkpoint"``), or the
+    beginning (``"start"``)."""
 
     failure: str
     detected_at: float
     resumed_from_step: int
-    redo_s: float  # training since that checkpoint, done again
+    redo_s: float  # training since the state continued from, done again
+    recovered_from: str = "checkpoint"
     restart_s: float | None = None  # from detection to the resumed attempt's first step
+
+    def from_replica(self, source: LiveSource) -> None:
+        self.recovered_from, self.resumed_from_step = "replica", source.step
+        # Only the step in flight when the worker was lost is done again.
+        self.redo_s = max(0.0, self.detected_at - source.done_at)
 
     def finish(self, *, first_step_at: float) -> None:
         self.restart_s = max(0.0, first_step_at - self.detected_at)
 
     def describe(self) -> str:
-        return f"{self.failure}; resuming from step {self.resumed_from_step}"
+        if self.recovered_from == "replica":
+            where = "a surviving replica's state"
+        else:
+            where = "the newest checkpoint" if self.recovered_from == "checkpoint" else "the start"
+        return f"{self.failure}; resuming at step {self.resumed_from_step} from {where}"
 
     def summary(self) -> dict[str, Any]:
         return {
             "failure": self.failure,
             "detected_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.detected_at)),
             "detected_at_s": self.detected_at,
+            "recovered_from": self.recovered_from,
             "resumed_from_step": self.resumed_from_step,
             "redo_s": self.redo_s,
             "restart_s": self.restart_s,
@@ -133,6 +150,7 @@ class Failure:
             detected_at=self.detected_at,
             resumed_from_step=resume[1]["step"] if resume else 0,
             redo_s=max(0.0, self.detected_at - max(saved_at, self.attempt_started_at)),
+            recovered_from="checkpoint" if resume else "start",
         )
 
 
@@ -356,6 +374,7 @@ def launch_on(
     policy = FailurePolicy(settings.max_failures, retry_code_errors)
     recoveries: list[Recovery] = []
     failure: Failure | None = None
+    workers: list[str] = []  # the ranks' workers of the latest attempt
     # The job's hold on its workers spans its attempts: a recovering job keeps its place.
     with events, hold:
         for attempt in range(settings.max_failures + 1):
@@ -363,22 +382,34 @@ def launch_on(
             if resume:
                 # Records the checkpoint already holds were delivered by the run that wrote it.
                 events.skip(resume[1].get("history", []))
-            if failure is not None:
-                recoveries.append(failure.recovered_at(resume))
-                logger.warning("recovery %d: %s", len(recoveries), recoveries[-1].describe())
-                # The dashboard counts them; on_event handlers see a "recovery" record.
-                events.emit(
-                    {"kind": "recovery", "recoveries": len(recoveries), **recoveries[-1].summary()}
-                )
+            recovery = failure.recovered_at(resume) if failure is not None else None
+            if recovery is not None:
+                recoveries.append(recovery)
             attempt_started = time.time()
             heartbeats = Heartbeats()
             client.subscribe_topic(heartbeat_topic, heartbeats.record)
             try:
                 with ProcessGroup(client, settings, admission=admission) as group:
                     assert group.spec is not None
+                    workers = group.workers
                     if attempt == 0 and admission.queued_once:
                         events.emit(
                             {"kind": "admitted", "job_id": job_id, "waited_s": admission.waited_s}
+                        )
+                    source = None
+                    if recovery is not None:
+                        if settings.recovery == "replica":
+                            source = _live_source(client, job_id, workers, resume, settings)
+                        if source is not None:
+                            recovery.from_replica(source)
+                        logger.warning("recovery %d: %s", len(recoveries), recovery.describe())
+                        # The dashboard counts them; on_event handlers see a "recovery" record.
+                        events.emit(
+                            {
+                                "kind": "recovery",
+                                "recoveries": len(recoveries),
+                                **recovery.summary(),
+                            }
                         )
                     job = RankJob(
                         fn=fn,
@@ -392,9 +423,11 @@ def launch_on(
                         heartbeat_topic=heartbeat_topic,
                         checkpoint_dir=directory,
                         keep_checkpoints=keep_checkpoints,
-                        resume_from=str(resume[0]) if resume else None,
+                        resume_from=str(resume[0]) if resume and source is None else None,
                         signing_key_file=signing_key_file,
                         data=data,
+                        job_id=job_id,
+                        live_source=source,
                     )
                     payload = cloudpickle.dumps(job)
                     if attempt == 0:
@@ -408,13 +441,21 @@ def launch_on(
                     )
                 break
             except LaunchError as error:
+                _forget_kept(client, job_id, workers)
                 if failure is None:
                     raise  # the cluster cannot hold this run: a configuration error
                 raise TrainingFailed(
                     f"{failure.message}; no replacement worker arrived: {error}"
                 ) from error
             except (RankFailed, GroupFormationError) as error:
-                failure = _next_failure(error, attempt_started, policy, len(recoveries), fn)
+                try:
+                    failure = _next_failure(error, attempt_started, policy, len(recoveries), fn)
+                except BaseException:
+                    _forget_kept(client, job_id, workers)
+                    raise
+            except Exception:  # a stop, a user's error: not Ctrl-C, which must not wait
+                _forget_kept(client, job_id, workers)
+                raise
             finally:
                 client.unsubscribe_topic(heartbeat_topic)
     wall_s = time.time() - called_at
@@ -444,6 +485,33 @@ def launch_on(
     )
 
 
+def _live_source(
+    client: Client,
+    job_id: str,
+    workers: list[str],
+    resume: tuple[Path, dict[str, Any]] | None,
+    settings: LaunchConfig,
+) -> LiveSource | None:
+    """The surviving rank whose kept state is newest, if it is at least as new as the
+    checkpoint; None: continue from the checkpoint (or the start)."""
+    try:
+        answers = run_bounded(
+            client, live_recovery.held, job_id, workers=workers, timeout_s=settings.init_timeout_s
+        )
+    except TimeoutError:
+        return None
+    held = [a if isinstance(a := answers.get(w), dict) else None for w in workers]
+    return live_recovery.choose_source(held, checkpoint_step=resume[1]["step"] if resume else None)
+
+
+def _forget_kept(client: Client, job_id: str, workers: list[str]) -> None:
+    """The job ends without another attempt: its ranks' workers drop the states they kept."""
+    if not workers:
+        return
+    with contextlib.suppress(Exception):
+        run_bounded(client, live_recovery.forget, job_id, workers=workers, timeout_s=5.0)
+
+
 def _next_failure(
     error: RankFailed | GroupFormationError,
     attempt_started: float,
@@ -469,7 +537,7 @@ def _next_failure(
             f"{error} (at {time.strftime('%H:%M:%S')}); giving up after {recoveries} "
             f"recoveries (launch.max_failures = {policy.max_failures})"
         ) from error
-    logger.warning("attempt failed, restarting from the last checkpoint: %s", error)
+    logger.warning("attempt failed, restarting: %s", error)
     return Failure(str(error), getattr(error, "detected_at", time.time()), attempt_started)
 
 

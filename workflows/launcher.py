@@ -153,7 +153,13 @@ class LaunchConfig(BaseModel):
         default=900.0, gt=0, description="the bound before a rank's first step (loading, warm-up)"
     )
     max_failures: int = Field(
-        default=3, ge=0, description="restarts from the last checkpoint before the run fails"
+        default=3, ge=0, description="restarts after a failure before the run fails"
+    )
+    recovery: Literal["replica", "checkpoint"] = Field(
+        default="replica",
+        description="after a lost worker, continue from what a surviving data-parallel "
+        "replica holds in memory (no steps redone; the checkpoint when no replica's state is "
+        "as new), or always from the newest checkpoint",
     )
     release_timeout_s: float = Field(
         default=15.0,

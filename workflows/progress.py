@@ -15,6 +15,13 @@ from tqdm.auto import tqdm
 
 from workflows.driver import format_epoch
 
+# How the CLI's recovery line names what the run continued from.
+RECOVERED_FROM = {
+    "replica": " from a surviving replica's memory",
+    "checkpoint": " from the newest checkpoint",
+    "start": " from the start",
+}
+
 
 class EpochProgress:
     """An ``on_event`` handler that draws one tqdm bar per epoch."""
@@ -46,9 +53,10 @@ class EpochProgress:
             self._write(format_epoch(record))
         elif kind == "recovery":
             self.close()
+            origin = RECOVERED_FROM.get(record.get("recovered_from", ""), "")
             self._write(
-                f"recovery {record.get('recoveries')}: {record.get('failure')}; resuming from "
-                f"step {record.get('resumed_from_step')}"
+                f"recovery {record.get('recoveries')}: {record.get('failure')}; resuming at "
+                f"step {record.get('resumed_from_step')}{origin}"
             )
 
     def _open(self, epoch: int, done: int, loss: str) -> None:

@@ -8,9 +8,11 @@ SIGKILL costs.
    both with the workers' malloc settings: the ratio of the medians of steady samples/s.
 2. Call to first step: ``launch`` of a one-step function on a warm cluster, against
    torchrun's cold start of the same one-step script (process start to its first step).
-3. Recovery: a user loop that checkpoints every 10 steps, one worker SIGKILLed mid-run; the
-   seconds lost (training redone since the checkpoint, plus detection to the resumed first
-   step), median of the repeats.
+3. Recovery: a user loop that checkpoints every 10 steps and says where it stands after each
+   step (``ctx.step_done``), one worker SIGKILLed mid-run, five steps after a checkpoint; the
+   seconds lost (training redone, plus detection to the resumed first step), median of the
+   repeats, continuing from the survivor's memory (``launch.recovery = "replica"``, the
+   default) and, alternating with it, from the checkpoint (``"checkpoint"``).
 
 The built-in trainer against the same work written as a user function on ``launch`` is
 ``make bench``'s (``workflows.benchmarks.ddp_vs_torchrun``, beside torchrun).
@@ -106,12 +108,13 @@ def checkpointed_loop(ctx, steps: int, every: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
+        ctx.step_done(step + 1)
         ctx.report(step=step + 1)
         if (step + 1) % every == 0:
             ctx.save(state, step=step + 1)
 
 
-def recovery_seconds(cluster, steps: int, every: int) -> dict:
+def recovery_seconds(cluster, steps: int, every: int, recovery: str = "replica") -> dict:
     victim = max(cluster.client.run(os.getpid).values())
     kill_at = steps // 2 + every // 2
 
@@ -131,6 +134,7 @@ def recovery_seconds(cluster, steps: int, every: int) -> dict:
             world_size=2,
             checkpoint_dir=folder,
             on_event=kill,
+            config={"recovery": recovery},
         )
     (recovery,) = result.recoveries
     return recovery
@@ -142,12 +146,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=3, help="SIGKILLs per path and repeat")
     args = parser.parse_args()
     config = benchmark_config(args.steps, args.batch_size)
     config_json = config.model_dump_json()
     rates: dict[str, list[float]] = {"torchrun": [], "launch": []}
     firsts: dict[str, list[float]] = {"launch": [], "torchrun": []}
-    recoveries: list[dict] = []
+    recoveries: dict[str, list[dict]] = {"replica": [], "checkpoint": []}
     with start_cluster(n_workers=args.workers, dashboard_port=0) as cluster:
         warm = config.model_copy(
             update={"training": config.training.model_copy(update={"max_steps": 5})}
@@ -158,16 +163,18 @@ def main() -> None:
             rates["launch"].append(under_launch(cluster.client, config_json, args.workers))
             firsts["launch"].append(launch(first_step, cluster=cluster).first_step_s)
             firsts["torchrun"].append(torchrun_first_step(args.workers))
-            recoveries.append(recovery_seconds(cluster, steps=60, every=10))
+            for _ in range(args.kills):
+                for path, kept in recoveries.items():
+                    kept.append(recovery_seconds(cluster, steps=60, every=10, recovery=path))
             print(
                 f"repeat {repeat + 1}: torchrun {rates['torchrun'][-1]:.0f}, the same script "
                 f"under launch {rates['launch'][-1]:.0f} samples/s; first step "
                 f"{firsts['launch'][-1]:.3f} s vs {firsts['torchrun'][-1]:.2f} s; SIGKILL "
-                f"cost {recoveries[-1]['seconds_lost']:.2f} s",
+                f"cost {recoveries['replica'][-1]['seconds_lost']:.2f} s from the replica, "
+                f"{recoveries['checkpoint'][-1]['seconds_lost']:.2f} s from the checkpoint",
                 flush=True,
             )
     med = {k: statistics.median(v) for k, v in rates.items()}
-    lost = [r["seconds_lost"] for r in recoveries]
     print()
     print(f"seed CNN, {args.workers} ranks, batch {args.batch_size}, median of {args.repeats}:")
     print(f"  torchrun --standalone, our malloc settings   {med['torchrun']:8.0f} samples/s")
@@ -177,11 +184,15 @@ def main() -> None:
         f"call to first step: launch on a warm cluster {statistics.median(firsts['launch']):.3f}"
         f" s, torchrun cold start {statistics.median(firsts['torchrun']):.2f} s"
     )
-    print(
-        f"SIGKILL of a worker, checkpoint every 10 steps: {statistics.median(lost):.2f} s lost "
-        f"(median; redo {statistics.median(r['redo_s'] for r in recoveries):.2f} s + restart "
-        f"{statistics.median(r['restart_s'] for r in recoveries):.2f} s)"
-    )
+    for path, done in recoveries.items():
+        assert all(r["recovered_from"] == path for r in done), done
+        print(
+            f"SIGKILL of a worker, continued from the {path:10s}: "
+            f"{statistics.median(r['seconds_lost'] for r in done):.2f} s lost (median of "
+            f"{len(done)}; redo {statistics.median(r['redo_s'] for r in done):.2f} s + restart "
+            f"{statistics.median(r['restart_s'] for r in done):.2f} s, slowest restart "
+            f"{max(r['restart_s'] for r in done):.2f} s)"
+        )
 
 
 if __name__ == "__main__":
