@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import dask
@@ -59,6 +60,25 @@ def test_live_workers_never_reads_the_clients_worker_less_cache(cluster):
     ):
         for _ in range(300):
             assert len(live_workers(client)) == 2
+
+
+def test_waits_use_the_futures_own_client_when_a_newer_one_is_the_default(cluster):
+    import distributed
+
+    from workers.futures import wait_futures
+
+    first = cluster.client
+    future = first.submit(time.sleep, 1.0, pure=False)
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.01)  # its completion event now lives on first's event loop
+    with Client(first.scheduler.address) as newer:
+        assert distributed.client.default_client() is newer
+        # Dask's own wait uses the newest client: it fails at once instead of waiting (a
+        # clean-up that swallowed this let tasks write into a store being rebuilt).
+        with pytest.raises(RuntimeError, match="different event loop"):
+            distributed.wait([future], timeout=10)
+        wait_futures([future], timeout_s=10)
+        assert future.status == "finished"
 
 
 def test_without_malloc_tuning_workers_get_glibc_defaults_not_dasks_trim():

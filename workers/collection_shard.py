@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from workers.data import StoreSplit
+from workers.futures import wait_futures
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def _fetched(
 ) -> dict[Hashable, Any]:
     """Values held elsewhere, or lost with a worker and recomputed by Dask (the rank task has
     left its worker's thread pool, so a recomputation can run there too)."""
-    from distributed import get_client, wait
+    from distributed import get_client
 
     client = get_client(timeout=timeout_s)
     # The client published the run's futures: taken from there, the scheduler knows that
@@ -278,7 +279,7 @@ def _fetched(
     published = {f.key: f for f in client.get_dataset(dataset)}
     futures = [published[key] for key in keys]
     try:
-        wait(futures, timeout=timeout_s)
+        wait_futures(futures, timeout_s=timeout_s)
     except TimeoutError:
         raise TimeoutError(
             f"data[{split!r}]: {len(keys)} partitions were not available within {timeout_s:g} s"

@@ -33,9 +33,10 @@ import fsspec
 import numpy as np
 import pandas as pd
 import zarr
-from distributed import Client, wait
+from distributed import Client
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from workers.futures import wait_futures
 from workers.inference import (
     CheckpointError,
     ModelPlugin,
@@ -682,7 +683,7 @@ def _score(
             collections.append(frame.groupby(["label", "prediction"]).size(split_out=1))
         futures = client.compute(collections, workers=held, allow_other_workers=False)
         try:
-            wait(futures, timeout=settings.timeout_s)
+            wait_futures(futures, timeout_s=settings.timeout_s)
         except TimeoutError:
             raise TimeoutError(
                 f"predict.timeout_s: scoring {plan.count} samples took longer than "

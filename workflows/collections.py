@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from distributed import Client, Future, futures_of, wait
+from distributed import Client, Future, futures_of
 
 from workers.collection_shard import CollectionPlan, Piece, SplitPlan
+from workers.futures import wait_futures
 from workflows.cluster import live_workers
 from workflows.launcher import LaunchConfig, select_workers
 
@@ -315,7 +316,7 @@ def wait_for_partitions(futures: list[Future], timeout_s: float, where: str) -> 
     """Every future done within ``timeout_s``; a partition that failed to compute is a
     DataError naming ``where`` (the split) and the error."""
     try:
-        wait(futures, timeout=timeout_s)
+        wait_futures(futures, timeout_s=timeout_s)
     except TimeoutError:
         raise TimeoutError(
             f"{where}: the partitions were not ready within {timeout_s:g} s"

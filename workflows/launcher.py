@@ -21,10 +21,11 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Self
 
-from distributed import Client, Future, wait
-from distributed.comm import get_address_host
+from distributed import Client, Future
+from distributed.comm import CommClosedError, get_address_host
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from workers.futures import wait_futures
 from workers.process_group import (
     ProcessGroupPlugin,
     ProcessGroupSpec,
@@ -243,7 +244,15 @@ class RankFailed(RuntimeError):
 
 
 class RankHung(RankFailed):
-    """A rank stopped making progress (a stopped process, a deadlocked collective)."""
+    """A rank stopped making progress (a stopped process, a deadlocked collective).
+
+    ``stuck``: the silent ranks' workers that did not answer either (a stopped process); the
+    others wait in a collective for them and let go of the group in place.
+    """
+
+    def __init__(self, message: str, *, rank: int, worker: str, stuck: Iterable[str]) -> None:
+        super().__init__(message, rank=rank, worker=worker)
+        self.stuck = list(stuck)
 
 
 class JobStopped(RuntimeError):
@@ -265,19 +274,20 @@ class Heartbeats:
         first = self._seen.get(rank, (0.0, step, step))[2]
         self._seen[rank] = (time.monotonic(), step, first)
 
-    def silent_rank(
+    def silent_ranks(
         self, ranks: int, *, since: float, hang_timeout_s: float, first_step_timeout_s: float
-    ) -> tuple[int, float] | None:
-        """A rank past its bound, with the seconds it has been silent, or None."""
+    ) -> list[tuple[int, float]]:
+        """The ranks past their bound, each with the seconds it has been silent."""
         now = time.monotonic()
+        silent = []
         for rank in range(ranks):
             when, step, first = self._seen.get(rank, (since, -1, -1))
             # Before its first step a rank may load data and warm up for a long time.
             if step == first and now - since > first_step_timeout_s:
-                return rank, now - since
-            if step != first and now - when > hang_timeout_s:
-                return rank, now - when
-        return None
+                silent.append((rank, now - since))
+            elif step != first and now - when > hang_timeout_s:
+                silent.append((rank, now - when))
+        return silent
 
 
 class ProcessGroup:
@@ -378,8 +388,16 @@ class ProcessGroup:
             self._release(spec, stuck=set(stuck))
         # Restarted workers are new processes: the spec's worker ids keep them out of the group,
         # whatever address they come back at. Unregistering tears the group down on the rest.
-        with contextlib.suppress(ValueError):  # nothing registered any more
+        try:
             self.client.unregister_worker_plugin(spec.plugin_name)
+        except ValueError:
+            pass  # nothing registered any more
+        except CommClosedError as error:
+            # The teardown reached a worker that had just been killed (the scheduler names
+            # the dead process in its broadcast until it notices): its plugin went with it.
+            logger.info(
+                "process group %s: teardown missed a killed worker: %s", spec.generation, error
+            )
         if self._owns_admission:
             self.admission.release()
 
@@ -409,16 +427,32 @@ class ProcessGroup:
             ]
             if pending:
                 time.sleep(RELEASE_POLL_S)
+        if restart:
+            # A stopped process cannot close itself: its nanny kills it, and starts another.
+            logger.warning("killing rank workers %s: they stopped answering", restart)
+            killed = _kill_through_nannies(self.client, restart)
+            self._await_departure(spec, killed)
+            restart = [w for w in restart if w not in killed]
         restart += pending
         if restart:
             logger.warning("restarting rank workers %s: they did not let go of the group", restart)
             self.client.restart_workers(restart, timeout=60, raise_for_error=False)
 
+    def _await_departure(self, spec: ProcessGroupSpec, killed: list[str]) -> None:
+        """Until the scheduler has seen the killed processes go (their plugins' teardown would
+        fail on them), ``launch.release_timeout_s`` at most."""
+        deadline = time.monotonic() + self.config.release_timeout_s
+        while killed and time.monotonic() < deadline:
+            alive = live_workers(self.client)
+            killed = [w for w in killed if alive.get(w, {}).get("id") == spec.worker_ids.get(w)]
+            if killed:
+                time.sleep(RELEASE_POLL_S / 5)
+
     def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, exc_type: object, exc: object, *_: object) -> None:
-        stuck = [exc.worker] if isinstance(exc, RankHung) else []
+        stuck = exc.stuck if isinstance(exc, RankHung) else []
         self.shutdown(abort=exc_type is not None, stuck=stuck)
 
     # -- running ---------------------------------------------------------------------------
@@ -475,7 +509,9 @@ class ProcessGroup:
         pending = list(futures)
         while pending:
             with contextlib.suppress(TimeoutError):
-                wait(pending, timeout=self.config.poll_interval_s, return_when="FIRST_COMPLETED")
+                wait_futures(
+                    pending, timeout_s=self.config.poll_interval_s, return_when="FIRST_COMPLETED"
+                )
             failure = self._failure(futures)
             if failure is not None:
                 raise self._root_cause(futures, failure)
@@ -484,20 +520,18 @@ class ProcessGroup:
                 return
             if stop is not None and stop.is_set():
                 raise JobStopped("the job was asked to stop")
-            silent = heartbeats and heartbeats.silent_rank(
-                len(futures),
-                since=submitted,
-                hang_timeout_s=self.config.hang_timeout_s,
-                first_step_timeout_s=self.config.first_step_timeout_s,
+            silent = (
+                heartbeats.silent_ranks(
+                    len(futures),
+                    since=submitted,
+                    hang_timeout_s=self.config.hang_timeout_s,
+                    first_step_timeout_s=self.config.first_step_timeout_s,
+                )
+                if heartbeats
+                else []
             )
             if silent:
-                rank, seconds = silent
-                raise RankHung(
-                    f"rank {rank} on worker {self.workers[rank]} made no progress for "
-                    f"{seconds:.0f} s (launch.hang_timeout_s = {self.config.hang_timeout_s:g})",
-                    rank=rank,
-                    worker=self.workers[rank],
-                )
+                raise self._hung(silent)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not finish within {timeout_s:g} s")
 
@@ -537,13 +571,30 @@ class ProcessGroup:
             with contextlib.suppress(TimeoutError):
                 pending = [f for f in futures if not f.done()]
                 if pending:
-                    wait(pending, timeout=RELEASE_POLL_S * 2, return_when="FIRST_COMPLETED")
+                    wait_futures(
+                        pending, timeout_s=RELEASE_POLL_S * 2, return_when="FIRST_COMPLETED"
+                    )
                 else:
                     time.sleep(RELEASE_POLL_S)
             found = self._failure(futures)
             if found is not None and (not found.infrastructure or "left the cluster" in str(found)):
                 return found
         return first
+
+    def _hung(self, silent: list[tuple[int, float]]) -> RankHung:
+        """The hang, blamed on the silent ranks whose workers do not answer either: a rank
+        waiting in a collective for a stopped peer is silent too, but its worker answers."""
+        workers = [self.workers[rank] for rank, _ in silent]
+        answering = answering_workers(self.client, workers, timeout_s=self.config.settle_s)
+        stuck = [(r, s) for r, s in silent if self.workers[r] not in answering] or silent[:1]
+        rank, seconds = stuck[0]
+        return RankHung(
+            f"rank {rank} on worker {self.workers[rank]} made no progress for "
+            f"{seconds:.0f} s (launch.hang_timeout_s = {self.config.hang_timeout_s:g})",
+            rank=rank,
+            worker=self.workers[rank],
+            stuck=[self.workers[r] for r, _ in stuck if self.workers[r] not in answering],
+        )
 
     def _raised(self, rank: int, future: Future) -> RankFailed:
         error = future.exception()
@@ -651,6 +702,49 @@ def _resolve_backend(requested: str, described: dict[str, dict[str, Any]]) -> st
             f"chosen workers have none ({', '.join(without_gpu)}); use backend = 'gloo' or 'auto'"
         )
     return requested
+
+
+def answering_workers(client: Client, workers: list[str], *, timeout_s: float) -> set[str]:
+    """The workers among ``workers`` whose event loop answers within ``timeout_s``."""
+
+    async def answers(worker: str) -> bool:
+        try:
+            await asyncio.wait_for(client._run(_answer, workers=[worker]), timeout_s)
+        except Exception:  # no answer in time, or gone
+            return False
+        return True
+
+    async def all_of_them() -> list[bool]:
+        return await asyncio.gather(*(answers(worker) for worker in workers))
+
+    return {w for w, ok in zip(workers, client.sync(all_of_them), strict=True) if ok}
+
+
+def _answer() -> bool:
+    return True
+
+
+def _kill_through_nannies(client: Client, workers: list[str]) -> list[str]:
+    """SIGKILL the processes of ``workers`` from their nannies, which start new ones at once
+    (a stopped process would spend Dask's 4 s grace before its restart); returns the workers
+    killed. The others (no nanny to do it) are left for ``Client.restart_workers``."""
+    try:
+        done = client.run(_kill_worker_process, workers=workers, nanny=True, on_error="return")
+    except Exception:
+        return []
+    return [w for w in workers if done.get(w) is True]
+
+
+def _kill_worker_process(dask_worker: Any) -> bool:
+    """Run on a nanny: SIGKILL its worker process (its nanny then starts another)."""
+    import os
+    import signal
+
+    process = getattr(getattr(dask_worker, "process", None), "process", None)
+    if process is None or process.pid is None:
+        return False
+    os.kill(process.pid, signal.SIGKILL)
+    return True
 
 
 def run_bounded(

@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 import zarr
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from workers.data import DataConfig
+from workers.futures import wait_futures
 from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
 from workers.sources import Listing, SourceError, digest, list_records
 
@@ -233,7 +234,7 @@ def gather_settled(client: Client, futures: list[Future]) -> list[Any]:
         # Partitions are small, so letting the running ones finish is quick; cancelling would
         # not stop a task already writing.
         with contextlib.suppress(Exception):
-            wait(futures, timeout=120)
+            wait_futures(futures, timeout_s=120)
         client.cancel(futures)
         raise
 
