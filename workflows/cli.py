@@ -260,10 +260,10 @@ def preprocess(
     force: bool,
 ) -> None:
     """Build CONFIG's dataset store as Dask tasks (or confirm it is up to date)."""
+    resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
     from workflows.cluster import start_cluster
     from workflows.preprocess import prepare_store
 
-    resolved = _load(config, overrides, scheduler, scheduler_file)
     with _exit_codes("preprocessing"), start_cluster(resolved.cluster) as cluster:
         click.echo(f"dashboard: {cluster.dashboard_link}")
         manifest = prepare_store(
@@ -285,12 +285,12 @@ def plan(
     config: Path, overrides: tuple[str, ...], scheduler: str | None, scheduler_file: str | None
 ) -> None:
     """Profile CONFIG's model on a worker; print the stage split and the strategy that fits."""
+    resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
     from workflows.cluster import live_workers, start_cluster
     from workflows.launcher import select_workers
     from workflows.planner import plan as plan_stages
     from workflows.preprocess import read_manifest
 
-    resolved = _load(config, overrides, scheduler, scheduler_file)
     data = resolved.data.resolved()
     manifest = read_manifest(data.store_url, storage_options=data.storage_options)
     # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
@@ -334,12 +334,13 @@ def run(
     resume: bool,
 ) -> None:
     """Train as CONFIG says: one line per epoch, results in the run directory."""
+    # The config first: a mistyped path or field is told at once, not after importing torch.
+    resolved = _load(config, overrides, scheduler, scheduler_file)
     from workflows.driver import print_progress, train
     from workflows.progress import EpochProgress
     from workflows.run_directory import RunDirectory
     from workflows.tracking import TrackingError
 
-    resolved = _load(config, overrides, scheduler, scheduler_file)
     try:
         run_directory = RunDirectory.create(resolved, output, resume=resume)
     except (ConfigError, OSError) as error:
