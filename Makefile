@@ -1,7 +1,8 @@
 # The two commands a fresh machine needs: `make demo` and `make test`. Each creates .venv when
-# missing and installs what it needs, with the exact pins of constraints.txt. --no-compile: pip
-# would compile every installed module to bytecode (a minute here, mostly torch's); Python
-# compiles the ones a program imports, once, when it first imports them.
+# missing and installs what it needs, with the exact pins of constraints.txt. pip compiles every
+# module to bytecode (a minute, mostly torch's): keep it, since these machines set
+# PYTHONDONTWRITEBYTECODE=1 and nothing would ever be compiled after (measured: the suite ran
+# half again as long, every process compiling torch from source).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3.11
@@ -17,7 +18,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[test,notebook,mlflow,timm,sweep,docs]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,notebook,mlflow,timm,sweep,docs]' 2>&1 | $(QUIET_PIP)
 	$(BIN)/python -c "import dask_cuda, distributed, torch, torchvision; print('installed torch', torch.__version__, '/ distributed', distributed.__version__, '/ dask-cuda', dask_cuda.__version__)"
 	touch $(STAMP)
 
