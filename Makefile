@@ -2,7 +2,7 @@
 # missing and installs what it needs, with the exact pins of constraints.txt. pip compiles every
 # module to bytecode (a minute, mostly torch's): keep it, since these machines set
 # PYTHONDONTWRITEBYTECODE=1 and nothing would ever be compiled after (measured: the suite ran
-# half again as long, every process compiling torch from source).
+# about twice as long, every process compiling torch from source).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3.11

@@ -273,7 +273,13 @@ def _continue(ctx: RankContext) -> Restore:
             )
         else:
             start = Progress()
-        live_recovery.keep(ctx.job_id, _kept_state(state), step=start.step)
+        # Where this attempt starts is a position too: a worker lost before its first step
+        # leaves the survivors holding it.
+        at_start = {"epoch": start.epoch, "batch": start.batch, "history": start.history}
+        if start.sums:
+            sums, count = start.sums[:-1], start.sums[-1]
+            at_start |= {"sums": torch.tensor(sums, dtype=torch.float64), "count": int(count)}
+        live_recovery.keep(ctx.job_id, _kept_state(state), step=start.step, progress=at_start)
         return start
 
     return restore
