@@ -47,6 +47,7 @@ from workflows.failure_policy import is_infrastructure_error
 
 logger = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.05
+PROBE_MIN_S = 1.0  # the least a worker is given to answer before it counts as stopped
 
 
 class WorkerSelection(BaseModel):
@@ -585,7 +586,9 @@ class ProcessGroup:
         """The hang, blamed on the silent ranks whose workers do not answer either: a rank
         waiting in a collective for a stopped peer is silent too, but its worker answers."""
         workers = [self.workers[rank] for rank, _ in silent]
-        answering = answering_workers(self.client, workers, timeout_s=self.config.settle_s)
+        # At least a second: with settle_s = 0 every live worker would count as stopped.
+        bound = max(self.config.settle_s, PROBE_MIN_S)
+        answering = answering_workers(self.client, workers, timeout_s=bound)
         stuck = [(r, s) for r, s in silent if self.workers[r] not in answering] or silent[:1]
         rank, seconds = stuck[0]
         return RankHung(
