@@ -1,8 +1,12 @@
 """The batch CLI as the tests run it: a real process running this checkout's code."""
 
+import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 
@@ -31,3 +35,15 @@ def digits_run(
         *(item for key, value in training.items() for item in ("--set", f"training.{key}={value}")),
         *("--output", str(output)),
     ]
+
+
+def session_leftovers(session: int) -> list[psutil.Process]:
+    """The processes still alive in the session a command was started in with
+    ``start_new_session=True`` (its id is the command's pid): what it left behind. Zombies
+    are not counted: they have exited, and wait for this machine's init to reap them."""
+    alive = []
+    for candidate in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(candidate.pid) == session and candidate.status() != psutil.STATUS_ZOMBIE:
+                alive.append(candidate)
+    return alive

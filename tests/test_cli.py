@@ -1,6 +1,5 @@
 """The batch CLI end to end, as a scheduler would call it: real processes, real files."""
 
-import contextlib
 import json
 import os
 import re
@@ -15,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from tests.commands import CONFIGS, dask_train, digits_run, run_dask_train
+from tests.commands import CONFIGS, dask_train, digits_run, run_dask_train, session_leftovers
 from tests.datasets import write_tiny_cifar10
 from workers.models import build_model
 
@@ -262,15 +261,6 @@ def test_a_config_path_that_is_no_readable_toml_file_exits_2_with_one_line(tmp_p
         assert "\n" not in line
 
 
-def _session_leftovers(session: int) -> list[psutil.Process]:
-    alive = []
-    for candidate in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getsid(candidate.pid) == session:
-                alive.append(candidate)
-    return alive
-
-
 # Each moment: what shows that the run has reached it, checked every 20 ms.
 MOMENTS = {
     "cluster start": lambda out, run: any(line.startswith("run directory:") for line in out),
@@ -301,7 +291,9 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
     from workflows.cli import INTERRUPT_EXIT_BOUND_S
 
     output = tmp_path / "run"
-    arguments = digits_run(store_dir, output, epochs=1 if moment == "shutdown" else 40)
+    # Shut down after 4 steps (two checkpoints), or else be interrupted long before the end.
+    ending = {"epochs": 1, "max_steps": 4} if moment == "shutdown" else {"epochs": 40}
+    arguments = digits_run(store_dir, output, **ending)
     arguments += ["--set", "training.log_every_steps=1", "--set", "checkpoint.every_steps=2"]
     if moment == "preprocessing":
         arguments += ["--set", f"data.store='{tmp_path / 'fresh-store'}'"]
@@ -340,7 +332,7 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
     assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
     # Dask may still log while the interrupted cluster closes at exit: any line, not the last.
     assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines()), stderr
-    _, alive = psutil.wait_procs(_session_leftovers(process.pid), timeout=60)
+    _, alive = psutil.wait_procs(session_leftovers(process.pid), timeout=60)
     assert alive == [], f"{moment}: processes left behind: {alive}"
     if moment == "cluster start":
         # The directory was named before it was written, and written only once the cluster

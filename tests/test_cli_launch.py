@@ -1,6 +1,7 @@
 """``dask-train launch``: unmodified torchrun scripts on worker processes, as a batch system
 would run them. Real CLI processes, real clusters, real signals."""
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.commands import dask_train
+from tests.commands import dask_train, session_leftovers
 
 ROOT = Path(__file__).parents[1]
 
@@ -124,6 +125,25 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path):
     assert len(missing.stderr.strip().splitlines()) == 1
     zero = _launch("--world-size", "0", str(tmp_path / "x.py"))
     assert zero.returncode == 2
+
+
+def test_a_refused_launch_leaves_no_process_behind(tmp_path):
+    # The workers' fork server starts importing torch before the script is looked for. Left to
+    # itself it would run on for seconds after a refusal, holding the caller's pipes open; the
+    # command stops it as it exits. (Its resource tracker ends by itself once the command is
+    # gone, so only the fork server is looked for the moment the command has exited.)
+    process = subprocess.Popen(
+        dask_train("launch", str(tmp_path / "no_such_script.py")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    assert process.wait(timeout=120) == 2
+    left = []
+    for leftover in session_leftovers(process.pid):
+        with contextlib.suppress(psutil.Error):
+            left.append(" ".join(leftover.cmdline()))
+    assert not [command for command in left if "multiprocessing.forkserver" in command], left
 
 
 def _pids_in(folder: Path) -> list[int]:

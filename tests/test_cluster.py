@@ -1,6 +1,5 @@
 """The cluster factory starts real worker processes fit for training."""
 
-import contextlib
 import json
 import multiprocessing
 import os
@@ -17,6 +16,7 @@ import torch
 from distributed import Client
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.commands import session_leftovers
 from workflows.cluster import (
     ClusterConfig,
     count_gpus,
@@ -225,15 +225,7 @@ def _run_in_own_session(args: list[str], cwd) -> subprocess.CompletedProcess:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
 
-    def leftovers() -> list[psutil.Process]:
-        alive = []
-        for candidate in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
-                if os.getsid(candidate.pid) == process.pid:
-                    alive.append(candidate)
-        return alive
-
-    _, alive = psutil.wait_procs(leftovers(), timeout=30)
+    _, alive = psutil.wait_procs(session_leftovers(process.pid), timeout=30)
     assert alive == [], f"processes left behind: {alive}"
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 

@@ -78,6 +78,19 @@ def list_records(
     raise SourceError(f"data.dataset: unknown dataset {dataset!r}")
 
 
+def check_root(dataset: str, *, root: str | None, storage_options: dict[str, Any] | None) -> None:
+    """Fail as ``list_records`` would on a missing root, at the cost of one look at it: what a
+    command checks before it starts a cluster (the whole listing comes later, once)."""
+    if dataset not in ("cifar10", "imagefolder"):
+        return
+    if root is None:
+        raise SourceError(f"data.root: the {dataset} dataset needs a root")
+    if dataset == "cifar10":
+        _cifar10_folder(root, storage_options or {})
+    else:
+        _imagefolder_root(root, storage_options or {})
+
+
 def decode(
     dataset: str,
     records: list[Any],
@@ -173,13 +186,18 @@ def _decode_synthetic(records: list[int], size: int, seed: int) -> Decoded:
 # -- cifar10: the torchvision on-disk format (pickled batches) ------------------------------
 
 
-def _list_cifar10(root: str, storage_options: dict[str, Any]) -> Listing:
+def _cifar10_folder(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     fs, base = fsspec.core.url_to_fs(root.rstrip("/") + "/" + CIFAR_FOLDER, **storage_options)
     if not fs.isdir(base):
         raise SourceError(
             f"data.root: {root}/{CIFAR_FOLDER} does not exist; point data.root at the folder "
             "holding cifar-10-batches-py"
         )
+    return fs, base
+
+
+def _list_cifar10(root: str, storage_options: dict[str, Any]) -> Listing:
+    fs, base = _cifar10_folder(root, storage_options)
     missing = [name for name in CIFAR_TRAIN + CIFAR_TEST if not fs.isfile(f"{base}/{name}")]
     if missing:
         raise SourceError(f"data.root: {root}/{CIFAR_FOLDER} lacks {', '.join(missing)}")
@@ -228,9 +246,7 @@ def _decode_cifar10(
 # -- imagefolder: a class-per-folder tree of images, local or any fsspec URL ------------------
 
 
-def _list_imagefolder(
-    root: str, val_fraction: float, seed: int, storage_options: dict[str, Any]
-) -> Listing:
+def _imagefolder_root(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     try:
         fs, base = fsspec.core.url_to_fs(root, **storage_options)
         exists = fs.isdir(base)
@@ -240,6 +256,13 @@ def _list_imagefolder(
         ) from error
     if not exists:
         raise SourceError(f"data.root: {root} is not a readable folder")
+    return fs, base
+
+
+def _list_imagefolder(
+    root: str, val_fraction: float, seed: int, storage_options: dict[str, Any]
+) -> Listing:
+    fs, base = _imagefolder_root(root, storage_options)
     splits = {name: f"{base}/{name}" for name in ("train", "val") if fs.isdir(f"{base}/{name}")}
     if set(splits) == {"train", "val"}:
         train_items, classes = _scan_classes(fs, splits["train"], root + "/train")

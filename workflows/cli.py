@@ -4,8 +4,10 @@ Exit codes a scheduler can act on: 0 success, 2 invalid config or arguments (one
 traceback), 1 training (or prediction) failure, 130 interrupted.
 """
 
+import atexit
 import contextlib
 import errno
+import gc
 import logging
 import os
 import signal
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from workers.config_models import LOSSES
-from workers.sources import SourceError
+from workers.sources import SourceError, check_root
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError
@@ -84,6 +86,11 @@ class _Command(click.Group):
         if not standalone_mode:  # called from Python: the caller owns signals and errors
             return super().main(args, prog_name, complete_var, False, **extra)
         _Interrupts().install()
+        # Python's last garbage collection at exit scans every object torch, Dask and pydantic
+        # made: 1.0-1.2 s of each command's exit, measured here. What the command opened is
+        # closed by then (context managers), so the objects are frozen instead of scanned.
+        # Registered first, it runs after every other exit hook.
+        atexit.register(gc.freeze)
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as error:
@@ -158,6 +165,25 @@ def _load(
         return resolved
     except ConfigError as error:
         _fail(EXIT_INVALID, f"invalid config: {error}")
+
+
+def _check_data_root(config: RunConfig) -> None:
+    """A missing data.root is told now, not once a cluster has started (seconds later)."""
+    data = config.data
+    if data.dataset == "cifar10" and data.download:
+        return  # the download makes it
+    try:
+        check_root(data.dataset, root=data.resolved().root, storage_options=data.storage_options)
+    except SourceError as error:
+        _fail(EXIT_INVALID, str(error))
+
+
+def _start_worker_imports(config: RunConfig) -> None:
+    """Have the local workers' fork server import torch now, while this process imports it too:
+    on two cores a local cluster is then up ~3 s sooner (measured: 5.7 s to start cold)."""
+    from workflows.cluster import start_fork_server_early
+
+    start_fork_server_early(config.cluster)
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -261,6 +287,8 @@ def preprocess(
 ) -> None:
     """Build CONFIG's dataset store as Dask tasks (or confirm it is up to date)."""
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
+    _check_data_root(resolved)
+    _start_worker_imports(resolved)
     from workflows.cluster import start_cluster
     from workflows.preprocess import prepare_store
 
@@ -286,6 +314,7 @@ def plan(
 ) -> None:
     """Profile CONFIG's model on a worker; print the stage split and the strategy that fits."""
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
+    _start_worker_imports(resolved)
     from workflows.cluster import live_workers, start_cluster
     from workflows.launcher import select_workers
     from workflows.planner import plan as plan_stages
@@ -336,10 +365,7 @@ def run(
     """Train as CONFIG says: one line per epoch, results in the run directory."""
     # The config first: a mistyped path or field is told at once, not after importing torch.
     resolved = _load(config, overrides, scheduler, scheduler_file)
-    from workflows.driver import print_progress, train
-    from workflows.progress import EpochProgress
     from workflows.run_directory import RunDirectory
-    from workflows.tracking import TrackingError
 
     try:
         run_directory = RunDirectory.create(resolved, output, resume=resume)
@@ -355,6 +381,12 @@ def run(
             "nothing to resume"
         )
         return
+    _check_data_root(resolved)
+    _start_worker_imports(resolved)
+    from workflows.driver import print_progress, train
+    from workflows.progress import EpochProgress
+    from workflows.tracking import TrackingError
+
     raw = resolved.model_dump()
     if resolved.checkpoint.directory is None:
         # Checkpoints live with the run, so --resume (or a restart after a failure) finds them.
@@ -565,17 +597,20 @@ def sweep(
 ) -> None:
     """Sweep CONFIG's values: one training run per trial, chosen by Optuna, several at once;
     trials.csv and best.json in the sweep's directory."""
-    from workflows.cluster import start_cluster
     from workflows.sweep_directory import SweepDirectory
-    from workflows.sweeps import run_sweep, sweep_spec
 
     resolved = _load(config, overrides, scheduler)
+    _check_data_root(resolved)
     try:
         directory = SweepDirectory.open(
             resolved.name, output, study_name=study_name, storage=storage
         )
     except ConfigError as error:
         _fail(EXIT_INVALID, str(error))
+    _start_worker_imports(resolved)
+    from workflows.cluster import start_cluster
+    from workflows.sweeps import run_sweep, sweep_spec
+
     checkpoints = None if resolved.checkpoint.directory else directory.checkpoints
     settings = {"n_trials": n_trials, "metric": metric, "mode": mode}
     choices = {"trial_world_size": trial_world_size, "sampler": sampler, "pruner": pruner}
@@ -678,15 +713,22 @@ def launch(
     """Run SCRIPT on every rank, as torchrun would: an unmodified script that calls
     init_process_group() from the environment, ``-m package.module``, or
     ``package.module:function`` (called with a rank context, through the Python API)."""
-    from workflows.cluster import ClusterConfig
+    from workflows.cluster import ClusterConfig, start_fork_server_early
     from workflows.launcher import LaunchConfig
-    from workflows.script_launch import ScriptNotFound, launch_script, resolve_target
 
     try:
         cluster = ClusterConfig(scheduler=scheduler, scheduler_file=scheduler_file, n_workers=None)
         if not cluster.existing and world_size is not None:
             cluster = ClusterConfig(n_workers=world_size)
         settings = LaunchConfig(world_size=world_size, max_failures=max_restarts)
+    except ValueError as error:
+        _fail(EXIT_INVALID, str(error).splitlines()[0])
+    # The workers' imports go on beside ours (torch, and the target's); a target refused below
+    # stops the fork server at exit.
+    start_fork_server_early(cluster)
+    from workflows.script_launch import ScriptNotFound, launch_script, resolve_target
+
+    try:
         resolve_target(script, module=module)  # a missing script fails before a cluster starts
     except (ValueError, ScriptNotFound) as error:
         _fail(EXIT_INVALID, str(error).splitlines()[0])

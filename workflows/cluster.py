@@ -10,11 +10,14 @@ reuse instead.
 
 import ast
 import asyncio
+import atexit
 import contextlib
+import functools
 import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -137,6 +140,48 @@ def _ensure_fork_server() -> None:
             os.environ.pop(name, None)
         os.environ.update(neutral)
         multiprocessing.forkserver.ensure_running()  # no-op when it already runs
+    _stop_fork_server_at_exit()
+
+
+@functools.cache
+def _stop_fork_server_at_exit() -> None:
+    atexit.register(_stop_fork_server)
+
+
+def _stop_fork_server() -> None:
+    """Stop the fork server as this process exits, unless workers forked from it still run.
+    By itself it sees its parent gone only once its imports are done: a process that exits
+    before then (a run refused, interrupted or failed seconds after start_fork_server_early)
+    would leave it running for seconds more, holding the stdout and stderr it inherited, which
+    a caller reading them to the end waits on. Workers still running are Dask's to close (its
+    own exit hook may run after this one), and their nannies learn of their exit through the
+    fork server: then it is left to exit by itself."""
+    import multiprocessing.forkserver
+
+    import psutil
+
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid  # no public handle on it
+    if pid is None:
+        return
+    with contextlib.suppress(psutil.Error, ProcessLookupError, ChildProcessError):
+        if psutil.Process(pid).children():
+            return
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def start_fork_server_early(config: "ClusterConfig") -> None:
+    """Start the fork server that ``config``'s local workers will be forked from, without
+    waiting for it. Its imports (torch and what ranks use: ~6 s of one core, most of a local
+    cluster's start) then run beside the caller's own; the CLI calls this as soon as the config
+    is read, before it imports torch itself. Nothing happens for an existing cluster or for
+    workers that are spawned."""
+    if not config.existing and _forks_workers(config, _worker_memory_bytes(config)):
+        _ensure_fork_server()
+
+
+def _forks_workers(config: "ClusterConfig", memory: int | None) -> bool:
+    return config.fork_workers and (not memory or memory >= FORK_MIN_MEMORY)
 
 
 class ClusterConfig(BaseModel):
@@ -275,7 +320,7 @@ class TrainingCluster:
             if not config.existing:
                 memory = _worker_memory_bytes(config)
                 malloc = malloc_settings(memory) if config.tune_malloc else None
-                fork = config.fork_workers and (not memory or memory >= FORK_MIN_MEMORY)
+                fork = _forks_workers(config, memory)
                 if config.fork_workers and not fork:
                     logger.info(
                         "workers of %d MB are spawned, not forked: a forked worker starts with "

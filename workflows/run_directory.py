@@ -32,12 +32,12 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Self
-
-import torch
+from typing import TYPE_CHECKING, Any, Self
 
 from workflows.config import ConfigError, RunConfig
-from workflows.driver import TrainResult
+
+if TYPE_CHECKING:  # the driver imports torch: a refused or finished run never needs it
+    from workflows.driver import TrainResult
 
 CONFIG, SUMMARY, ATTEMPTS = "config.json", "summary.json", "attempts.jsonl"
 
@@ -303,9 +303,11 @@ class RunDirectory:
         if record.get("kind") == "epoch":
             logger.info("epoch %s/%s: %s", record["epoch"], record["epochs"], record)
 
-    def finish(self, result: TrainResult) -> dict[str, Any]:
+    def finish(self, result: "TrainResult") -> dict[str, Any]:
         """Write the final model and the summary; returns the summary. The attempt that trained
         (``attempt()``, or else everything since entering) joins the attempts before it."""
+        import torch
+
         model_path = self.path / "model.pt"
         torch.save(result.state_dict, model_path)
         earlier = self.attempts()
