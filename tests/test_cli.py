@@ -318,7 +318,8 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
             assert process.poll() is None, f"exited {process.returncode} before the {moment}"
             assert time.monotonic() < deadline, f"the {moment} never came"
             time.sleep(0.02)
-        assert process.poll() is None, f"exited {process.returncode} at the {moment}"
+        if moment != "shutdown":  # by then the run may have ended (see below)
+            assert process.poll() is None, f"exited {process.returncode} at the {moment}"
         process.send_signal(SIGNALS.get(moment, signal.SIGINT))  # Ctrl-C, or SIGTERM
         # The CLI bounds its own shutdown; this wait only keeps a broken one from hanging here.
         process.wait(timeout=INTERRUPT_EXIT_BOUND_S + 60)
@@ -329,9 +330,16 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
     stderr = "".join(errors)
-    assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
-    # Dask may still log while the interrupted cluster closes at exit: any line, not the last.
-    assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines()), stderr
+    if moment == "shutdown" and process.returncode == 0:
+        # The last 0.1 s of a run, after its results and its closing line, is the kernel
+        # tearing the process down, past anything a signal can change: a Ctrl-C that lands
+        # there finds a run that ended well (one that lands before it makes the exit 130).
+        assert any(line.startswith("done: ") for line in lines), stderr
+        assert json.loads((output / "summary.json").read_text())["steps"] == 4
+    else:
+        assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
+        # Dask may still log while the interrupted cluster closes at exit: any line.
+        assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines())
     _, alive = psutil.wait_procs(session_leftovers(process.pid), timeout=60)
     assert alive == [], f"{moment}: processes left behind: {alive}"
     if moment == "cluster start":

@@ -81,6 +81,14 @@ def test_waits_use_the_futures_own_client_when_a_newer_one_is_the_default(cluste
         assert future.status == "finished"
 
 
+def test_waiting_on_no_futures_needs_no_client():
+    # A fresh process has no client at all: Dask's own wait asks for the default one first.
+    code = "from workers.futures import wait_futures; print(wait_futures([], timeout_s=1))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "DoneAndNotDoneFutures(done=set(), not_done=set())"
+
+
 def test_without_malloc_tuning_workers_get_glibc_defaults_not_dasks_trim():
     with start_cluster(n_workers=1, dashboard_port=0, tune_malloc=False) as plain:
         (facts,) = plain.client.run(_process_facts).values()

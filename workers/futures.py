@@ -8,6 +8,7 @@ waiting. A clean-up that swallowed that error went on while tasks still wrote in
 """
 
 from collections.abc import Sequence
+from concurrent.futures._base import DoneAndNotDoneFutures
 from typing import Any, Literal
 
 from distributed import Future, wait
@@ -20,7 +21,7 @@ def wait_futures(
     return_when: Literal["ALL_COMPLETED", "FIRST_COMPLETED"] = "ALL_COMPLETED",
 ) -> Any:
     """``distributed.wait`` on the futures' own client; ``TimeoutError`` after ``timeout_s``."""
-    if not futures:
-        return wait(futures, timeout=timeout_s, return_when=return_when)
+    if not futures:  # nothing to wait on, and no client to ask (there may be none)
+        return DoneAndNotDoneFutures(set(), set())
     with futures[0].client.as_current():
         return wait(futures, timeout=timeout_s, return_when=return_when)

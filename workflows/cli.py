@@ -7,7 +7,6 @@ traceback), 1 training (or prediction) failure, 130 interrupted.
 import atexit
 import contextlib
 import errno
-import gc
 import logging
 import os
 import signal
@@ -49,17 +48,43 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.received = threading.Event()
+        self.status: int | None = None  # the command's exit status, once it has one
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         DroppedInterrupts(only_if=self.received.is_set).install()
+        # Registered first, so it runs after every other exit hook.
+        atexit.register(self._end_process)
 
     def _handle(self, signum: int, frame: object) -> None:
         if not self.received.is_set():
             self.received.set()
             threading.Thread(target=self._after, name="dask-train-exit", daemon=True).start()
-        raise KeyboardInterrupt
+        if self.status is None:  # the command still runs: stop it
+            raise KeyboardInterrupt
+        # Past the command, in the exit hooks: raised there, Python would print it as an
+        # ignored exception and exit 0. _end_process makes it 130.
+
+    def _end_process(self) -> NoReturn:
+        """The process's last step. A signal that came once the command was done (its results
+        written, the exit hooks running) still makes the exit 130; and the interpreter's
+        finalization is skipped. Python puts its default signal handlers back for it, so a
+        Ctrl-C landing there killed the process by SIGINT instead of exiting 130; and its
+        garbage collection, scanning every object torch, Dask and pydantic made, took 1.0-1.2 s
+        of every command's exit, measured here. By now the command has closed what it opened,
+        threads are joined and the exit hooks (logging's flush among them) have run."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        late = bool(signal.sigpending() & {signal.SIGINT, signal.SIGTERM})
+        status = EXIT_FAILED if self.status is None else self.status
+        if (self.received.is_set() or late) and status != EXIT_INTERRUPTED:
+            with contextlib.suppress(OSError):
+                os.write(2, b"dask-train: interrupted\n")
+            status = EXIT_INTERRUPTED
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a reader gone away: nothing to flush to
+                stream.flush()
+        os._exit(status)
 
     def _after(self) -> None:
         time.sleep(INTERRUPT_EXIT_BOUND_S)
@@ -85,12 +110,20 @@ class _Command(click.Group):
     ) -> Any:
         if not standalone_mode:  # called from Python: the caller owns signals and errors
             return super().main(args, prog_name, complete_var, False, **extra)
-        _Interrupts().install()
-        # Python's last garbage collection at exit scans every object torch, Dask and pydantic
-        # made: 1.0-1.2 s of each command's exit, measured here. What the command opened is
-        # closed by then (context managers), so the objects are frozen instead of scanned.
-        # Registered first, it runs after every other exit hook.
-        atexit.register(gc.freeze)
+        interrupts = _Interrupts()
+        interrupts.install()
+        try:
+            self._run(args, prog_name, complete_var, **extra)
+        except SystemExit as done:
+            interrupts.status = _exit_status(done)
+            raise
+        except BaseException:
+            interrupts.status = EXIT_FAILED  # Python prints the traceback and exits 1
+            raise
+
+    def _run(
+        self, args: list[str] | None, prog_name: str | None, complete_var: str | None, **extra: Any
+    ) -> NoReturn:
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as error:
@@ -108,6 +141,13 @@ class _Command(click.Group):
                 raise
             sys.exit(EXIT_FAILED)  # the reader of our output went away
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _exit_status(done: SystemExit) -> int:
+    """The status Python exits with for ``done``: None is 0; a message is printed, and is 1."""
+    if done.code is None:
+        return 0
+    return done.code if isinstance(done.code, int) else EXIT_FAILED
 
 
 @click.group(cls=_Command)
