@@ -42,8 +42,9 @@ INTERRUPT_EXIT_BOUND_S = 180.0
 class _Interrupts:
     """Ctrl-C and SIGTERM (a scheduler's kill, handled alike: stop the ranks, close the
     cluster) become a KeyboardInterrupt in the main thread, and are never lost: one that Python
-    drops in a finalizer is raised again (``workflows/interrupts.py``), and whatever else might
-    still hold the process, it exits 130 once the bound has passed.
+    drops in a finalizer is raised again (``workflows/interrupts.py``), one that comes after
+    the command's work still makes the exit 130, and whatever else might still hold the
+    process, it exits 130 once the bound has passed.
     """
 
     def __init__(self) -> None:
