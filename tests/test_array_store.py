@@ -197,9 +197,11 @@ def test_data_twice_the_size_of_what_a_worker_may_hold_trains_from_the_store(
 
     assert result.history[-1]["step"] == 20
     assert zarr.open_group(str(tmp_path / "big"), mode="r")["train/features"].nbytes == 2 << 30
-    # No worker came near holding its half: each held a few chunks at a time.
+    # No worker came near holding its half (1 GiB): each held some 32 MiB chunks at a time. How
+    # many depends on Dask's order and timing (an X chunk waits for y's task, which reads it
+    # too): 212-213 MiB alone, 290 once in a whole suite's run. Half the half is the bound.
     grown = {worker: after[worker] - before[worker] for worker in before}
-    assert max(grown.values()) < 256 << 20, grown
+    assert max(grown.values()) < 512 << 20, grown
 
 
 def test_parquet_files_go_through_the_store_once_and_again_when_they_change(
