@@ -97,13 +97,11 @@ FORK_MIN_MEMORY = 2 * 2**30
 FORK_SERVER_PRELOAD = (
     "torch",
     "torch.distributed",
-    # What ranks checkpoint with (the client imports it only when it must): imported by each
-    # worker instead, it and pipelining cost it ~1.5 s and ~130 MB of its own. Pipelining is
-    # left to the pipeline strategies' ranks, which import it once per worker: it brings
-    # torch._dynamo, which nothing else uses, and made every cold cluster start 0.5-1.2 s
-    # longer (start_cluster 4.3-4.6 s with it, 3.7-4.1 s without, torch imported first).
+    # What ranks checkpoint and cut pipelines with (the client imports them only when it
+    # must): imported by each worker instead, they cost it ~1.5 s and ~130 MB of its own.
     "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.pipelining",
     "workers.malloc",
     "workers.process_group",
     "workers.rank_context",
