@@ -19,9 +19,12 @@ def train_in_one_process(
     steps: int,
     device: str = "cpu",
     factory: Callable[..., nn.Module] | None = None,
+    then: tuple[int, int] | None = None,
 ) -> dict:
     """``steps`` SGD steps on the full global batches that ``world_size`` ranks would see, on
-    ``device``; the parameters come back on the CPU.
+    ``device``; the parameters come back on the CPU. ``then=(world_size, steps)``: that many
+    more steps on what another world size's ranks read from the same place in the epoch, as
+    a run resumed at that size from a checkpoint continues.
 
     Each global batch is the concatenation of the ranks' batches at that step; the mean loss over
     it equals the mean of the ranks' mean losses, which is what DDP optimizes. The model and
@@ -42,34 +45,37 @@ def train_in_one_process(
     optimizer = torch.optim.SGD(
         model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
-    per_rank = t.batch_size // world_size
-    done, epoch = 0, 0
-    while done < steps:
-        shards = [
-            rank_epoch_indices(
-                len(labels),
-                world_size=world_size,
-                rank=rank,
-                epoch=epoch,
-                seed=t.seed,
-                chunk_size=store.train.chunk_size,
-                shuffle_window=d.shuffle_window,
-                drop_last=d.drop_last,
-            )
-            for rank in range(world_size)
-        ]
-        for start in range(0, len(shards[0]), per_rank):
-            if done == steps or (d.drop_last and start + per_rank > len(shards[0])):
-                break
-            index = torch.from_numpy(np.concatenate([s[start : start + per_rank] for s in shards]))
-            index = index.to(device)
-            optimizer.zero_grad()
-            criterion(model(images[index]), labels[index]).backward()
-            if t.grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
-            optimizer.step()
-            done += 1
-        epoch += 1
+    done, epoch, batch = 0, 0, 0  # batch: the next one of that epoch
+    for ranks, phase_steps in [(world_size, steps), *([then] if then else [])]:
+        per_rank, goal = t.batch_size // ranks, done + phase_steps
+        while done < goal:
+            shards = [
+                rank_epoch_indices(
+                    len(labels),
+                    world_size=ranks,
+                    rank=rank,
+                    epoch=epoch,
+                    seed=t.seed,
+                    chunk_size=store.train.chunk_size,
+                    shuffle_window=d.shuffle_window,
+                    drop_last=d.drop_last,
+                )
+                for rank in range(ranks)
+            ]
+            n = len(shards[0])
+            batches = n // per_rank if d.drop_last else -(-n // per_rank)
+            while batch < batches and done < goal:
+                start = batch * per_rank
+                index = np.concatenate([s[start : start + per_rank] for s in shards])
+                index = torch.from_numpy(index).to(device)
+                optimizer.zero_grad()
+                criterion(model(images[index]), labels[index]).backward()
+                if t.grad_clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
+                optimizer.step()
+                done, batch = done + 1, batch + 1
+            if batch == batches:
+                epoch, batch = epoch + 1, 0
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 

@@ -97,17 +97,18 @@ def _trained(ctx, model_name: str, strategy: str, pipeline: dict, steps: int) ->
     x, y = _data()
     config = PipelineConfig(**pipeline)
     training = TrainingConfig(strategy=strategy, batch_size=BATCH)
+    precision = Precision("fp32", ctx.device)
     layout = Layout.of(training, config, world_size=ctx.world_size)
     prepared = get_strategy(strategy).prepare(
         build(model_name, seed=0),
         layout=layout,
         rank=ctx.rank,
         device=ctx.device,
-        pipeline=config,
+        settings=config,
+        precision=precision,
         sample=torch.zeros(layout.micro_batch, *IMAGE),
     )
     optimizer = torch.optim.SGD(prepared.parameters(), lr=LR, momentum=0.9)
-    precision = Precision("fp32", ctx.device)
     sums = EpochSums([0.0, 0.0, 0.0], device=ctx.device)
     share = layout.per_rank_batch
     mine = slice(layout.dp_rank(ctx.rank) * share, (layout.dp_rank(ctx.rank) + 1) * share)

@@ -208,7 +208,9 @@ class TrainingConfig(BaseModel):
     strategy: Literal[STRATEGIES] = Field(  # type: ignore[valid-type]
         default="ddp",
         description="ddp, data_parallel (nn.DataParallel over one worker's GPUs), "
-        "model_parallel or pipeline",
+        "model_parallel, pipeline, fsdp (FSDP2: parameters, gradients and optimizer state "
+        "sharded over the ranks) or hsdp (FSDP2 within groups of parallel.dp_shard ranks, "
+        "replicated across the groups)",
     )
     epochs: int = Field(default=3, ge=1, description="passes over the training split")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many steps")
@@ -323,3 +325,49 @@ class PipelineConfig(BaseModel):
         if self.split_points is not None and len(set(self.split_points)) != len(self.split_points):
             raise ValueError(f"pipeline.split_points: names repeat in {list(self.split_points)}")
         return self
+
+
+class ParallelConfig(BaseModel):
+    """The degrees of data parallelism, whose product is the world size: ``dp_replicate``
+    copies of the model, each sharded over ``dp_shard`` ranks (torchtitan's names).
+
+    ``ddp`` replicates over every rank and ``fsdp`` shards over every rank, so neither needs
+    this section; ``hsdp`` needs one of the two degrees (the other is what the world size
+    leaves).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dp_replicate: int | None = Field(
+        default=None,
+        ge=1,
+        description="hsdp: copies of the model (unset: the world size / dp_shard)",
+    )
+    dp_shard: int | None = Field(
+        default=None,
+        ge=1,
+        description="hsdp: ranks one copy is sharded over, e.g. the GPUs of one host "
+        "(unset: the world size / dp_replicate)",
+    )
+
+    @property
+    def given(self) -> bool:
+        return self.dp_replicate is not None or self.dp_shard is not None
+
+
+class FSDPConfig(BaseModel):
+    """How ``fsdp`` and ``hsdp`` shard (FSDP2's ``fully_shard``): each top-level module that
+    holds parameters is one unit, gathered for its forward and backward, then the root."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="free a unit's gathered parameters after its forward and gather them "
+        "again for the backward (false: keep them, more memory, one all-gather less)",
+    )
+    cpu_offload: bool = Field(
+        default=False,
+        description="keep the sharded parameters, gradients and optimizer state in host memory "
+        "(GPU: the optimizer steps on the CPU)",
+    )

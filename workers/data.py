@@ -392,7 +392,11 @@ def fixed_shape_eval_batches(
         end = max(begin, min(stop, begin + batch_size))
         real = end - begin
         images = torch.zeros((batch_size, *shape), dtype=torch.float32)
-        labels = torch.zeros(batch_size, dtype=torch.int64)
+        # A regression's targets are floats (and may be rows): the padding takes their shape.
+        labels = torch.zeros(
+            (batch_size, *split.labels.shape[1:]),
+            dtype=torch.from_numpy(split.labels[:0]).dtype,
+        )
         if real:
             images[:real] = torch.from_numpy(as_features(split.images[begin:end]))
             labels[:real] = torch.from_numpy(split.labels[begin:end])

@@ -8,11 +8,10 @@ config checks use it before anything starts.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from workers.strategies import STAGED
+from workers.strategies import SHARDED, STAGED
 
 if TYPE_CHECKING:
-    from workers.strategies.pipeline import PipelineConfig
-    from workers.train import TrainingConfig
+    from workers.config_models import ParallelConfig, PipelineConfig, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -20,7 +19,10 @@ class Layout:
     """The ranks as a ``(pp, dp)`` mesh, ``rank = pp_rank * dp + dp_rank``, and the batch.
 
     A strategy that keeps the whole model on every rank is the ``pp = 1`` case: every rank is a
-    replica. Replicas read different data; the ``pp`` ranks of a pipeline read the same.
+    replica. Replicas read different data; the ``pp`` ranks of a pipeline read the same. The
+    ``dp`` ranks are ``dp_replicate`` groups of ``dp_shard`` ranks (``dp_rank = replica *
+    dp_shard + shard``): FSDP shards the model within a group, HSDP also replicates across
+    groups.
     """
 
     world_size: int
@@ -29,6 +31,7 @@ class Layout:
     batch_size: int  # global, per optimizer step
     n_microbatches: int = 1  # forward passes per rank and step: accumulation or the pipeline's
     stages_per_rank: int = 1
+    dp_shard: int = 1  # 1: every dp rank holds a whole copy
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "dp", "batch_size", "n_microbatches", "stages_per_rank"):
@@ -39,6 +42,10 @@ class Layout:
                 f"layout: pp x dp = {self.pp} x {self.dp} must equal the world size "
                 f"{self.world_size}"
             )
+        if self.dp % self.dp_shard:
+            raise ValueError(
+                f"layout: {self.dp} data-parallel ranks do not split into shards of {self.dp_shard}"
+            )
         if self.batch_size % (self.dp * self.n_microbatches):
             raise ValueError(
                 f"layout: the batch of {self.batch_size} does not split into {self.dp} replicas "
@@ -47,11 +54,17 @@ class Layout:
 
     @classmethod
     def of(
-        cls, training: "TrainingConfig", pipeline: "PipelineConfig", *, world_size: int
+        cls,
+        training: "TrainingConfig",
+        pipeline: "PipelineConfig",
+        *,
+        world_size: int,
+        parallel: "ParallelConfig | None" = None,
     ) -> "Layout":
         """The layout of ``training.strategy`` on ``world_size`` ranks; a ``ValueError`` naming
         the config field where they cannot share the work."""
         strategy, batch = training.strategy, training.batch_size
+        shard = _shard_degree(strategy, parallel, world_size=world_size)
         if strategy not in STAGED:
             if batch < world_size:
                 raise ValueError(
@@ -69,6 +82,7 @@ class Layout:
                 dp=world_size,
                 batch_size=batch,
                 n_microbatches=training.grad_accum_steps,
+                dp_shard=shard,
             )
         dp = pipeline.dp
         if world_size % dp:
@@ -116,6 +130,50 @@ class Layout:
         """The first replica of the last stage, which knows the loss (rank 0 without stages)."""
         return (self.pp - 1) * self.dp
 
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of the model (each sharded over ``dp_shard`` ranks)."""
+        return self.dp // self.dp_shard
+
     def dp_rank(self, rank: int) -> int:
         """Which replica ``rank`` is, and so which shard of the data it reads."""
         return rank % self.dp
+
+
+def _shard_degree(strategy: str, parallel: "ParallelConfig | None", *, world_size: int) -> int:
+    """How many ranks ``strategy`` shards one copy of the model over, on ``world_size``."""
+    given = parallel is not None and parallel.given
+    if strategy not in SHARDED:
+        if given:
+            raise ValueError(
+                f"parallel: {strategy} replicates the whole model on every rank; the "
+                "dp_replicate and dp_shard degrees are for strategy = 'fsdp' or 'hsdp'"
+            )
+        return 1
+    replicate = parallel.dp_replicate if parallel is not None else None
+    shard = parallel.dp_shard if parallel is not None else None
+    if strategy == "fsdp":
+        if (replicate or 1) != 1 or shard not in (None, world_size):
+            raise ValueError(
+                f"parallel: fsdp shards over all {world_size} ranks (dp_replicate = 1, "
+                f"dp_shard = {world_size}); for replicas of shards use strategy = 'hsdp'"
+            )
+        return world_size
+    if replicate is None and shard is None:
+        raise ValueError(
+            "parallel.dp_shard: hsdp needs the ranks one copy is sharded over (e.g. the GPUs "
+            "of one host), or parallel.dp_replicate"
+        )
+    for name, degree in (("dp_replicate", replicate), ("dp_shard", shard)):
+        if degree is not None and world_size % degree:
+            raise ValueError(
+                f"parallel.{name}: {degree} does not divide the world size {world_size}"
+            )
+    replicate = replicate if replicate is not None else world_size // shard
+    shard = shard if shard is not None else world_size // replicate
+    if replicate * shard != world_size:
+        raise ValueError(
+            f"parallel: dp_replicate x dp_shard = {replicate} x {shard} must equal the world "
+            f"size {world_size}"
+        )
+    return shard

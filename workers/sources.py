@@ -69,26 +69,27 @@ def list_records(
         return Listing(
             train, val, [str(i) for i in range(10)], digest("synthetic", synthetic_samples), 2048
         )
-    if root is None:
-        raise SourceError(f"data.root: the {dataset} dataset needs a root")
     if dataset == "cifar10":
-        return _list_cifar10(root, storage_options or {})
+        return _list_cifar10(_required_root(dataset, root), storage_options or {})
     if dataset == "imagefolder":
+        root = _required_root(dataset, root)
         return _list_imagefolder(root, val_fraction, seed, storage_options or {})
     raise SourceError(f"data.dataset: unknown dataset {dataset!r}")
+
+
+def _required_root(dataset: str, root: str | None) -> str:
+    if root is None:
+        raise SourceError(f"data.root: the {dataset} dataset needs a root")
+    return root
 
 
 def check_root(dataset: str, *, root: str | None, storage_options: dict[str, Any] | None) -> None:
     """Fail as ``list_records`` would on a missing root, at the cost of one look at it: what a
     command checks before it starts a cluster (the whole listing comes later, once)."""
-    if dataset not in ("cifar10", "imagefolder"):
-        return
-    if root is None:
-        raise SourceError(f"data.root: the {dataset} dataset needs a root")
     if dataset == "cifar10":
-        _cifar10_folder(root, storage_options or {})
-    else:
-        _imagefolder_root(root, storage_options or {})
+        _cifar10_folder(_required_root(dataset, root), storage_options or {})
+    elif dataset == "imagefolder":
+        _imagefolder_root(_required_root(dataset, root), storage_options or {})
 
 
 def decode(

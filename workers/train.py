@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 from torch import nn
 
 from workers import live_recovery
@@ -26,11 +27,12 @@ from workers.collection_shard import (
     collections_model_inputs,
     trainer_splits,
 )
-from workers.config_models import PipelineConfig, TrainingConfig
+from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store
 from workers.layout import Layout
 from workers.losses import Criterion
 from workers.models import ModelConfig, build_model
+from workers.peak_memory import PeakMemory
 from workers.precision import Precision
 from workers.process_group import Membership
 from workers.rank_context import RankContext
@@ -45,8 +47,9 @@ class TrainJob:
     model: ModelConfig
     training: TrainingConfig
     layout: Layout  # computed once on the client
-    # Staged strategies: split_points resolved by the client, so every rank cuts alike.
-    pipeline: PipelineConfig | None = None
+    # The strategy's own section (RunConfig.strategy_settings); a staged strategy's with its
+    # split_points resolved by the client, so every rank cuts alike.
+    settings: BaseModel | None = None
     # Where checkpoints go (None: nowhere); the one to continue from comes with the attempt.
     checkpoint: CheckpointConfig | None = None
     # train(data=...): Dask collections planned by the client, in place of the store.
@@ -64,6 +67,7 @@ class RankResult:
     steady_samples_per_s: float
     first_step_at: float
     state_dict: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    peak_memory_bytes: int | None = None  # workers/peak_memory.py; None: not measurable
 
 
 @dataclass
@@ -221,7 +225,17 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         last_step[0] = step
 
     def step_done(position: Position) -> None:
-        live_recovery.step_done(ctx.job_id, position.step, progress=_progress(position))
+        live_recovery.step_done(
+            ctx.job_id,
+            position.step,
+            progress=_progress(
+                epoch=position.epoch,
+                batch=position.batch,
+                history=position.history,
+                sums=position.sums.values,
+                count=position.sums.count,
+            ),
+        )
 
     checkpoints = None
     if job.checkpoint is not None and job.checkpoint.directory is not None:
@@ -232,7 +246,7 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         job.training,
         membership=ctx.membership,
         layout=job.layout,
-        pipeline=job.pipeline,
+        settings=job.settings,
         factory=job.factory,
         hooks=Hooks(
             report=ctx.emit, heartbeat=heartbeat, checkpoints=checkpoints, step_done=step_done
@@ -275,10 +289,14 @@ def _continue(ctx: RankContext) -> Restore:
             start = Progress()
         # Where this attempt starts is a position too: a worker lost before its first step
         # leaves the survivors holding it.
-        at_start = {"epoch": start.epoch, "batch": start.batch, "history": start.history}
-        if start.sums:
-            sums, count = start.sums[:-1], start.sums[-1]
-            at_start |= {"sums": torch.tensor(sums, dtype=torch.float64), "count": int(count)}
+        sums = torch.tensor(start.sums[:-1], dtype=torch.float64) if start.sums else None
+        at_start = _progress(
+            epoch=start.epoch,
+            batch=start.batch,
+            history=start.history,
+            sums=sums,
+            count=int(start.sums[-1]) if start.sums else 0,
+        )
         live_recovery.keep(ctx.job_id, _kept_state(state), step=start.step, progress=at_start)
         return start
 
@@ -292,20 +310,21 @@ def train(
     *,
     membership: Membership,
     layout: Layout,
-    pipeline: PipelineConfig | None = None,
+    settings: BaseModel | None = None,
     factory: Callable[..., nn.Module] | None = None,
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
 ) -> RankResult:
     """Train on this rank of an initialized process group laid out as ``layout``."""
+    memory = PeakMemory.start(membership.device)
     trainer = build(
         data_config,
         model_config,
         config,
         membership=membership,
         layout=layout,
-        pipeline=pipeline,
+        settings=settings,
         factory=factory,
         restore=restore,
         collections=collections,
@@ -328,7 +347,8 @@ def train(
         if trainer.step >= trainer.total_steps:
             break
         run_epoch(trainer, epoch, hooks=hooks)
-    return close(trainer)
+    # Read before the export: gathering the whole model for the client is not training's peak.
+    return close(trainer, peak_memory_bytes=memory.bytes())
 
 
 def build(
@@ -338,7 +358,7 @@ def build(
     *,
     membership: Membership,
     layout: Layout,
-    pipeline: PipelineConfig | None = None,
+    settings: BaseModel | None = None,
     factory: Callable[..., nn.Module] | None = None,
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
@@ -363,7 +383,13 @@ def build(
     )
     sample = torch.zeros((layout.micro_batch, *input_shape))
     strategy = get_strategy(config.strategy).prepare(
-        model, layout=layout, rank=rank, device=device, pipeline=pipeline, sample=sample
+        model,
+        layout=layout,
+        rank=rank,
+        device=device,
+        settings=settings,
+        precision=precision,
+        sample=sample,
     )
     strategy.criterion = criterion
     if collections is None:
@@ -507,7 +533,7 @@ def evaluate(trainer: Trainer) -> dict[str, float]:
     )
 
 
-def close(trainer: Trainer) -> RankResult:
+def close(trainer: Trainer, *, peak_memory_bytes: int | None = None) -> RankResult:
     """One throughput figure for the whole run, and the parameters for the client: rank 0's
     whole model, or each stage's from its first replica.
 
@@ -523,6 +549,7 @@ def close(trainer: Trainer) -> RankResult:
         steady_samples_per_s=trainer.throughput.steady,
         first_step_at=trainer.throughput.first_step_at,
         state_dict=state_dict,
+        peak_memory_bytes=peak_memory_bytes,
     )
 
 
@@ -539,14 +566,20 @@ def _kept_state(state: CheckpointState) -> dict[str, Any]:
     return modules | {"optimizer": state.optimizer, "scaler": state.scaler}
 
 
-def _progress(position: Position) -> dict[str, Any]:
-    return {
-        "epoch": position.epoch,
-        "batch": position.batch,
-        "history": position.history,
-        "sums": position.sums.values,
-        "count": position.sums.count,
-    }
+def _progress(
+    *,
+    epoch: int,
+    batch: int,
+    history: list,
+    sums: torch.Tensor | None,
+    count: int,
+) -> dict[str, Any]:
+    """What a rank keeps of where the loop is, for a replacement rank to start from (the
+    epoch's running sums, when there are any, are the keeping rank's own)."""
+    progress: dict[str, Any] = {"epoch": epoch, "batch": batch, "history": history}
+    if sums is not None:
+        progress |= {"sums": sums, "count": count}
+    return progress
 
 
 def _zeros(trainer: Trainer) -> list[float]:

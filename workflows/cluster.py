@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
@@ -153,9 +154,10 @@ def _stop_fork_server() -> None:
     By itself it sees its parent gone only once its imports are done: a process that exits
     before then (a run refused, interrupted or failed seconds after start_fork_server_early)
     would leave it running for seconds more, holding the stdout and stderr it inherited, which
-    a caller reading them to the end waits on. Workers still running are Dask's to close (its
-    own exit hook may run after this one), and their nannies learn of their exit through the
-    fork server: then it is left to exit by itself."""
+    a caller reading them to the end waits on. Workers still running are their cluster's to
+    close (in a script, Dask's exit hook runs after this one; the CLI closes its cluster before
+    its last hook skips Dask's), and their nannies learn of their exit through the fork server:
+    then it is left to exit by itself."""
     import multiprocessing.forkserver
 
     import psutil
@@ -176,12 +178,33 @@ def start_fork_server_early(config: "ClusterConfig") -> None:
     cluster's start) then run beside the caller's own; the CLI calls this as soon as the config
     is read, before it imports torch itself. Nothing happens for an existing cluster or for
     workers that are spawned."""
-    if not config.existing and _forks_workers(config, _worker_memory_bytes(config)):
+    if not config.existing and _LocalWorkers.of(config).fork:
         _ensure_fork_server()
 
 
-def _forks_workers(config: "ClusterConfig", memory: int | None) -> bool:
-    return config.fork_workers and (not memory or memory >= FORK_MIN_MEMORY)
+@dataclass(frozen=True)
+class _LocalWorkers:
+    """What a local cluster is made of, worked out once from its config: ``gpus`` (0 for a
+    CPU cluster), how many workers, each one's memory limit in bytes (None: no limit) and
+    whether they are forked from the fork server."""
+
+    gpus: int
+    count: int
+    memory: int | None
+    fork: bool
+
+    @classmethod
+    def of(cls, config: "ClusterConfig") -> "_LocalWorkers":
+        from distributed.worker_memory import parse_memory_limit
+
+        gpus = count_gpus() if config.kind in ("auto", "cuda") else 0
+        count = config.n_workers or gpus or 2
+        memory = parse_memory_limit(
+            config.memory_limit, nthreads=1, total_cores=count, logger=logger
+        )
+        # A small worker is spawned: forked, it would start with torch loaded (~400 MB).
+        fork = config.fork_workers and (not memory or memory >= FORK_MIN_MEMORY)
+        return cls(gpus=gpus, count=count, memory=memory, fork=fork)
 
 
 class ClusterConfig(BaseModel):
@@ -318,23 +341,22 @@ class TrainingCluster:
         security = config.security.build()
         try:
             if not config.existing:
-                memory = _worker_memory_bytes(config)
-                malloc = malloc_settings(memory) if config.tune_malloc else None
-                fork = _forks_workers(config, memory)
-                if config.fork_workers and not fork:
+                workers = _LocalWorkers.of(config)
+                malloc = malloc_settings(workers.memory) if config.tune_malloc else None
+                if config.fork_workers and not workers.fork:
                     logger.info(
                         "workers of %d MB are spawned, not forked: a forked worker starts with "
                         "torch loaded (~400 MB)",
-                        memory // 2**20,
+                        (workers.memory or 0) // 2**20,
                     )
                 self._config_scope = dask.config.set(
-                    worker_process_config(malloc=malloc, fork=fork)
+                    worker_process_config(malloc=malloc, fork=workers.fork)
                 )
-                if fork:
+                if workers.fork:
                     _ensure_fork_server()
                 # The nanny's own environment stays out of this process (_Nanny.instantiate).
                 self.cluster, self.kind = _bounded(
-                    lambda: _start_local(config, security), config.start_timeout_s
+                    lambda: _start_local(config, workers, security), config.start_timeout_s
                 )
                 self.client = Client(
                     self.cluster, timeout=config.connect_timeout_s, security=security
@@ -621,26 +643,19 @@ class _Nanny(Nanny):
             return await super().instantiate()
 
 
-def _worker_memory_bytes(config: ClusterConfig) -> int | None:
-    from distributed.worker_memory import parse_memory_limit
-
-    gpus = count_gpus() if config.kind in ("auto", "cuda") else 0
-    workers = config.n_workers or gpus or 2
-    return parse_memory_limit(config.memory_limit, nthreads=1, total_cores=workers, logger=logger)
-
-
-def _start_local(config: ClusterConfig, security: Security | None) -> tuple[LocalCluster, str]:
+def _start_local(
+    config: ClusterConfig, workers: _LocalWorkers, security: Security | None
+) -> tuple[LocalCluster, str]:
     dashboard = f"{config.dashboard_host}:{config.dashboard_port}"
     # Every connection, the workers' to each other included, over TLS when it is on.
     secured = {"security": security, "protocol": "tls://"} if security else {}
-    gpus = count_gpus() if config.kind in ("auto", "cuda") else 0
-    if config.kind == "cuda" and gpus == 0:
+    if config.kind == "cuda" and workers.gpus == 0:
         raise RuntimeError("cluster.kind: 'cuda' was asked for, but NVML sees no GPU")
-    if gpus:
+    if workers.gpus:
         from dask_cuda import LocalCUDACluster
 
         cluster = LocalCUDACluster(
-            n_workers=config.n_workers or gpus,
+            n_workers=workers.count,
             worker_class=_Nanny,
             threads_per_worker=1,
             memory_limit=config.memory_limit,
@@ -649,7 +664,7 @@ def _start_local(config: ClusterConfig, security: Security | None) -> tuple[Loca
         )
         return cluster, "cuda"
     cluster = LocalCluster(
-        n_workers=config.n_workers or 2,
+        n_workers=workers.count,
         threads_per_worker=1,
         processes=True,
         worker_class=_Nanny,

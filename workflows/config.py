@@ -17,12 +17,14 @@ from workers.config_models import (
     MODEL_LAYERS,
     CheckpointConfig,
     DataConfig,
+    FSDPConfig,
     ModelConfig,
+    ParallelConfig,
     PipelineConfig,
     TrainingConfig,
 )
 from workers.layout import Layout
-from workers.strategies import STAGED
+from workers.strategies import SETTINGS_SECTION, SHARDED, STAGED
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 from workflows.tracking import TrackingConfig
@@ -52,6 +54,8 @@ class RunConfig(BaseModel):
     model: ModelConfig = ModelConfig()
     training: TrainingConfig = TrainingConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    fsdp: FSDPConfig = FSDPConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
 
@@ -93,9 +97,29 @@ class RunConfig(BaseModel):
         if self.training.strategy in STAGED:
             # An unknown world is checked again by the driver, once the cluster's size is known.
             self._check_staged(ranks)
+        elif self.training.strategy in SHARDED:
+            self._check_sharded(ranks)
         else:
             self.layout(ranks or 1)
         return self
+
+    def _check_sharded(self, world_size: int | None) -> None:
+        strategy, parallel = self.training.strategy, self.parallel
+        if self.training.precision == "fp16":
+            raise ValueError(
+                f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
+            )
+        if self.fsdp.cpu_offload and self.cluster.kind == "cpu":
+            raise ValueError(
+                "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
+                "cpu_offload = false (it moves a GPU's shards to the host)"
+            )
+        if world_size is None and parallel.dp_replicate and parallel.dp_shard:
+            world_size = parallel.dp_replicate * parallel.dp_shard
+        if world_size is not None:
+            self.layout(world_size)
+        elif strategy == "hsdp" and not parallel.given:
+            self.layout(1)  # says which degree hsdp needs, whatever the world size
 
     def _check_staged(self, world_size: int | None) -> None:
         t, p, strategy = self.training, self.pipeline, self.training.strategy
@@ -162,6 +186,12 @@ class RunConfig(BaseModel):
         return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)
 
     @property
+    def strategy_settings(self) -> BaseModel | None:
+        """The section ``training.strategy``'s ``prepare`` is given (None: it takes none)."""
+        section = SETTINGS_SECTION.get(self.training.strategy)
+        return None if section is None else getattr(self, section)
+
+    @property
     def world_size(self) -> int | None:
         if self.training.strategy == "data_parallel":
             return 1
@@ -171,7 +201,9 @@ class RunConfig(BaseModel):
         """How ``world_size`` ranks share this run's model and batch; a :class:`ConfigError`
         naming the field where they cannot."""
         try:
-            layout = Layout.of(self.training, self.pipeline, world_size=world_size)
+            layout = Layout.of(
+                self.training, self.pipeline, world_size=world_size, parallel=self.parallel
+            )
         except ValueError as error:
             raise ConfigError(str(error)) from None
         points = self.pipeline.split_points

@@ -45,7 +45,8 @@ class TrainResult:
 
     Attributes:
         name: The config's name.
-        strategy: ``ddp``, ``data_parallel``, ``model_parallel`` or ``pipeline``.
+        strategy: ``ddp``, ``data_parallel``, ``model_parallel``, ``pipeline``, ``fsdp`` or
+            ``hsdp``.
         world_size: The number of ranks.
         history: One dict per epoch: loss and the task's metrics (train and ``val_``),
             samples/s, learning rate.
@@ -62,6 +63,9 @@ class TrainResult:
             resumed from, the seconds lost.
         first_step_after_launch_s: From the ranks' launch (the store ready) to the first step.
         job_id: The job's label on ``/metrics`` and the Training page: ``<name>-<8 hex>``.
+        peak_memory_mib: Each rank's peak memory while training, in rank order: CUDA's
+            allocator peak on a GPU, the growth of the process's peak resident set on a CPU
+            (the export of the model at the end left out); ``None`` where not measurable.
     """
 
     name: str
@@ -80,6 +84,7 @@ class TrainResult:
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # one per restart
     first_step_after_launch_s: float = float("nan")  # from the ranks' launch, the store ready
     job_id: str = ""  # the job's label on /metrics and the Training page: <name>-<8 hex>
+    peak_memory_mib: list[float | None] = field(default_factory=list)  # per rank, in order
 
     @property
     def final(self) -> dict[str, float]:
@@ -291,7 +296,7 @@ def _train_prepared(
     if collections is None and manifest is None:
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, data, seed=config.training.seed)
-    pipeline = None
+    settings, points = config.strategy_settings, None
     if config.training.strategy in STAGED:
         # torch.distributed.pipelining costs ~0.8 s to import: only staged runs pay it.
         from workflows.planner import resolve_split_points
@@ -306,7 +311,7 @@ def _train_prepared(
             num_classes=manifest.num_classes,
             build=None if factory is None else model_builder(config, manifest.num_classes, factory),
         )
-        pipeline = config.pipeline.model_copy(update={"split_points": points})
+        settings = config.pipeline.model_copy(update={"split_points": points})
     # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
     checkpoints = config.checkpoint.directory
     if checkpoints:
@@ -316,7 +321,7 @@ def _train_prepared(
         model=config.model,
         training=config.training,
         layout=layout,
-        pipeline=pipeline,
+        settings=settings,
         checkpoint=config.checkpoint.model_copy(update={"directory": checkpoints})
         if checkpoints
         else None,
@@ -361,8 +366,12 @@ def _train_prepared(
         store=manifest,
         state_dict=state_dict,
         recoveries=launched.recoveries,
-        split_points=None if pipeline is None else pipeline.split_points,
+        split_points=points,
         job_id=launched.job_id,
+        peak_memory_mib=[
+            None if r.peak_memory_bytes is None else round(r.peak_memory_bytes / 2**20, 1)
+            for r in results
+        ],
     )
 
 

@@ -337,6 +337,7 @@ class RunDirectory:
             "attempts": attempts,
             "first_step_s": result.first_step_s,
             "first_step_after_launch_s": result.first_step_after_launch_s,
+            "peak_memory_mib": result.peak_memory_mib,  # per rank, the last attempt's
             # None: trained from Dask collections (train(data=...)), no store.
             "store": None
             if result.store is None

@@ -5,6 +5,15 @@ strategies. Adding one means adding its module ``workers/strategies/<name>.py`` 
 imports a strategy's module by its name) and its name below; a test checks they agree.
 """
 
-STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline")
+STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline", "fsdp", "hsdp")
 # Strategies that cut the model into stages on several ranks.
 STAGED = ("model_parallel", "pipeline")
+# Strategies that shard parameters, gradients and optimizer state over the data-parallel ranks.
+SHARDED = ("fsdp", "hsdp")
+# The config section whose settings a strategy's prepare() is given (none: it takes none).
+SETTINGS_SECTION = {
+    "model_parallel": "pipeline",
+    "pipeline": "pipeline",
+    "fsdp": "fsdp",
+    "hsdp": "fsdp",
+}

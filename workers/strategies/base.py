@@ -8,11 +8,12 @@ checkpoint holds. A strategy's module registers its class with :func:`register`;
 
 import importlib
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
-from typing import TYPE_CHECKING, ClassVar
+from contextlib import AbstractContextManager, nullcontext
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 from torch import nn
 
 from workers.data import StoreSplit, eval_batches
@@ -20,9 +21,6 @@ from workers.layout import Layout
 from workers.losses import CROSS_ENTROPY, TERMS, Criterion
 from workers.precision import Precision
 from workers.strategies import STRATEGIES
-
-if TYPE_CHECKING:
-    from workers.strategies.pipeline import PipelineConfig
 
 
 class EpochSums:
@@ -78,11 +76,14 @@ class Strategy(ABC):
         layout: Layout,
         rank: int,
         device: torch.device,
-        pipeline: "PipelineConfig | None" = None,
+        settings: BaseModel | None = None,
+        precision: Precision,
         sample: torch.Tensor | None = None,
     ) -> "Strategy":
-        """Wrap or cut ``model`` for this rank; every rank of the job calls it. ``sample`` is
-        one micro-batch of inputs on the CPU, for strategies that trace the model."""
+        """Wrap or cut ``model`` for this rank; every rank of the job calls it. ``settings`` is
+        the strategy's own config section (``SETTINGS_SECTION`` in ``workers/strategies``),
+        ``precision`` the run's. ``sample`` is one micro-batch of inputs on the CPU, for
+        strategies that trace the model."""
 
     @property
     @abstractmethod
@@ -176,16 +177,21 @@ class WholeModel(Strategy):
         micro_batches = list(zip(x.split(size), y.split(size), strict=True))
         for i, (mx, my) in enumerate(micro_batches):
             # Only the last micro-batch all-reduces; the others accumulate locally.
-            last = i == len(micro_batches) - 1
-            sync = nullcontext() if last else getattr(self.wrapped, "no_sync", nullcontext)()
-            with sync:
-                with precision.autocast():
+            with self._gradient_sync(last=i == len(micro_batches) - 1):
+                with self._autocast(precision):
                     logits = self.wrapped(mx)
                     loss = self.criterion(logits, my)
                 # Weight by share of the rank's batch: accumulation equals one batch.
                 precision.scale(loss * (len(my) / len(y))).backward()
             sums.add(loss, logits, my)
         return loss
+
+    def _gradient_sync(self, last: bool) -> AbstractContextManager:
+        """Around one micro-batch's forward and backward: reduce gradients on the last only."""
+        return nullcontext() if last else getattr(self.wrapped, "no_sync", nullcontext)()
+
+    def _autocast(self, precision: Precision) -> AbstractContextManager:
+        return precision.autocast()
 
     def clip_grad_norm(self, max_norm: float) -> None:
         nn.utils.clip_grad_norm_(self.wrapped.parameters(), max_norm)

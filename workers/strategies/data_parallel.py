@@ -1,16 +1,13 @@
 """The seed article's first example: ``nn.DataParallel`` over the GPUs one worker owns."""
 
-from typing import TYPE_CHECKING
-
 import torch
+from pydantic import BaseModel
 from torch import nn
 
 from workers.devices import declared_gpus, owned_device_indices
 from workers.layout import Layout
+from workers.precision import Precision
 from workers.strategies.base import WholeModel, register
-
-if TYPE_CHECKING:
-    from workers.strategies.pipeline import PipelineConfig
 
 
 def apply_data_parallel(model: nn.Module, *, device: torch.device) -> nn.Module:
@@ -44,7 +41,8 @@ class DataParallel(WholeModel):
         layout: Layout,
         rank: int,
         device: torch.device,
-        pipeline: "PipelineConfig | None" = None,
+        settings: BaseModel | None = None,
+        precision: Precision,
         sample: torch.Tensor | None = None,
     ) -> "DataParallel":
         return cls(

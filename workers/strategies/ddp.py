@@ -1,16 +1,13 @@
 """Data parallelism across ranks with DistributedDataParallel."""
 
-from typing import TYPE_CHECKING
-
 import torch
+from pydantic import BaseModel
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.layout import Layout
+from workers.precision import Precision
 from workers.strategies.base import WholeModel, register
-
-if TYPE_CHECKING:
-    from workers.strategies.pipeline import PipelineConfig
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
@@ -39,7 +36,8 @@ class DDP(WholeModel):
         layout: Layout,
         rank: int,
         device: torch.device,
-        pipeline: "PipelineConfig | None" = None,
+        settings: BaseModel | None = None,
+        precision: Precision,
         sample: torch.Tensor | None = None,
     ) -> "DDP":
         return cls(apply_ddp(model, device=device), layout=layout, rank=rank, device=device)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (
@@ -562,11 +563,13 @@ class PipelineStrategy(Strategy):
         layout: Layout,
         rank: int,
         device: torch.device,
-        pipeline: PipelineConfig | None = None,
+        settings: BaseModel | None = None,
+        precision: Precision,
         sample: torch.Tensor | None = None,
     ) -> "PipelineStrategy":
-        if pipeline is None:
+        if not isinstance(settings, PipelineConfig):
             raise ValueError(f"{cls.name}: needs the [pipeline] section, split points resolved")
+        pipeline = settings
 
         def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             # The trainer sets the criterion after prepare: read it when the schedule calls.

@@ -52,17 +52,18 @@ def steady_samples_per_s(
         schedule="1f1b", n_microbatches=microbatches, split_points=tuple(split_points)
     )
     training = TrainingConfig(strategy="pipeline", batch_size=batch)
+    precision = Precision("fp32", ctx.device)
     layout = Layout.of(training, config, world_size=ctx.world_size)
     strategy = get_strategy("pipeline").prepare(
         resnet18(),
         layout=layout,
         rank=ctx.rank,
         device=ctx.device,
-        pipeline=config,
+        settings=config,
+        precision=precision,
         sample=torch.zeros(layout.micro_batch, *IMAGE),
     )
     optimizer = torch.optim.SGD(strategy.parameters(), lr=0.01, momentum=0.9)
-    precision = Precision("fp32", ctx.device)
     sums = EpochSums([0.0, 0.0, 0.0], device=ctx.device)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, *IMAGE, generator=generator).to(ctx.device)

@@ -1,0 +1,165 @@
+"""FSDP2 and HSDP end to end on real gloo process groups: the same parameters as one process,
+the degrees checked before anything starts, sharded checkpoints that reshard on resume."""
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from tests.reference import assert_same_parameters, train_in_one_process
+from workers.checkpoint import MANIFEST, list_checkpoints
+from workflows.config import ConfigError, load_config
+from workflows.driver import train
+
+BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3, "max_steps": 5}
+
+
+@pytest.fixture
+def sharded_config(make_config):
+    def sharded_config(strategy="fsdp", parallel=None, checkpoint=None, fsdp=None, **training):
+        raw = {"name": "sharded", "parallel": parallel or {}, "checkpoint": checkpoint or {}}
+        raw["fsdp"] = fsdp or {}
+        return make_config(raw, strategy=strategy, **(BASE | training))
+
+    return sharded_config
+
+
+def _assert_matches_reference(result, config, *, world_size: int, steps: int = 5) -> None:
+    # Each rank reads its own share of the batch, as under DDP: one process on the global
+    # batches those ranks make up. FSDP reduce-scatters where DDP all-reduces, in the same
+    # float32: the same few-steps tolerance (tests/reference.py: FEW_STEPS_FLOAT32).
+    expected = train_in_one_process(config, world_size=world_size, steps=steps)
+    assert_same_parameters(result.state_dict, expected)
+    untrained = train_in_one_process(config, world_size=world_size, steps=0)
+    assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize(
+    "training",
+    [
+        {},
+        # Accumulation without a reduce between micro-batches, clipping by the norm of the
+        # whole model, whose gradients no rank holds whole, and FSDP's other settings.
+        {
+            "grad_accum_steps": 2,
+            "grad_clip_norm": 0.05,
+            "fsdp": {"reshard_after_forward": False},
+        },
+    ],
+    ids=["plain", "accumulated-clipped-unresharded"],
+)
+def test_fsdp_on_two_ranks_matches_one_process(cluster, sharded_config, training):
+    config = sharded_config(**training)
+    result = train(config, cluster=cluster, on_event=None)
+    assert (result.strategy, result.world_size) == ("fsdp", 2)
+    # model.pt's parameters: the shards gathered into the full model's names.
+    _assert_matches_reference(result, config, world_size=2)
+
+
+@pytest.mark.equivalence
+def test_hsdp_two_by_two_on_four_workers_matches_one_process(four_workers, sharded_config):
+    config = sharded_config("hsdp", parallel={"dp_shard": 2})
+    result = train(config, cluster=four_workers, on_event=None)
+    assert (result.strategy, result.world_size) == ("hsdp", 4)
+    _assert_matches_reference(result, config, world_size=4)
+
+
+def test_hsdp_degrees_lay_the_ranks_out_as_replicas_of_shards():
+    config = load_config(
+        {"training": {"strategy": "hsdp", "batch_size": 32}, "parallel": {"dp_replicate": 2}}
+    )
+    layout = config.layout(8)
+    assert (layout.pp, layout.dp, layout.dp_replicate, layout.dp_shard) == (1, 8, 2, 4)
+    assert layout.per_rank_batch == 4  # every rank reads its own share, as under DDP
+    fsdp = load_config({"training": {"strategy": "fsdp", "batch_size": 32}}).layout(4)
+    assert (fsdp.dp_replicate, fsdp.dp_shard) == (1, 4)
+    ddp = load_config({"training": {"batch_size": 32}}).layout(4)
+    assert (ddp.dp_replicate, ddp.dp_shard) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"training": {"strategy": "hsdp"}, "parallel": {"dp_replicate": 2, "dp_shard": 2}},
+            "dp_replicate x dp_shard = 2 x 2 must equal the world size 2",
+        ),
+        ({"training": {"strategy": "hsdp"}}, "parallel.dp_shard: hsdp needs the ranks"),
+        (
+            {"training": {"strategy": "hsdp"}, "parallel": {"dp_shard": 3}},
+            "parallel.dp_shard: 3 does not divide the world size 2",
+        ),
+        (
+            {"training": {"strategy": "fsdp"}, "parallel": {"dp_replicate": 2}},
+            "fsdp shards over all 2 ranks",
+        ),
+        ({"parallel": {"dp_shard": 2}}, "parallel: ddp replicates the whole model"),
+        ({"training": {"strategy": "fsdp", "precision": "fp16"}}, "no loss scaling for fp16"),
+        (
+            {
+                "training": {"strategy": "fsdp"},
+                "cluster": {"kind": "cpu"},
+                "fsdp": {"cpu_offload": True},
+            },
+            "fsdp.cpu_offload: a CPU cluster's shards are in host memory already",
+        ),
+    ],
+)
+def test_bad_degrees_are_refused_in_one_line_naming_the_field(raw, message):
+    base = {"launch": {"world_size": 2}, "training": {"batch_size": 32}}
+    merged = {key: base.get(key, {}) | raw.get(key, {}) for key in base.keys() | raw.keys()}
+    with pytest.raises(ConfigError) as error:
+        load_config(merged)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.equivalence
+def test_a_sharded_checkpoint_saved_at_four_ranks_resumes_at_two_and_continues_exactly(
+    four_workers, cluster, sharded_config, tmp_path
+):
+    # DCP writes each rank's shards; at two ranks it reads them back into halves as large.
+    folder = tmp_path / "checkpoints"
+    config = sharded_config(checkpoint={"directory": str(folder), "every_steps": 1})
+    assert train(config, cluster=four_workers, on_event=None).world_size == 4
+    # As if the four ranks had been stopped after step 3, in the middle of the epoch.
+    for newer in list_checkpoints(folder)[:2]:
+        shutil.rmtree(newer)
+    (at_step_3,) = [json.loads((p / MANIFEST).read_text()) for p in list_checkpoints(folder)[:1]]
+    assert (at_step_3["step"], at_step_3["epoch"], at_step_3["batch"]) == (3, 0, 3)
+    resumed = train(config, cluster=cluster, on_event=None)
+    assert (resumed.world_size, resumed.history[-1]["step"]) == (2, 5)
+    # Three steps on what four ranks read, then two on what two ranks read from the same place
+    # in the epoch: what the resumed run did, or it started over or lost the optimizer state.
+    expected = train_in_one_process(config, world_size=4, steps=3, then=(2, 2))
+    assert_same_parameters(resumed.state_dict, expected)
+
+
+def test_a_worker_killed_mid_run_under_fsdp_is_recovered_from_the_sharded_checkpoint(
+    own_cluster, sharded_config, tmp_path
+):
+    def config(name: str):
+        checkpoint = {"directory": str(tmp_path / name), "every_steps": 4}
+        return sharded_config(max_steps=8, log_every_steps=1, checkpoint=checkpoint)
+
+    victim = max(own_cluster.client.run(os.getpid).values())
+    killed: list[int] = []
+
+    def kill_after_step_5(record: dict) -> None:
+        if not killed and record["kind"] == "step" and record["step"] >= 5:
+            os.kill(victim, signal.SIGKILL)
+            killed.append(record["step"])
+
+    result = train(config("killed"), cluster=own_cluster, on_event=kill_after_step_5)
+    assert killed, "the kill never happened"
+    (recovery,) = result.recoveries
+    # No rank holds another's shards: the job goes back to the checkpoint of step 4.
+    assert (recovery["recovered_from"], recovery["resumed_from_step"]) == ("checkpoint", 4)
+    uninterrupted = train(config("straight"), cluster=own_cluster, on_event=None)
+    # The same code on the same ranks and kernels, so the same order of every sum: equal to
+    # the last bit, the redone steps included.
+    assert_same_parameters(result.state_dict, uninterrupted.state_dict, rtol=0, atol=0)

@@ -1,0 +1,52 @@
+"""A rank's peak memory over one job: CUDA's allocator peak on a GPU, the growth of the
+process's peak resident set on a CPU.
+
+On a CPU the figure is the Linux kernel's high-water mark (``VmHWM``), reset when the job
+starts (``/proc/self/clear_refs``), less the resident set at that moment: a warm worker's
+earlier jobs do not count, and neither does what the worker held before (torch itself).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass
+class PeakMemory:
+    """Started as a job starts on this rank; ``bytes()`` is the peak since then."""
+
+    device: torch.device
+    resident_at_start: int | None  # KiB; None where the kernel's figures are not readable
+
+    @classmethod
+    def start(cls, device: torch.device) -> "PeakMemory":
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return cls(device, None)
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        except OSError:
+            return cls(device, None)
+        return cls(device, _status_kib("VmRSS"))
+
+    def bytes(self) -> int | None:
+        """The peak so far: None where it cannot be measured (not Linux, no /proc)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        peak = _status_kib("VmHWM")
+        if self.resident_at_start is None or peak is None:
+            return None
+        return max(0, peak - self.resident_at_start) * 1024

@@ -1,0 +1,153 @@
+"""Sharded data parallelism with FSDP2 (``fully_shard``): ``fsdp`` and ``hsdp``.
+
+Every rank reads its own share of the batch, as under DDP, but holds only a shard of each
+parameter, its gradient and its optimizer state: a unit's parameters are all-gathered for its
+forward and backward, and its gradients reduce-scattered after. ``hsdp`` shards within groups
+of ``dp_shard`` ranks and all-reduces across the ``dp_replicate`` groups, so the gathers stay
+within a group (a host) and only the reduced gradients cross hosts.
+"""
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from workers.config_models import FSDPConfig
+from workers.data import StoreSplit, fixed_shape_eval_batches
+from workers.layout import Layout
+from workers.precision import Precision
+from workers.strategies.base import EpochSums, WholeModel, register
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    precision: Precision,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+) -> FSDPModule:
+    """Shard ``model`` over ``mesh``, moving the shards to the mesh's device: a 1-D mesh shards,
+    a 2-D ``(dp_replicate, dp_shard)`` mesh is HSDP.
+
+    Each top-level module that holds parameters becomes one unit, then the root takes the
+    rest: a unit's parameters are gathered only while it runs, so the peak is one unit whole
+    plus every shard, not the whole model (torchtitan wraps each transformer block the same
+    way). In ``bf16`` the gathered parameters are cast to bf16 and the gradients reduced in
+    fp32 (``MixedPrecisionPolicy``); the outputs come back in fp32 for the loss.
+    """
+    if precision.scaler.is_enabled():
+        raise ValueError("training.precision: FSDP has no loss scaling for fp16; use 'bf16'")
+    dtype = precision.dtype
+    mixed = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None, output_dtype=torch.float32
+    )
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    options = {"mesh": mesh, "mp_policy": mixed, "offload_policy": offload}
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, reshard_after_forward=reshard_after_forward, **options)
+    # The root's parameters are gathered for the backward anyway: keeping them saves a gather.
+    return fully_shard(model, reshard_after_forward=False, **options)
+
+
+@register
+class FSDP(WholeModel):
+    """Every rank trains on its share of the batch and holds a shard of the model."""
+
+    name = "fsdp"
+    wrapped: FSDPModule
+
+    @classmethod
+    def prepare(
+        cls,
+        model: nn.Module,
+        *,
+        layout: Layout,
+        rank: int,
+        device: torch.device,
+        settings: FSDPConfig | None = None,
+        precision: Precision,
+        sample: torch.Tensor | None = None,
+    ) -> "FSDP":
+        settings = settings or FSDPConfig()
+        if settings.cpu_offload and device.type != "cuda":
+            raise ValueError(
+                f"fsdp.cpu_offload: rank {rank} trains on the CPU, where the shards are in host "
+                "memory already; set cpu_offload = false (it moves a GPU's shards to the host)"
+            )
+        if layout.dp_replicate > 1:
+            mesh = init_device_mesh(
+                device.type,
+                (layout.dp_replicate, layout.dp_shard),
+                mesh_dim_names=("dp_replicate", "dp_shard"),
+            )
+        else:
+            mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp_shard",))
+        # Left where it was built (the CPU): fully_shard moves each rank's shards to the
+        # mesh's device, so the whole model never lands on the GPU.
+        sharded = apply_fsdp(
+            model,
+            mesh=mesh,
+            precision=precision,
+            reshard_after_forward=settings.reshard_after_forward,
+            cpu_offload=settings.cpu_offload,
+        )
+        return cls(sharded, layout=layout, rank=rank, device=device)
+
+    @property
+    def plain(self) -> nn.Module:
+        return self.wrapped
+
+    def _gradient_sync(self, last: bool) -> AbstractContextManager:
+        # Micro-batches before the last accumulate unreduced gradients, as DDP's no_sync does.
+        self.wrapped.set_requires_gradient_sync(last)
+        return nullcontext()
+
+    def _autocast(self, precision: Precision) -> AbstractContextManager:
+        return nullcontext()  # the mixed-precision policy casts the gathered parameters
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        parameters = list(self.wrapped.parameters())
+        grads = [p.grad for p in parameters if p.grad is not None]
+        # Each rank's norm is of its shards: the DTensor's full value is the whole model's.
+        total = nn.utils.get_total_norm(grads)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+
+    @torch.no_grad()
+    def evaluate(
+        self, split: StoreSplit, *, batch_size: int, precision: Precision
+    ) -> dict[str, float]:
+        self.wrapped.eval()
+        sums = EpochSums(device=self.device, criterion=self.criterion)
+        # Every forward gathers parameters with every other rank: each rank runs the same
+        # number of batches, the last ones padded, and counts only the real rows.
+        for x, y, real in fixed_shape_eval_batches(
+            split, rank=self.rank, world_size=self.layout.world_size, batch_size=batch_size
+        ):
+            logits = self.wrapped(x.to(self.device)).float()
+            if real:
+                logits, y = logits[:real], y[:real].to(self.device)
+                sums.add(self.criterion(logits, y), logits, y)
+        return self.criterion.metrics(sums.all_reduced())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        # Collective: every rank sends its shards; rank 0 gets them whole, on the CPU.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.wrapped, options=options)
+        return state if self.rank == 0 else None

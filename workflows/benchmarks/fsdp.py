@@ -1,0 +1,81 @@
+"""FSDP2 against DDP: peak memory per rank and throughput, at 2 and 4 ranks.
+
+    python -m workflows.benchmarks.fsdp [--width 4096] [--layers 6] [--steps 4]
+
+On one machine, for each world size (2, then 4 workers), in one run: the same model, data and
+steps under ``ddp`` and ``fsdp``. The model is a stack of ``--layers`` square linear layers
+``--width`` wide (6 x 4096 wide: 101 M parameters), so that parameters, gradients and
+optimizer state (SGD momentum) dominate a rank's memory, as in a large transformer; the data is
+the synthetic store (32x32 RGB).
+
+Memory: each rank's peak while training, as ``TrainResult.peak_memory_mib`` reports it (the
+growth of the worker's peak resident set on CPU, CUDA's allocator peak on a GPU; the export of
+the whole model at the end left out), the largest rank's. On a CPU every rank first builds the
+whole model (one copy), then: a DDP rank holds the parameters, their gradients, DDP's gradient
+buckets and the momentum, ~4 copies; an FSDP rank 1/N of the three sharded states plus, while
+one layer runs, that layer whole. Throughput: steady samples/s, FSDP over DDP, in the same run.
+"""
+
+import argparse
+import tempfile
+
+from workflows.cluster import start_cluster
+from workflows.config import RunConfig, load_config
+from workflows.driver import train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+
+    def config(store: str, strategy: str) -> RunConfig:
+        return load_config(
+            {
+                "name": f"fsdp-bench-{strategy}",
+                "data": {"dataset": "synthetic", "synthetic_samples": 1024, "store": store},
+                "model": {
+                    "name": "workflows.benchmarks.wide_mlp:wide_mlp",
+                    "kwargs": {"width": args.width, "layers": args.layers},
+                },
+                "training": {
+                    "strategy": strategy,
+                    "epochs": 1,
+                    "max_steps": args.steps,
+                    "batch_size": args.batch,
+                    "lr": 0.01,
+                },
+            }
+        )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            # Each worker may hold a whole DDP replica: 24 GiB machines, 4 ranks of ~2 GiB.
+            with start_cluster(n_workers=ranks, dashboard_port=0) as cluster:
+                grown: dict[str, float] = {}
+                speed: dict[str, float] = {}
+                for strategy in ("ddp", "fsdp"):
+                    result = train(config(f"{tmp}/store", strategy), cluster=cluster, on_event=None)
+                    # The largest rank's: TrainResult's per-rank peaks (workers/peak_memory.py).
+                    grown[strategy] = max(result.peak_memory_mib)
+                    speed[strategy] = result.steady_samples_per_s
+                    print(
+                        f"{ranks} ranks, {strategy}: peak memory per rank "
+                        f"{', '.join(f'{m:,.0f}' for m in result.peak_memory_mib)} MiB, "
+                        f"{speed[strategy]:.1f} samples/s",
+                        flush=True,
+                    )
+                print(
+                    f"{ranks} ranks: FSDP / DDP peak memory per rank "
+                    f"{grown['fsdp'] / grown['ddp']:.2f}x, samples/s "
+                    f"{speed['fsdp'] / speed['ddp']:.2f}x",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
