@@ -120,6 +120,8 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
     assert f"training page: {page}" in lines
     summary = json.loads((output / "summary.json").read_text())
     assert summary["strategy"] == "ddp" and summary["world_size"] == 2
+    # Each rank's peak while training, above what its worker held before.
+    assert len(summary["peak_memory_mib"]) == 2 and min(summary["peak_memory_mib"]) > 0
     assert summary["epochs"] == 2 and summary["final"]["val_accuracy"] > 0.2
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2]

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import torch
+from torch import nn
 
 from tests.reference import assert_same_parameters, train_in_one_process
 from workers.checkpoint import MANIFEST, list_checkpoints
@@ -56,8 +57,35 @@ def test_fsdp_on_two_ranks_matches_one_process(cluster, sharded_config, training
     config = sharded_config(**training)
     result = train(config, cluster=cluster, on_event=None)
     assert (result.strategy, result.world_size) == ("fsdp", 2)
+    assert len(result.peak_memory_mib) == 2 and min(result.peak_memory_mib) > 0
     # model.pt's parameters: the shards gathered into the full model's names.
     _assert_matches_reference(result, config, world_size=2)
+
+
+class Blocks(nn.Module):
+    """Blocks in an ``nn.ModuleList``, which is never called itself: each block is a unit."""
+
+    def __init__(self, in_features: int, num_classes: int, width: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Linear(in_features, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x.flatten(1)))
+        for block in self.blocks:
+            x = x + torch.relu(block(x))
+        return self.head(x)
+
+
+@pytest.mark.equivalence
+def test_a_model_whose_blocks_sit_in_a_module_list_matches_one_process(cluster, sharded_config):
+    config = sharded_config()
+    result = train(config, model=Blocks, cluster=cluster, on_event=None)
+    expected = train_in_one_process(config, world_size=2, steps=5, factory=Blocks)
+    assert_same_parameters(result.state_dict, expected)
+    untrained = train_in_one_process(config, world_size=2, steps=0, factory=Blocks)
+    assert not torch.allclose(result.state_dict["blocks.2.weight"], untrained["blocks.2.weight"])
 
 
 @pytest.mark.equivalence

@@ -7,6 +7,7 @@ of ``dp_shard`` ranks and all-reduces across the ``dp_replicate`` groups, so the
 within a group (a host) and only the reduced gradients cross hosts.
 """
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -38,11 +39,12 @@ def apply_fsdp(
     """Shard ``model`` over ``mesh``, moving the shards to the mesh's device: a 1-D mesh shards,
     a 2-D ``(dp_replicate, dp_shard)`` mesh is HSDP.
 
-    Each top-level module that holds parameters becomes one unit, then the root takes the
-    rest: a unit's parameters are gathered only while it runs, so the peak is one unit whole
-    plus every shard, not the whole model (torchtitan wraps each transformer block the same
-    way). In ``bf16`` the gathered parameters are cast to bf16 and the gradients reduced in
-    fp32 (``MixedPrecisionPolicy``); the outputs come back in fp32 for the loss.
+    Each top-level module that holds parameters becomes one unit (the members of a top-level
+    ``nn.ModuleList`` or ``nn.ModuleDict`` each one), then the root takes the rest: a unit's
+    parameters are gathered only while it runs, so the peak is one unit whole plus every
+    shard, not the whole model (torchtitan wraps each transformer block the same way). In
+    ``bf16`` the gathered parameters are cast to bf16 and the gradients reduced in fp32
+    (``MixedPrecisionPolicy``); the outputs come back in fp32 for the loss.
     """
     if precision.scaler.is_enabled():
         raise ValueError("training.precision: FSDP has no loss scaling for fp16; use 'bf16'")
@@ -52,11 +54,21 @@ def apply_fsdp(
     )
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     options = {"mesh": mesh, "mp_policy": mixed, "offload_policy": offload}
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child, reshard_after_forward=reshard_after_forward, **options)
+    for unit in _units(model):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
     # The root's parameters are gathered for the backward anyway: keeping them saves a gather.
     return fully_shard(model, reshard_after_forward=False, **options)
+
+
+def _units(module: nn.Module) -> Iterator[nn.Module]:
+    """The children of ``module`` that hold trainable parameters, each one unit; a container
+    (``nn.ModuleList``, ``nn.ModuleDict``) is never called, so its own children are the units
+    (a transformer's blocks, as torchtitan wraps them)."""
+    for child in module.children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            yield from _units(child)
+        elif any(p.requires_grad for p in child.parameters()):
+            yield child
 
 
 @register
