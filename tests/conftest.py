@@ -153,10 +153,13 @@ def _shared_cluster_left_as_found(request):
         pytest.fail(f"the test left the shared cluster unusable: {'; '.join(problems)}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def four_workers():
-    """A 4-worker cluster for the layouts two workers cannot hold (pipeline x data parallel),
-    shared by the modules that need one: each start is 4 worker processes importing torch."""
+    """A 4-worker cluster for the layouts two workers cannot hold (pipeline x data parallel,
+    HSDP), one per module that needs it. Its workers fork from this process's fork server, so
+    a start is about a second; kept for the whole session it would idle through most of it,
+    and an idle worker still spends ~3% of a core (measured: Dask's event loop and monitors),
+    which the tests running meanwhile on this 2-core machine wait for."""
     with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
         yield training_cluster
 
