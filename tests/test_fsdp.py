@@ -107,6 +107,17 @@ def test_hsdp_degrees_lay_the_ranks_out_as_replicas_of_shards():
     assert (fsdp.dp_replicate, fsdp.dp_shard) == (1, 4)
     ddp = load_config({"training": {"batch_size": 32}}).layout(4)
     assert (ddp.dp_replicate, ddp.dp_shard) == (4, 1)
+    # With tensor parallelism innermost: the two ranks splitting a layer read the same data.
+    split = load_config(
+        {
+            "training": {"strategy": "fsdp", "batch_size": 32},
+            "parallel": {"tp": 2},
+            "model": {"name": "tests.test_tensor_parallel:TwoLayer", "tp_plan": "m:plan"},
+        }
+    ).layout(8)
+    assert (split.dp, split.dp_shard, split.tp, split.per_rank_batch) == (4, 4, 2, 8)
+    assert [split.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [split.tp_rank(rank) for rank in range(8)] == [0, 1] * 4
 
 
 @pytest.mark.parametrize(

@@ -41,15 +41,17 @@ def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
     # Every rank's own throughput, from its heartbeats; heartbeats are no job of their own.
     # The scheduler keeps earlier jobs' last figures too: this job is the one with its own id.
     assert result.job_id.startswith("metrics-running-")
-    for rank in (0, 1):
-        (line,) = [
-            line
-            for line in text.splitlines()
-            if line.startswith("dask_train_rank_samples_per_second{")
-            and f'job="{result.job_id}"' in line
-            and f'rank="{rank}"' in line
-        ]
-        assert float(line.rsplit(" ", 1)[1]) > 0
+    # And each rank's peak memory since it started, from the same heartbeats.
+    for metric in ("dask_train_rank_samples_per_second", "dask_train_rank_peak_memory_bytes"):
+        for rank in (0, 1):
+            (line,) = [
+                line
+                for line in text.splitlines()
+                if line.startswith(f"{metric}{{")
+                and f'job="{result.job_id}"' in line
+                and f'rank="{rank}"' in line
+            ]
+            assert float(line.rsplit(" ", 1)[1]) > 0, line
     assert "heartbeat-" not in text and "-heartbeat" not in text
 
     after = _training_gauges(cluster.dashboard_link, f'job="{result.job_id}"')

@@ -65,7 +65,7 @@ def test_model_parallel_is_a_pipeline_of_one_micro_batch():
 
 
 def test_a_layout_checks_itself():
-    with pytest.raises(ValueError, match=r"pp x dp = 2 x 2 must equal the world size 2"):
+    with pytest.raises(ValueError, match=r"pp x dp x tp = 2 x 2 x 1 must equal the world size 2"):
         Layout(world_size=2, pp=2, dp=2, batch_size=32)
     with pytest.raises(ValueError, match="does not split into 2 replicas x 4 micro-batches"):
         Layout(world_size=2, pp=1, dp=2, batch_size=12, n_microbatches=4)

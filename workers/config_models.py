@@ -188,12 +188,25 @@ class ModelConfig(BaseModel):
         description="keyword arguments of the factory; num_classes, in_channels, image_size "
         "and in_features are filled in from the data where it takes them",
     )
+    tp_plan: str | None = Field(
+        default=None,
+        description="'package.module:plan': plan(model, mesh) returns the model's "
+        "tensor-parallel plan for parallelize_module (module name -> ParallelStyle); "
+        "needed by parallel.tp > 1",
+    )
 
     @field_validator("name")
     @classmethod
     def _known_syntax(cls, name: str) -> str:
         check_name(name, sorted(MODEL_LAYERS))
         return name
+
+    @field_validator("tp_plan")
+    @classmethod
+    def _an_import_path(cls, plan: str | None) -> str | None:
+        if plan is not None and not IMPORT_PATH.match(plan):
+            raise ValueError(f"{plan!r} is not an import path 'package.module:plan'")
+        return plan
 
     @property
     def builtin(self) -> bool:
@@ -328,12 +341,13 @@ class PipelineConfig(BaseModel):
 
 
 class ParallelConfig(BaseModel):
-    """The degrees of data parallelism, whose product is the world size: ``dp_replicate``
-    copies of the model, each sharded over ``dp_shard`` ranks (torchtitan's names).
+    """The degrees of parallelism, whose product is the world size: ``dp_replicate`` copies
+    of the model, each sharded over ``dp_shard`` ranks, each of whose layers ``tp`` ranks split
+    (torchtitan's names).
 
-    ``ddp`` replicates over every rank and ``fsdp`` shards over every rank, so neither needs
-    this section; ``hsdp`` needs one of the two degrees (the other is what the world size
-    leaves).
+    ``ddp`` replicates over every rank and ``fsdp`` shards over every rank (the world size /
+    ``tp``), so neither needs the data-parallel degrees; ``hsdp`` needs one of the two (the
+    other is what the world size leaves).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -350,8 +364,16 @@ class ParallelConfig(BaseModel):
         "(unset: the world size / dp_replicate)",
     )
 
+    tp: int = Field(
+        default=1,
+        ge=1,
+        description="fsdp and hsdp: ranks that split each layer (tensor parallelism, by the "
+        "model's model.tp_plan); they read the same batches",
+    )
+
     @property
     def given(self) -> bool:
+        """Whether a data-parallel degree is set."""
         return self.dp_replicate is not None or self.dp_shard is not None
 
 
@@ -371,3 +393,13 @@ class FSDPConfig(BaseModel):
         description="keep the sharded parameters, gradients and optimizer state in host memory "
         "(GPU: the optimizer steps on the CPU)",
     )
+
+
+class ShardingSettings(BaseModel):
+    """What ``fsdp`` and ``hsdp`` are given (``RunConfig.sharding``): the ``[fsdp]`` section
+    and the model's tensor-parallel plan."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fsdp: FSDPConfig = FSDPConfig()
+    tp_plan: str | None = None

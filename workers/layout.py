@@ -16,13 +16,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Layout:
-    """The ranks as a ``(pp, dp)`` mesh, ``rank = pp_rank * dp + dp_rank``, and the batch.
+    """The ranks as a ``(pp, dp, tp)`` mesh, ``rank = (pp_rank * dp + dp_rank) * tp +
+    tp_rank``, and the batch.
 
     A strategy that keeps the whole model on every rank is the ``pp = 1`` case: every rank is a
     replica. Replicas read different data; the ``pp`` ranks of a pipeline read the same. The
     ``dp`` ranks are ``dp_replicate`` groups of ``dp_shard`` ranks (``dp_rank = replica *
     dp_shard + shard``): FSDP shards the model within a group, HSDP also replicates across
-    groups.
+    groups. The ``tp`` ranks of a replica split each layer and read the same data.
     """
 
     world_size: int
@@ -32,15 +33,17 @@ class Layout:
     n_microbatches: int = 1  # forward passes per rank and step: accumulation or the pipeline's
     stages_per_rank: int = 1
     dp_shard: int = 1  # 1: every dp rank holds a whole copy
+    tp: int = 1  # ranks that split each layer of one copy
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "pp", "dp", "batch_size", "n_microbatches", "stages_per_rank"):
+        names = ("world_size", "pp", "dp", "batch_size", "n_microbatches", "stages_per_rank", "tp")
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"layout: {name} must be at least 1, not {getattr(self, name)}")
-        if self.pp * self.dp != self.world_size:
+        if self.pp * self.dp * self.tp != self.world_size:
             raise ValueError(
-                f"layout: pp x dp = {self.pp} x {self.dp} must equal the world size "
-                f"{self.world_size}"
+                f"layout: pp x dp x tp = {self.pp} x {self.dp} x {self.tp} must equal the world "
+                f"size {self.world_size}"
             )
         if self.dp % self.dp_shard:
             raise ValueError(
@@ -64,25 +67,30 @@ class Layout:
         """The layout of ``training.strategy`` on ``world_size`` ranks; a ``ValueError`` naming
         the config field where they cannot share the work."""
         strategy, batch = training.strategy, training.batch_size
-        shard = _shard_degree(strategy, parallel, world_size=world_size)
+        tp = _tp_degree(strategy, parallel, world_size=world_size)
+        dp = world_size // tp
+        shard = _shard_degree(strategy, parallel, world_size=dp)
         if strategy not in STAGED:
-            if batch < world_size:
+            # Each data-parallel rank reads its own share; the tp ranks of one read the same.
+            readers = "world size" if tp == 1 else "data-parallel ranks (world size / tp)"
+            if batch < dp:
                 raise ValueError(
-                    f"training.batch_size: {batch} is smaller than the world size "
-                    f"{world_size}; every rank needs at least one sample per step"
+                    f"training.batch_size: {batch} is smaller than the {readers} {dp}; every "
+                    "rank needs at least one sample per step"
                 )
-            if batch % (world_size * training.grad_accum_steps):
+            if batch % (dp * training.grad_accum_steps):
                 raise ValueError(
-                    f"training.batch_size: {batch} must be a multiple of world size x "
-                    f"grad_accum_steps = {world_size} x {training.grad_accum_steps}"
+                    f"training.batch_size: {batch} must be a multiple of {readers} x "
+                    f"grad_accum_steps = {dp} x {training.grad_accum_steps}"
                 )
             return cls(
                 world_size=world_size,
                 pp=1,
-                dp=world_size,
+                dp=dp,
                 batch_size=batch,
                 n_microbatches=training.grad_accum_steps,
                 dp_shard=shard,
+                tp=tp,
             )
         dp = pipeline.dp
         if world_size % dp:
@@ -128,7 +136,7 @@ class Layout:
     @property
     def reporting_rank(self) -> int:
         """The first replica of the last stage, which knows the loss (rank 0 without stages)."""
-        return (self.pp - 1) * self.dp
+        return (self.pp - 1) * self.dp * self.tp
 
     @property
     def dp_replicate(self) -> int:
@@ -137,7 +145,26 @@ class Layout:
 
     def dp_rank(self, rank: int) -> int:
         """Which replica ``rank`` is, and so which shard of the data it reads."""
-        return rank % self.dp
+        return rank // self.tp % self.dp
+
+    def tp_rank(self, rank: int) -> int:
+        """Which part of each split layer ``rank`` holds."""
+        return rank % self.tp
+
+
+def _tp_degree(strategy: str, parallel: "ParallelConfig | None", *, world_size: int) -> int:
+    """How many ranks split each layer (``parallel.tp``), checked against ``strategy``."""
+    tp = parallel.tp if parallel is not None else 1
+    if tp == 1:
+        return 1
+    if strategy not in SHARDED:
+        raise ValueError(
+            f"parallel.tp: tensor parallelism composes with strategy = 'fsdp' or 'hsdp' (with "
+            f"parallel.tp = {world_size} FSDP has one rank and only TP splits), not {strategy}"
+        )
+    if world_size % tp:
+        raise ValueError(f"parallel.tp: {tp} does not divide the world size {world_size}")
+    return tp
 
 
 def _shard_degree(strategy: str, parallel: "ParallelConfig | None", *, world_size: int) -> int:

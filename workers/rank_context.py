@@ -19,6 +19,7 @@ from distributed import get_worker, secede
 from workers import live_recovery
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
 from workers.live_recovery import LiveSource
+from workers.peak_memory import PeakMemory
 from workers.process_group import Membership, current_membership, rank_threads
 from workers.remote_traceback import keep_positions
 
@@ -114,6 +115,7 @@ class RankContext:
         self._first_report_at = math.nan
         self._resume_from = job.resume_from
         self._rows: dict[str, RankRows] = {}  # each split's rows, read once per attempt
+        self._memory = PeakMemory.start(self.device)  # heartbeats carry this rank's peak
         self._beat(samples=None)  # started: the launcher's first-step bound begins here
 
     def __repr__(self) -> str:
@@ -196,6 +198,9 @@ class RankContext:
             beat: dict[str, Any] = {"rank": self.rank, "step": self._beats}
             if self._samples and self._beats > 1:  # the first one also timed the build
                 beat["samples_per_s"] = self._samples / (now - self._last_beat)
+            peak = self._memory.bytes()
+            if peak is not None:
+                beat["peak_memory_bytes"] = peak
             self._last_beat, self._samples = now, 0
         self._worker.log_event(self._job.heartbeat_topic, beat)
 

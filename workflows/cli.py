@@ -257,7 +257,7 @@ def _exit_codes(
 
 def _echo_dashboard(cluster: "TrainingCluster") -> None:
     """The dashboard's link, and its Training page's (served from now on)."""
-    from workflows.dashboard import serve_training_page
+    from workflows.monitoring import serve_training_page
 
     page = serve_training_page(cluster.client)
     click.echo(f"dashboard: {cluster.dashboard_link}")

@@ -21,6 +21,7 @@ from workers.config_models import (
     ModelConfig,
     ParallelConfig,
     PipelineConfig,
+    ShardingSettings,
     TrainingConfig,
 )
 from workers.layout import Layout
@@ -101,6 +102,8 @@ class RunConfig(BaseModel):
             self._check_sharded(ranks)
         else:
             self.layout(ranks or 1)
+        if self.parallel.tp > 1 and self.training.strategy not in SHARDED:
+            self.layout(self.parallel.tp)  # says which strategies tensor parallelism composes with
         return self
 
     def _check_sharded(self, world_size: int | None) -> None:
@@ -109,13 +112,19 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
             )
+        if parallel.tp > 1 and self.model.tp_plan is None:
+            raise ValueError(
+                f"model.tp_plan: parallel.tp = {parallel.tp} splits the model's layers by its "
+                "tensor-parallel plan; set model.tp_plan = 'package.module:plan' (plan(model, "
+                "mesh) returns it), or parallel.tp = 1"
+            )
         if self.fsdp.cpu_offload and self.cluster.kind == "cpu":
             raise ValueError(
                 "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
                 "cpu_offload = false (it moves a GPU's shards to the host)"
             )
         if world_size is None and parallel.dp_replicate and parallel.dp_shard:
-            world_size = parallel.dp_replicate * parallel.dp_shard
+            world_size = parallel.dp_replicate * parallel.dp_shard * parallel.tp
         if world_size is not None:
             self.layout(world_size)
         elif strategy == "hsdp" and not parallel.given:
@@ -184,6 +193,11 @@ class RunConfig(BaseModel):
         # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
         model = build_model(self.model, num_classes=10, seed=self.training.seed, image_size=size)
         return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)
+
+    @property
+    def sharding(self) -> ShardingSettings:
+        """What ``fsdp`` and ``hsdp`` are given: ``[fsdp]`` and the model's TP plan."""
+        return ShardingSettings(fsdp=self.fsdp, tp_plan=self.model.tp_plan)
 
     @property
     def strategy_settings(self) -> BaseModel | None:

@@ -28,16 +28,6 @@ def training_page_url(dashboard_link: str) -> str:
     return dashboard_link.rsplit("/status", 1)[0] + ROUTE
 
 
-def serve_training_page(client: Any) -> str | None:
-    """Serve the Training page on ``client``'s scheduler from now on (otherwise the first
-    training job does) and return its URL, or None when the scheduler has no dashboard."""
-    from workflows.monitoring import TrainingMetrics
-
-    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
-    link = client.dashboard_link
-    return training_page_url(link) if link else None
-
-
 def add_to_navigation(scheduler: Any) -> None:
     """List the page in the dashboard's navigation bar.
 
@@ -109,7 +99,14 @@ def render_page(
             title="samples/s per rank", x_range=names or ["-"], width=300, height=260
         )
         throughput.vbar(x=names, top=[ranks[int(n)] for n in names], width=0.6)
-        blocks.append(row(*plots, throughput))
+        plots.append(throughput)
+        memory = state.get("memory", {})
+        if memory:
+            held = [str(rank) for rank in sorted(memory)]
+            peaks = figure(title="peak memory per rank (MiB)", x_range=held, width=300, height=260)
+            peaks.vbar(x=held, top=[memory[int(n)] / 2**20 for n in held], width=0.6)
+            plots.append(peaks)
+        blocks.append(row(*plots))
         reports = state.get("reports", [])
         if reports:
             blocks.append(row(*_report_plots(reports, figure)))
@@ -192,7 +189,7 @@ def _clock(when: float | None) -> str:
 
 def _report_plots(reports: list[dict[str, Any]], figure: Any) -> list[Any]:
     """One curve per metric a rank function reported (``ctx.report``), from rank 0."""
-    from workflows.monitoring import REPORT_BOOKKEEPING
+    from workflows.events import REPORT_BOOKKEEPING
 
     names = sorted({k for r in reports for k in r} - REPORT_BOOKKEEPING - {"step"})[:4]
     plots = []

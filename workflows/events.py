@@ -10,6 +10,8 @@ from typing import Any
 from distributed import Client
 
 EventHandler = Callable[[dict[str, Any]], None]
+# Fields of a ctx.report record that say where it came from, not what was measured.
+REPORT_BOOKKEEPING = frozenset({"kind", "rank", "attempt", "seq", "time"})
 logger = logging.getLogger(__name__)
 
 

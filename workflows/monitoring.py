@@ -8,6 +8,9 @@ from typing import Any
 
 from distributed import Scheduler, SchedulerPlugin
 
+from workflows.dashboard import ROUTE, TrainingPage, add_to_navigation, training_page_url
+from workflows.events import REPORT_BOOKKEEPING
+
 EVENT_PREFIX = "dask-train-"
 # Each rank's heartbeat (step, samples/s) for job J travels on HEARTBEAT_PREFIX + J.
 HEARTBEAT_PREFIX = "dask-train-heartbeat-"
@@ -19,8 +22,6 @@ QUEUE_KINDS = frozenset({"queued", "admitted"})
 PLUGIN_NAME = "dask-train-metrics"
 KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
 KEEP_EPOCHS = 1000  # and this many epoch records of each, for the Training page's curves
-# Fields of a ctx.report record that say where it came from, not what was measured.
-REPORT_BOOKKEEPING = frozenset({"kind", "rank", "attempt", "seq", "time"})
 
 # (metric, record field, help)
 GAUGES = (
@@ -60,8 +61,6 @@ class TrainingMetrics(SchedulerPlugin):
         self.scheduler = scheduler
         _exporter.add(self)
         # The Training page, on the scheduler's web server next to the dashboard's pages.
-        from workflows.dashboard import ROUTE, TrainingPage, add_to_navigation
-
         application = getattr(scheduler, "http_application", None)
         if application is not None:
             application.add_handlers(".*$", [(ROUTE, TrainingPage, {"snapshot": self.page})])
@@ -88,6 +87,8 @@ class TrainingMetrics(SchedulerPlugin):
                 if isinstance(msg.get("samples_per_s"), int | float):
                     ranks = state.setdefault("ranks", {})
                     ranks[int(msg["rank"])] = float(msg["samples_per_s"])
+                if isinstance(msg.get("peak_memory_bytes"), int):
+                    state.setdefault("memory", {})[int(msg["rank"])] = msg["peak_memory_bytes"]
                 return
             if msg.get("kind") == "report":
                 # A rank function's own metrics (ctx.report): rank 0's make the page's curves;
@@ -133,6 +134,7 @@ class TrainingMetrics(SchedulerPlugin):
                 job: {
                     **state,
                     "ranks": dict(state.get("ranks", {})),
+                    "memory": dict(state.get("memory", {})),
                     "history": list(state.get("history", [])),
                     "reports": list(state.get("reports", [])),
                 }
@@ -196,6 +198,24 @@ class _Exporter:
             for rank, value in sorted(state["ranks"].items()):
                 family.add_metric([job, str(state.get("strategy", "")), str(rank)], value)
         yield family
+        family = GaugeMetricFamily(
+            "dask_train_rank_peak_memory_bytes",
+            "Peak memory of one rank since it started (its last heartbeat): CUDA's allocator "
+            "peak on a GPU, the growth of the process's peak resident set on a CPU",
+            labels=["job", "strategy", "rank"],
+        )
+        for job, state in jobs.items():
+            for rank, value in sorted(state["memory"].items()):
+                family.add_metric([job, str(state.get("strategy", "")), str(rank)], value)
+        yield family
 
 
 _exporter = _Exporter()
+
+
+def serve_training_page(client: Any) -> str | None:
+    """Serve the Training page on ``client``'s scheduler from now on (otherwise the first
+    training job does) and return its URL, or None when the scheduler has no dashboard."""
+    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    link = client.dashboard_link
+    return training_page_url(link) if link else None

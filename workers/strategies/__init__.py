@@ -2,7 +2,9 @@
 
 This file imports nothing, so that a config validates without torch: it only names the
 strategies. Adding one means adding its module ``workers/strategies/<name>.py`` (the registry
-imports a strategy's module by its name) and its name below; a test checks they agree.
+imports a strategy's module by its name) and its name below; a test checks they agree. A
+parallelism that composes into strategies rather than being one (``tensor_parallel``, which
+``fsdp`` and ``hsdp`` apply) registers nothing.
 """
 
 STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline", "fsdp", "hsdp")
@@ -10,10 +12,10 @@ STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline", "fsdp", "hsd
 STAGED = ("model_parallel", "pipeline")
 # Strategies that shard parameters, gradients and optimizer state over the data-parallel ranks.
 SHARDED = ("fsdp", "hsdp")
-# The config section whose settings a strategy's prepare() is given (none: it takes none).
+# The RunConfig attribute whose settings a strategy's prepare() is given (none: it takes none).
 SETTINGS_SECTION = {
     "model_parallel": "pipeline",
     "pipeline": "pipeline",
-    "fsdp": "fsdp",
-    "hsdp": "fsdp",
+    "fsdp": "sharding",
+    "hsdp": "sharding",
 }

@@ -20,12 +20,14 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
-from workers.config_models import FSDPConfig
+from workers.config_models import ShardingSettings
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.layout import Layout
 from workers.precision import Precision
 from workers.strategies.base import EpochSums, WholeModel, register
+from workers.strategies.tensor_parallel import apply_tensor_parallel
 
 
 def apply_fsdp(
@@ -71,6 +73,17 @@ def _units(module: nn.Module) -> Iterator[nn.Module]:
             yield child
 
 
+def device_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
+    """The job's one mesh: ``dp_replicate`` (HSDP only), ``dp_shard``, then ``tp`` innermost,
+    so that the ranks splitting one layer are neighbours (on one host, for NVLink)."""
+    dims = [("dp_replicate", layout.dp_replicate)] if layout.dp_replicate > 1 else []
+    dims.append(("dp_shard", layout.dp_shard))
+    if layout.tp > 1:
+        dims.append(("tp", layout.tp))
+    names, sizes = zip(*dims, strict=True)
+    return init_device_mesh(device.type, sizes, mesh_dim_names=names)
+
+
 @register
 class FSDP(WholeModel):
     """Every rank trains on its share of the batch and holds a shard of the model."""
@@ -86,32 +99,33 @@ class FSDP(WholeModel):
         layout: Layout,
         rank: int,
         device: torch.device,
-        settings: FSDPConfig | None = None,
+        settings: ShardingSettings | None = None,
         precision: Precision,
         sample: torch.Tensor | None = None,
     ) -> "FSDP":
-        settings = settings or FSDPConfig()
-        if settings.cpu_offload and device.type != "cuda":
+        settings = settings or ShardingSettings()
+        fsdp = settings.fsdp
+        if fsdp.cpu_offload and device.type != "cuda":
             raise ValueError(
                 f"fsdp.cpu_offload: rank {rank} trains on the CPU, where the shards are in host "
                 "memory already; set cpu_offload = false (it moves a GPU's shards to the host)"
             )
-        if layout.dp_replicate > 1:
-            mesh = init_device_mesh(
-                device.type,
-                (layout.dp_replicate, layout.dp_shard),
-                mesh_dim_names=("dp_replicate", "dp_shard"),
-            )
-        else:
-            mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp_shard",))
-        # Left where it was built (the CPU): fully_shard moves each rank's shards to the
-        # mesh's device, so the whole model never lands on the GPU.
+        mesh = device_mesh(layout, device)
+        # Left where it was built (the CPU): parallelize_module and fully_shard move each
+        # rank's slices and shards to the mesh's device, so the whole model never lands on it.
+        if layout.tp > 1:
+            if settings.tp_plan is None:
+                raise ValueError("model.tp_plan: parallel.tp > 1 needs the model's plan")
+            model = apply_tensor_parallel(model, mesh=mesh["tp"], plan_path=settings.tp_plan)
+        if layout.dp == 1:  # tensor parallelism alone: nothing to shard over
+            return cls(model.to(device), layout=layout, rank=rank, device=device)
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         sharded = apply_fsdp(
             model,
-            mesh=mesh,
+            mesh=dp_mesh,
             precision=precision,
-            reshard_after_forward=settings.reshard_after_forward,
-            cpu_offload=settings.cpu_offload,
+            reshard_after_forward=fsdp.reshard_after_forward,
+            cpu_offload=fsdp.cpu_offload,
         )
         return cls(sharded, layout=layout, rank=rank, device=device)
 
@@ -121,34 +135,47 @@ class FSDP(WholeModel):
 
     def _gradient_sync(self, last: bool) -> AbstractContextManager:
         # Micro-batches before the last accumulate unreduced gradients, as DDP's no_sync does.
-        self.wrapped.set_requires_gradient_sync(last)
+        if isinstance(self.wrapped, FSDPModule):
+            self.wrapped.set_requires_gradient_sync(last)
         return nullcontext()
 
     def _autocast(self, precision: Precision) -> AbstractContextManager:
         return nullcontext()  # the mixed-precision policy casts the gathered parameters
 
     def clip_grad_norm(self, max_norm: float) -> None:
-        parameters = list(self.wrapped.parameters())
-        grads = [p.grad for p in parameters if p.grad is not None]
-        # Each rank's norm is of its shards: the DTensor's full value is the whole model's.
-        total = nn.utils.get_total_norm(grads)
-        if hasattr(total, "full_tensor"):
-            total = total.full_tensor()
-        nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        grads = [p.grad for p in self.wrapped.parameters() if p.grad is not None]
+        # Sharded and split gradients are DTensors: each rank's norm is of its pieces, and the
+        # DTensor's full value is the whole gradient's. A layer the plan leaves whole has the
+        # same plain gradient on every rank: its norm is counted once, as it is.
+        sharded = [g for g in grads if isinstance(g, DTensor)]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        squares = []
+        if sharded:
+            squares.append(nn.utils.get_total_norm(sharded).full_tensor().double() ** 2)
+        if plain:
+            squares.append(nn.utils.get_total_norm(plain).double() ** 2)
+        total = float(torch.stack(squares).sum().sqrt())
+        # A Python float scales plain tensors and DTensors alike (torch's own clip mixes them).
+        coefficient = min(1.0, max_norm / (total + 1e-6))
+        for grad in grads:
+            grad.mul_(coefficient)
 
     @torch.no_grad()
     def evaluate(
         self, split: StoreSplit, *, batch_size: int, precision: Precision
     ) -> dict[str, float]:
         self.wrapped.eval()
+        layout = self.layout
         sums = EpochSums(device=self.device, criterion=self.criterion)
         # Every forward gathers parameters with every other rank: each rank runs the same
-        # number of batches, the last ones padded, and counts only the real rows.
+        # number of batches, the last ones padded, and counts only the real rows. The tp ranks
+        # of one replica run the same batches; the first of them counts them.
+        counts = layout.tp_rank(self.rank) == 0
         for x, y, real in fixed_shape_eval_batches(
-            split, rank=self.rank, world_size=self.layout.world_size, batch_size=batch_size
+            split, rank=layout.dp_rank(self.rank), world_size=layout.dp, batch_size=batch_size
         ):
             logits = self.wrapped(x.to(self.device)).float()
-            if real:
+            if real and counts:
                 logits, y = logits[:real], y[:real].to(self.device)
                 sums.add(self.criterion(logits, y), logits, y)
         return self.criterion.metrics(sums.all_reduced())

@@ -1,0 +1,94 @@
+"""Tensor parallelism by a model's own plan, alone and under FSDP, on real gloo groups: the same
+parameters as one process; a plan missing or misplaced is refused before anything starts."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from tests.reference import assert_same_parameters, train_in_one_process
+from workflows.config import ConfigError, load_config
+from workflows.driver import train
+
+BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3, "max_steps": 5}
+HERE = "tests.test_tensor_parallel"
+MODEL = {"name": f"{HERE}:TwoLayer", "tp_plan": f"{HERE}:plan"}
+
+
+class TwoLayer(nn.Module):
+    """A hidden layer split by columns and one split by rows (Megatron's MLP), then a head
+    every rank holds whole."""
+
+    def __init__(self, in_features: int, num_classes: int, width: int = 64) -> None:
+        super().__init__()
+        self.up = nn.Linear(in_features, width)
+        self.down = nn.Linear(width, width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.up(x.flatten(1)))  # each tp rank: its slice of the columns
+        return self.head(torch.relu(self.down(hidden)))  # summed over the tp ranks
+
+
+def plan(model: nn.Module, mesh) -> dict:
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+@pytest.fixture
+def tp_config(make_config):
+    def tp_config(tp: int, strategy: str = "fsdp", **training):
+        raw = {"name": "tensor-parallel", "model": MODEL, "parallel": {"tp": tp}}
+        return make_config(raw, strategy=strategy, **(BASE | training))
+
+    return tp_config
+
+
+def _assert_matches_reference(result, config, *, replicas: int) -> None:
+    # The tp ranks of a replica read the same batches: one process on the global batches of
+    # the replicas. The split layers sum partial products in another order: the same few-steps
+    # float32 tolerance (tests/reference.py).
+    expected = train_in_one_process(config, world_size=replicas, steps=5, factory=TwoLayer)
+    assert_same_parameters(result.state_dict, expected)
+    untrained = train_in_one_process(config, world_size=replicas, steps=0, factory=TwoLayer)
+    assert not torch.allclose(result.state_dict["up.weight"], untrained["up.weight"])
+
+
+@pytest.mark.equivalence
+def test_tensor_parallelism_alone_on_two_ranks_matches_one_process(cluster, tp_config):
+    # Clipping by the norm of the whole gradient, half of it in each rank's slices.
+    config = tp_config(2, grad_clip_norm=0.05)
+    result = train(config, cluster=cluster, on_event=None)
+    assert result.world_size == 2
+    _assert_matches_reference(result, config, replicas=1)
+
+
+@pytest.mark.equivalence
+def test_tensor_parallelism_times_fsdp_two_by_two_matches_one_process(four_workers, tp_config):
+    config = tp_config(2)
+    result = train(config, cluster=four_workers, on_event=None)
+    assert result.world_size == 4
+    _assert_matches_reference(result, config, replicas=2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"training": {"strategy": "fsdp"}, "parallel": {"tp": 2}},
+            "model.tp_plan: parallel.tp = 2 splits the model's layers",
+        ),
+        ({"model": MODEL, "parallel": {"tp": 2}}, "parallel.tp: tensor parallelism composes"),
+        (
+            {"model": MODEL, "training": {"strategy": "fsdp"}, "parallel": {"tp": 3}},
+            "parallel.tp: 3 does not divide the world size 2",
+        ),
+        ({"model": {"tp_plan": "no import path"}}, "is not an import path"),
+    ],
+)
+def test_a_bad_tensor_parallel_setting_is_refused_in_one_line(raw, message):
+    base = {"launch": {"world_size": 2}, "training": {"batch_size": 32}}
+    merged = {key: base.get(key, {}) | raw.get(key, {}) for key in base.keys() | raw.keys()}
+    with pytest.raises(ConfigError) as error:
+        load_config(merged)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)

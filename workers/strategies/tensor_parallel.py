@@ -1,0 +1,34 @@
+"""Tensor parallelism: the ranks of a ``tp`` mesh each hold a slice of the layers the model's
+plan names, and run every batch together (``torch.distributed.tensor.parallel``).
+
+Not a strategy of its own: ``fsdp`` and ``hsdp`` apply it first, on the ``tp`` dimension of
+their mesh, when ``parallel.tp > 1``. The plan is the model's to give (``model.tp_plan``): which
+layers are split by columns, which by rows, is a fact of the architecture.
+"""
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from workers.model_sources import ModelError, import_object
+
+
+def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan_path: str) -> nn.Module:
+    """Split ``model``'s layers over ``mesh`` as the plan at ``plan_path`` says:
+    ``plan(model, mesh)`` returns ``{module name: ParallelStyle}`` for ``parallelize_module``."""
+    plan = import_object(plan_path, field="model.tp_plan")(model, mesh)
+    if not isinstance(plan, dict) or not plan:
+        raise ModelError(
+            f"model.tp_plan: {plan_path} returned {type(plan).__name__}, not a dict of module "
+            "names to ParallelStyle (ColwiseParallel, RowwiseParallel, ...)"
+        )
+    named = dict(model.named_modules())
+    for name, style in plan.items():
+        if name not in named:
+            raise ModelError(f"model.tp_plan: {plan_path} names {name!r}, which the model lacks")
+        if not isinstance(style, ParallelStyle):
+            raise ModelError(
+                f"model.tp_plan: {plan_path} gives {name!r} a {type(style).__name__}, not a "
+                "ParallelStyle"
+            )
+    return parallelize_module(model, mesh, plan)
