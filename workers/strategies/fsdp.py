@@ -89,7 +89,7 @@ class FSDP(WholeModel):
     """Every rank trains on its share of the batch and holds a shard of the model."""
 
     name = "fsdp"
-    wrapped: FSDPModule
+    wrapped: nn.Module  # an FSDPModule, or the split model where nothing is sharded
 
     @classmethod
     def prepare(
@@ -140,7 +140,9 @@ class FSDP(WholeModel):
         return nullcontext()
 
     def _autocast(self, precision: Precision) -> AbstractContextManager:
-        return nullcontext()  # the mixed-precision policy casts the gathered parameters
+        if isinstance(self.wrapped, FSDPModule):
+            return nullcontext()  # the mixed-precision policy casts the gathered parameters
+        return precision.autocast()  # tensor parallelism alone: no policy, autocast
 
     def clip_grad_norm(self, max_norm: float) -> None:
         grads = [p.grad for p in self.wrapped.parameters() if p.grad is not None]
@@ -174,7 +176,8 @@ class FSDP(WholeModel):
         for x, y, real in fixed_shape_eval_batches(
             split, rank=layout.dp_rank(self.rank), world_size=layout.dp, batch_size=batch_size
         ):
-            logits = self.wrapped(x.to(self.device)).float()
+            with self._autocast(precision):
+                logits = self.wrapped(x.to(self.device)).float()
             if real and counts:
                 logits, y = logits[:real], y[:real].to(self.device)
                 sums.add(self.criterion(logits, y), logits, y)
