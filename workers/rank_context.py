@@ -151,6 +151,15 @@ class RankContext:
         self.emit(record)
         self._beat(samples=0)
 
+    def peak_memory_bytes(self) -> int | None:
+        """This rank's peak memory since it started: CUDA's allocator peak on a GPU, the growth
+        of the worker process's peak resident set on a CPU (``workers/peak_memory.py``).
+
+        Returns:
+            Bytes, or None where the peak cannot be read (no Linux ``/proc``).
+        """
+        return self._memory.bytes()
+
     def heartbeat(self, samples: int = 0) -> None:
         """Tell the launcher this rank makes progress.
 
@@ -198,7 +207,7 @@ class RankContext:
             beat: dict[str, Any] = {"rank": self.rank, "step": self._beats}
             if self._samples and self._beats > 1:  # the first one also timed the build
                 beat["samples_per_s"] = self._samples / (now - self._last_beat)
-            peak = self._memory.bytes()
+            peak = self.peak_memory_bytes()
             if peak is not None:
                 beat["peak_memory_bytes"] = peak
             self._last_beat, self._samples = now, 0

@@ -122,6 +122,9 @@ class Hooks:
     checkpoints: Checkpoints | None = None
     # Where the loop stands after every step and at each epoch's end (kept for recovery).
     step_done: Callable[["Position"], None] | None = None
+    # This rank's peak memory so far (a rank context measures it from the rank's start);
+    # None: train() measures from its own start.
+    peak_memory: Callable[[], int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,11 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         settings=job.settings,
         factory=job.factory,
         hooks=Hooks(
-            report=ctx.emit, heartbeat=heartbeat, checkpoints=checkpoints, step_done=step_done
+            report=ctx.emit,
+            heartbeat=heartbeat,
+            checkpoints=checkpoints,
+            step_done=step_done,
+            peak_memory=ctx.peak_memory_bytes,
         ),
         restore=_continue(ctx),
         collections=job.collections,
@@ -317,7 +324,8 @@ def train(
     collections: CollectionPlan | None = None,
 ) -> RankResult:
     """Train on this rank of an initialized process group laid out as ``layout``."""
-    memory = PeakMemory.start(membership.device)
+    # One measure per process: the kernel's high-water mark has one reset.
+    peak_memory = hooks.peak_memory or PeakMemory.start(membership.device).bytes
     trainer = build(
         data_config,
         model_config,
@@ -348,7 +356,7 @@ def train(
             break
         run_epoch(trainer, epoch, hooks=hooks)
     # Read before the export: gathering the whole model for the client is not training's peak.
-    return close(trainer, peak_memory_bytes=memory.bytes())
+    return close(trainer, peak_memory_bytes=peak_memory())
 
 
 def build(

@@ -94,18 +94,11 @@ def render_page(
                 "epoch", f"val_{name}", source=source, legend_label="validation", color="orange"
             )
             plots.append(plot)
-        names = [str(rank) for rank in sorted(ranks)]
-        throughput = figure(
-            title="samples/s per rank", x_range=names or ["-"], width=300, height=260
-        )
-        throughput.vbar(x=names, top=[ranks[int(n)] for n in names], width=0.6)
-        plots.append(throughput)
+        plots.append(_per_rank(figure, "samples/s per rank", ranks))
         memory = state.get("memory", {})
         if memory:
-            held = [str(rank) for rank in sorted(memory)]
-            peaks = figure(title="peak memory per rank (MiB)", x_range=held, width=300, height=260)
-            peaks.vbar(x=held, top=[memory[int(n)] / 2**20 for n in held], width=0.6)
-            plots.append(peaks)
+            mib = {rank: value / 2**20 for rank, value in memory.items()}
+            plots.append(_per_rank(figure, "peak memory per rank (MiB)", mib))
         blocks.append(row(*plots))
         reports = state.get("reports", [])
         if reports:
@@ -185,6 +178,14 @@ def _clock(when: float | None) -> str:
     import time
 
     return time.strftime("%H:%M:%S", time.localtime(when)) if when else ""
+
+
+def _per_rank(figure: Any, title: str, values: dict[int, float]) -> Any:
+    """A bar per rank (from the ranks' heartbeats)."""
+    names = [str(rank) for rank in sorted(values)]
+    plot = figure(title=title, x_range=names or ["-"], width=300, height=260)
+    plot.vbar(x=names, top=[values[int(n)] for n in names], width=0.6)
+    return plot
 
 
 def _report_plots(reports: list[dict[str, Any]], figure: Any) -> list[Any]:

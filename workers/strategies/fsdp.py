@@ -129,10 +129,6 @@ class FSDP(WholeModel):
         )
         return cls(sharded, layout=layout, rank=rank, device=device)
 
-    @property
-    def plain(self) -> nn.Module:
-        return self.wrapped
-
     def _gradient_sync(self, last: bool) -> AbstractContextManager:
         # Micro-batches before the last accumulate unreduced gradients, as DDP's no_sync does.
         if isinstance(self.wrapped, FSDPModule):
