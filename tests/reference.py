@@ -32,7 +32,8 @@ def train_in_one_process(
     """
     t, d = config.training, config.data.resolved()
     store = open_store(d.store_url)
-    images = torch.from_numpy(as_features(store.train.images[:])).to(device)
+    images = torch.from_numpy(as_features(store.train.images[:], tokens=store.train.tokens))
+    images = images.to(device)
     labels = torch.from_numpy(store.train.labels).to(device)
     criterion = Criterion.of(t)
     model = build_model(

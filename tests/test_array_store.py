@@ -14,7 +14,7 @@ from tests.reference import assert_same_parameters, train_in_one_process
 from workers.sources import SourceError
 from workflows.collections import DataError
 from workflows.driver import train
-from workflows.preprocess import read_manifest
+from workflows.stores import read_manifest
 
 # Uneven partitions, as a user's collections have them; the store re-cuts them into chunks.
 UNEVEN = (100, 37, 200, 13, 150, 60, 140)

@@ -27,8 +27,11 @@ MODEL_LAYERS: dict[str, tuple[str, ...]] = {
         "stem", "block1", "block2", "block3", "block4", "down1", "block5", "down2", "block6",
         "pool", "flatten", "fc",
     ),
+    "gpt": ("tok_embeddings", "pos_embeddings", "layers", "norm", "output"),
 }
 # fmt: on
+# The built-in models with a tensor-parallel plan of their own.
+BUILTIN_TP_PLANS = {"gpt": "workers.tensor_plans:gpt"}
 
 
 class CheckpointConfig(BaseModel):
@@ -78,16 +81,31 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic", "parquet", "zarr"] = Field(
-        default="digits",
-        description="digits: scikit-learn's, no download; cifar10: the pickled batches; "
-        "imagefolder: a class-per-folder tree of images; synthetic: a learnable set of any size; "
-        "parquet, zarr: your own files, read as Dask collections",
+    dataset: Literal["digits", "cifar10", "imagefolder", "synthetic", "text", "parquet", "zarr"] = (
+        Field(
+            default="digits",
+            description="digits: scikit-learn's, no download; cifar10: the pickled batches; "
+            "imagefolder: a class-per-folder tree of images; synthetic: a learnable set of any "
+            "size; text: files of text, windows of tokens for a language model; "
+            "parquet, zarr: your own files, read as Dask collections",
+        )
     )
     root: str | None = Field(
         default=None,
         description="cifar10: folder holding cifar-10-batches-py; imagefolder: "
-        "class-per-folder tree; parquet: the files; zarr: the group (local path or fsspec URL)",
+        "class-per-folder tree; text: the folder of the files, or 'python:stdlib' (the "
+        "standard library's sources) or 'python:<package>'; parquet: the files; zarr: the "
+        "group (local path or fsspec URL)",
+    )
+    files: str = Field(
+        default="**/*.txt", description="text: which files under root (a glob, e.g. '**/*.py')"
+    )
+    tokenizer: Literal["byte", "char"] = Field(
+        default="byte",
+        description="text: 'byte' (256 tokens) or 'char' (the corpus's distinct characters)",
+    )
+    sequence_length: int = Field(
+        default=64, ge=2, le=65536, description="text: tokens per sample (its targets: one on)"
     )
     features: tuple[str, ...] | None = Field(
         default=None,
@@ -135,13 +153,23 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _root_where_needed(self) -> "DataConfig":
-        if self.dataset in ("cifar10", "imagefolder", "parquet", "zarr") and self.root is None:
+        if self.dataset == "text" and self.augment:
+            raise ValueError("data.augment: crops and flips are for images; the text has none")
+        if self.dataset in ("cifar10", "imagefolder", "text", "parquet", "zarr") and not self.root:
             raise ValueError(f"data.root: the {self.dataset} dataset needs a root folder or URL")
         if self.dataset in ("parquet", "zarr") and self.target is None:
             raise ValueError(f"data.target: name the {self.dataset} labels (a column or array)")
         if self.dataset == "zarr" and (self.features is None or len(self.features) != 1):
             raise ValueError("data.features: name the one zarr array of samples, e.g. ['images']")
         return self
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample of the store built from this source: a window of tokens for text, an
+        image (workflows/preprocess.py) otherwise."""
+        if self.dataset == "text":
+            return (self.sequence_length,)
+        return (3, self.image_size, self.image_size)
 
     @property
     def store_url(self) -> str:
@@ -152,7 +180,7 @@ class DataConfig(BaseModel):
     def resolved(self) -> "DataConfig":
         """A copy with local paths made absolute on the client, for workers to use."""
         root = self.root
-        if root is not None and "://" not in root:
+        if root is not None and "://" not in root and not root.startswith("python:"):
             root = str(Path(root).expanduser().resolve())
         return self.model_copy(update={"root": root, "store": self.store_url})
 
@@ -192,7 +220,7 @@ class ModelConfig(BaseModel):
         default=None,
         description="'package.module:plan': plan(model, mesh) returns the model's "
         "tensor-parallel plan for parallelize_module (module name -> ParallelStyle); "
-        "needed by parallel.tp > 1",
+        "needed by parallel.tp > 1 (the built-in gpt has its own)",
     )
 
     @field_validator("name")
@@ -211,6 +239,11 @@ class ModelConfig(BaseModel):
     @property
     def builtin(self) -> bool:
         return self.name in MODEL_LAYERS
+
+    @property
+    def resolved_tp_plan(self) -> str | None:
+        """``tp_plan``, or the built-in model's own plan (workers/tensor_plans.py)."""
+        return self.tp_plan or BUILTIN_TP_PLANS.get(self.name)
 
 
 class TrainingConfig(BaseModel):

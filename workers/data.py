@@ -63,12 +63,18 @@ class StoreSplit:
     images: Any  # zarr array, or a numpy array when read into memory
     labels: np.ndarray
     chunk_size: int
+    tokens: bool = False  # the samples are token ids (a text store), not values
     # (url, fingerprint, split) of a complete store: names the split's decompressed chunks in
     # this process's WorkerChunks, shared by later jobs; None: not shared.
     cache_key: tuple[str, str, str] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def zeros(self, rows: int) -> torch.Tensor:
+        """``rows`` samples of zeros, shaped and typed as a model takes this split's."""
+        dtype = torch.int64 if self.tokens else torch.float32
+        return torch.zeros((rows, *self.images.shape[1:]), dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,10 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Op
             if key in _OPENED:
                 return _OPENED[key]
 
-    # Image stores hold images/labels; stores of Dask collections name theirs in the manifest.
+    # Image stores hold images/labels; stores of Dask collections and of text name theirs in
+    # the manifest.
     names = attrs.get("arrays", {"features": "images", "targets": "labels"})
+    tokens = attrs.get("kind") == "tokens"
 
     def split(name: str) -> StoreSplit:
         images = group[f"{name}/{names['features']}"]
@@ -110,7 +118,7 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Op
         # Shared with the later jobs that open this store: never written in place (left
         # writable all the same: torch.from_numpy warns about read-only arrays).
         cache_key = None if key is None else (url, key[2], name)
-        return StoreSplit(images, labels, images.chunks[0], cache_key=cache_key)
+        return StoreSplit(images, labels, images.chunks[0], tokens=tokens, cache_key=cache_key)
 
     opened = OpenedStore(
         train=split("train"),
@@ -125,9 +133,14 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Op
     return opened
 
 
-def as_features(values: Any) -> np.ndarray:
-    """Samples as a model takes them: float32, whatever dtype the store keeps."""
-    return np.asarray(values, dtype=np.float32)
+def as_features(values: Any, *, tokens: bool = False) -> np.ndarray:
+    """Samples as a model takes them: float32 whatever dtype the store keeps, or int64 token
+    ids (an embedding's indices)."""
+    return np.asarray(values, dtype=feature_dtype(tokens))
+
+
+def feature_dtype(tokens: bool) -> np.dtype:
+    return np.dtype(np.int64 if tokens else np.float32)
 
 
 def as_targets(values: np.ndarray) -> np.ndarray:
@@ -191,10 +204,11 @@ class _ChunkCache:
         self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def take(self, indices: np.ndarray) -> np.ndarray:
+        tokens = self.split.tokens
         if isinstance(self.split.images, np.ndarray):
-            return as_features(self.split.images[indices])
+            return as_features(self.split.images[indices], tokens=tokens)
         size = self.split.chunk_size
-        out = np.empty((len(indices), *self.split.images.shape[1:]), dtype=np.float32)
+        out = np.empty((len(indices), *self.split.images.shape[1:]), dtype=feature_dtype(tokens))
         chunk_of = indices // size
         for chunk in np.unique(chunk_of):
             rows = np.nonzero(chunk_of == chunk)[0]
@@ -241,7 +255,9 @@ class RankBatches:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         if config.in_memory:
             # Read once every chunk this rank could ever need: with shuffled chunks, that is all.
-            self.split = StoreSplit(np.asarray(split.images[:]), split.labels, split.chunk_size)
+            self.split = StoreSplit(
+                np.asarray(split.images[:]), split.labels, split.chunk_size, tokens=split.tokens
+            )
         self._cache = _ChunkCache(self.split, capacity=2 * config.shuffle_window + 2)
 
     def indices(self, epoch: int) -> np.ndarray:
@@ -370,7 +386,7 @@ def eval_batches(
     for begin in range(start, stop, batch_size):
         end = min(stop, begin + batch_size)
         yield (
-            torch.from_numpy(as_features(split.images[begin:end])),
+            torch.from_numpy(as_features(split.images[begin:end], tokens=split.tokens)),
             torch.from_numpy(split.labels[begin:end]),
         )
 
@@ -387,17 +403,18 @@ def fixed_shape_eval_batches(
     n = len(split)
     share = -(-n // world_size)
     start, stop = rank * share, min(n, (rank + 1) * share)
-    shape = tuple(split.images.shape[1:])
     for begin in range(start, start + share, batch_size):
         end = max(begin, min(stop, begin + batch_size))
         real = end - begin
-        images = torch.zeros((batch_size, *shape), dtype=torch.float32)
+        images = split.zeros(batch_size)
         # A regression's targets are floats (and may be rows): the padding takes their shape.
         labels = torch.zeros(
             (batch_size, *split.labels.shape[1:]),
             dtype=torch.from_numpy(split.labels[:0]).dtype,
         )
         if real:
-            images[:real] = torch.from_numpy(as_features(split.images[begin:end]))
+            images[:real] = torch.from_numpy(
+                as_features(split.images[begin:end], tokens=split.tokens)
+            )
             labels[:real] = torch.from_numpy(split.labels[begin:end])
         yield images, labels, real

@@ -70,13 +70,18 @@ class Criterion:
         return y
 
     def __call__(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The mean loss over the batch."""
+        """The mean loss over the batch (over every token, for a sequence's logits)."""
+        if self.name == "cross_entropy" and _token_logits(output, y):
+            return self.function(output.movedim(-1, 1), y)  # cross_entropy wants (N, C, T)
         return self.function(output, self.target(output, y))
 
     def terms(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This batch's metric sums (float64, in the order of ``TERMS[task]``)."""
         output = output.detach()
         if self.task == "classification":
+            if _token_logits(output, y):  # each sample's fraction of tokens right
+                right = (output.argmax(-1) == y).double()
+                return right.flatten(1).mean(1).sum().reshape(1)
             if _class_indices(output, y):
                 correct = output.argmax(1) == y
             else:  # binary or multi-label: a row is right when every logit is on its side
@@ -109,6 +114,12 @@ class Criterion:
             "mae": absolute / values,
             "r2": 1.0 - squared / spread if spread > 0 else math.nan,
         }
+
+
+def _token_logits(output: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``output`` holds logits for each of ``y``'s token ids (a language model's)."""
+    is_integer = not (y.is_floating_point() or y.is_complex())
+    return is_integer and y.ndim >= 2 and output.shape[:-1] == y.shape
 
 
 def _class_indices(output: torch.Tensor, y: torch.Tensor) -> bool:

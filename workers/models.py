@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Re-exported: the section's model lives in a torch-free module, for config checks.
@@ -75,9 +76,93 @@ class SmallResNet(nn.Sequential):
         self.fc = nn.Linear(128, num_classes)
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention over earlier positions only, with separate q, k, v projections so
+    that a tensor-parallel plan can split them by heads (``workers/tensor_plans.py``)."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"model.kwargs: dim {dim} is not a multiple of n_heads {n_heads}")
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim) for _ in range(3))
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+
+        def heads(projection: nn.Linear) -> torch.Tensor:
+            # -1, not n_heads: under tensor parallelism a rank holds only its share of heads.
+            return projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads(self.wq), heads(self.wk), heads(self.wv), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention and feed-forward, each with a residual connection."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim)
+        self.attention = CausalSelfAttention(dim, n_heads)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.feed_forward = FeedForward(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    """A small GPT-style language model: token and position embeddings, ``n_layers`` blocks,
+    and a head giving next-token logits ``(batch, length, vocabulary)``.
+
+    ``num_classes`` is the vocabulary and ``sequence_length`` the longest input, both filled in
+    from a text store (``data.dataset = "text"``). Tokens may arrive as any dtype holding
+    integers: they are indices, cast here.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 256,
+        sequence_length: int = 64,
+        dim: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+    ) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(num_classes, dim)
+        self.pos_embeddings = nn.Embedding(sequence_length, dim)
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, num_classes, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.long()
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "cifar_cnn": CifarCNN,
     "small_resnet": SmallResNet,
+    "gpt": GPT,
 }
 
 
@@ -85,6 +170,8 @@ def data_arguments(num_classes: int, input_shape: tuple[int, ...]) -> dict[str, 
     """What the data says about a model's arguments, under the names factories use for them:
     filled in where a factory takes them and the user did not set them."""
     facts = {"num_classes": num_classes, "in_features": math.prod(input_shape)}
+    if len(input_shape) == 1:  # a sequence of tokens, or a row of features
+        facts["sequence_length"] = input_shape[0]
     if len(input_shape) == 3:  # (channels, height, width)
         facts |= {"in_channels": input_shape[0], "in_chans": input_shape[0]}  # timm: in_chans
         if input_shape[1] == input_shape[2]:

@@ -380,8 +380,10 @@ def build(
     if collections is None:
         store = open_store(data_config.store_url, storage_options=data_config.storage_options)
         num_classes, input_shape = store.num_classes, tuple(store.train.images.shape[1:])
+        sample = store.train.zeros(layout.micro_batch)
     else:
         num_classes, input_shape = collections_model_inputs(collections)
+        sample = torch.zeros((layout.micro_batch, *input_shape))
     model = build_model(
         model_config,
         num_classes=criterion.outputs(num_classes),
@@ -389,7 +391,6 @@ def build(
         input_shape=input_shape,
         factory=factory,
     )
-    sample = torch.zeros((layout.micro_batch, *input_shape))
     strategy = get_strategy(config.strategy).prepare(
         model,
         layout=layout,

@@ -40,7 +40,7 @@ from workflows.collections import (
     target_facts,
     wait_for_partitions,
 )
-from workflows.preprocess import (
+from workflows.stores import (
     STORE_FORMAT,
     StoreManifest,
     gather_settled,

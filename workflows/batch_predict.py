@@ -57,7 +57,7 @@ from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, star
 from workflows.code_shipping import ship_modules
 from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
 from workflows.launcher import LaunchConfig, WorkerSelection
-from workflows.preprocess import read_manifest
+from workflows.stores import read_manifest
 from workflows.tracking import TrackingConfig, track_prediction
 
 logger = logging.getLogger(__name__)

@@ -218,7 +218,14 @@ def _check_data_root(config: RunConfig) -> None:
     if data.dataset == "cifar10" and data.download:
         return  # the download makes it
     try:
-        check_root(data.dataset, root=data.resolved().root, storage_options=data.storage_options)
+        if data.dataset == "text":  # a glob: as cheap as a look at the root
+            from workflows.text_store import list_corpus
+
+            list_corpus(data.resolved(), seed=config.training.seed)
+        else:
+            check_root(
+                data.dataset, root=data.resolved().root, storage_options=data.storage_options
+            )
     except SourceError as error:
         _fail(EXIT_INVALID, str(error))
 
@@ -306,7 +313,7 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
         # Code named by import path, torchvision or timm: import it and build the model once
         # on the meta device (this imports torch, which built-in models never need here).
         from workflows.config import check_model
-        from workflows.preprocess import read_manifest
+        from workflows.stores import read_manifest
 
         data = resolved.data.resolved()
         manifest = read_manifest(data.store_url, storage_options=data.storage_options)
@@ -363,7 +370,7 @@ def plan(
     from workflows.cluster import live_workers, start_cluster
     from workflows.launcher import select_workers
     from workflows.planner import plan as plan_stages
-    from workflows.preprocess import read_manifest
+    from workflows.stores import read_manifest
 
     data = resolved.data.resolved()
     manifest = read_manifest(data.store_url, storage_options=data.storage_options)

@@ -112,7 +112,7 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
             )
-        if parallel.tp > 1 and self.model.tp_plan is None:
+        if parallel.tp > 1 and self.model.resolved_tp_plan is None:
             raise ValueError(
                 f"model.tp_plan: parallel.tp = {parallel.tp} splits the model's layers by its "
                 "tensor-parallel plan; set model.tp_plan = 'package.module:plan' (plan(model, "
@@ -197,7 +197,7 @@ class RunConfig(BaseModel):
     @property
     def sharding(self) -> ShardingSettings:
         """What ``fsdp`` and ``hsdp`` are given: ``[fsdp]`` and the model's TP plan."""
-        return ShardingSettings(fsdp=self.fsdp, tp_plan=self.model.tp_plan)
+        return ShardingSettings(fsdp=self.fsdp, tp_plan=self.model.resolved_tp_plan)
 
     @property
     def strategy_settings(self) -> BaseModel | None:
@@ -249,13 +249,12 @@ def check_model(
     from workers.model_sources import ModelError
     from workers.models import check_model as build_on_meta
 
-    size = config.data.image_size
     try:
         criterion = Criterion.of(config.training)
         build_on_meta(
             config.model,
             num_classes=criterion.outputs(num_classes),
-            input_shape=(3, size, size),  # the store's images (workflows/preprocess.py)
+            input_shape=config.data.sample_shape,
             factory=factory,
         )
     except ModelError as error:
@@ -271,13 +270,12 @@ def model_builder(
     from workers.losses import Criterion
     from workers.models import build_model
 
-    size = config.data.image_size
     return partial(
         build_model,
         config.model,
         num_classes=Criterion.of(config.training).outputs(num_classes),
         seed=config.training.seed,
-        input_shape=(3, size, size),  # the store's images (workflows/preprocess.py)
+        input_shape=config.data.sample_shape,
         factory=factory,
     )
 

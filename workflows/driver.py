@@ -30,7 +30,8 @@ from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, TrainingFailed, launch_on
 from workflows.launcher import select_workers
-from workflows.preprocess import StoreManifest, prepare_store, read_manifest
+from workflows.preprocess import prepare_store
+from workflows.stores import StoreManifest, read_manifest
 from workflows.tracking import Tracker
 from workflows.user_datasets import USER_DATASETS, read_user_dataset
 

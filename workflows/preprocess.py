@@ -13,10 +13,8 @@ interrupted run is never taken for a finished one. Running again with the same i
 parameters reuses the store; any changed input file or parameter rebuilds it.
 """
 
-import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,36 +22,27 @@ import zarr
 from distributed import Client, Future
 
 from workers.data import DataConfig
-from workers.futures import wait_futures
 from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
 from workers.sources import Listing, SourceError, digest, list_records
+from workflows.stores import (
+    STORE_FORMAT,
+    StoreManifest,
+    gather_settled,
+    manifest_of,
+    reusable_store,
+)
 
 logger = logging.getLogger(__name__)
-
-STORE_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class StoreManifest:
-    url: str
-    fingerprint: str
-    counts: dict[str, int]
-    mean: list[float]
-    std: list[float]
-    classes: list[str]
-    bad_records: list[tuple[str, str]]
-    reused: bool
-    seconds: float
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
 
 
 def prepare_store(
     client: Client, config: DataConfig, *, seed: int, force: bool = False
 ) -> StoreManifest:
     """Build the dataset store for ``config`` on the cluster, or reuse a complete one."""
+    if config.dataset == "text":
+        from workflows.text_store import prepare_text_store
+
+        return prepare_text_store(client, config, seed=seed, force=force)
     started = time.perf_counter()
     if config.dataset == "cifar10" and config.download:
         _download_cifar10(config)
@@ -67,26 +56,6 @@ def prepare_store(
     return manifest_of(url, attrs, reused=False, seconds=time.perf_counter() - started)
 
 
-def reusable_store(
-    url: str, storage_options: dict[str, Any] | None, fingerprint: str, *, force: bool = False
-) -> dict[str, Any] | None:
-    """The manifest of the complete store at ``url`` if it was built for ``fingerprint``;
-    otherwise None, once it is clear that ``url`` may be (re)written: a location holding
-    anything but a store of ours is refused."""
-    attrs = _store_attrs(url, storage_options)  # one read decides reuse and safety
-    if _is_complete(attrs) and attrs.get("fingerprint") == fingerprint and not force:
-        logger.info("reusing the complete store at %s", url)
-        return attrs
-    if not _is_complete(attrs) and _has_content(url, storage_options):
-        if attrs is None or attrs.get("format") != STORE_FORMAT:
-            raise SourceError(
-                f"data.store: {url} exists and is not a dask-train dataset store; refusing to "
-                "overwrite it (point data.store at a new or empty location)"
-            )
-        logger.warning("rebuilding %s: it holds no complete store (an interrupted run?)", url)
-    return None
-
-
 def list_source(config: DataConfig, *, seed: int) -> Listing:
     """Every record of ``config``'s source, split and in store order (runs on the client)."""
     return list_records(
@@ -96,27 +65,6 @@ def list_source(config: DataConfig, *, seed: int) -> Listing:
         seed=seed,
         synthetic_samples=config.synthetic_samples,
         storage_options=config.storage_options,
-    )
-
-
-def read_manifest(url: str, *, storage_options: dict[str, Any] | None = None) -> dict | None:
-    """The manifest of a complete store at ``url``, or None (absent, half-written, other format)."""
-    attrs = _store_attrs(url, storage_options)
-    return attrs if _is_complete(attrs) else None
-
-
-def _store_attrs(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The zarr group attributes at ``url``, or None where there is no zarr group."""
-    try:
-        group = zarr.open_group(url, mode="r", storage_options=storage_options or None)
-    except Exception:  # absent, or not zarr at all: either way not a store of ours
-        return None
-    return dict(group.attrs)
-
-
-def _is_complete(attrs: dict[str, Any] | None) -> bool:
-    return (
-        attrs is not None and attrs.get("format") == STORE_FORMAT and attrs.get("complete") is True
     )
 
 
@@ -225,20 +173,6 @@ def _build(
     return {**attrs, "complete": True}
 
 
-def gather_settled(client: Client, futures: list[Future]) -> list[Any]:
-    """Results of all futures; on the first failure, wait until the others have finished too,
-    so that none of them still writes into the store when the caller (or a rebuild) moves on."""
-    try:
-        return client.gather(futures)
-    except BaseException:
-        # Partitions are small, so letting the running ones finish is quick; cancelling would
-        # not stop a task already writing.
-        with contextlib.suppress(Exception):
-            wait_futures(futures, timeout_s=120)
-        client.cancel(futures)
-        raise
-
-
 def _fingerprint(listing: Listing, config: DataConfig, seed: int) -> str:
     params = (
         STORE_FORMAT,
@@ -251,27 +185,6 @@ def _fingerprint(listing: Listing, config: DataConfig, seed: int) -> str:
         seed,
     )
     return digest(listing.fingerprint, params, listing.train, listing.val)
-
-
-def manifest_of(url: str, attrs: dict[str, Any], *, reused: bool, seconds: float) -> StoreManifest:
-    return StoreManifest(
-        url=url,
-        fingerprint=attrs["fingerprint"],
-        counts=dict(attrs["counts"]),
-        mean=list(attrs["mean"]),
-        std=list(attrs["std"]),
-        classes=list(attrs["classes"]),
-        bad_records=[tuple(r) for r in attrs["bad_records"]],
-        reused=reused,
-        seconds=seconds,
-    )
-
-
-def _has_content(url: str, storage_options: dict[str, Any] | None) -> bool:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return fs.exists(path)
 
 
 def _download_cifar10(config: DataConfig) -> None:
