@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-collections bench-store bench-sweep bench-fsdp gpu-check test-shuffled clean
+.PHONY: install demo test docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-collections bench-store bench-sweep bench-fsdp bench-gpt gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -92,6 +92,12 @@ bench-sweep: $(STAMP)
 
 bench-fsdp: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.fsdp
+
+# The built-in GPT on the standard library's sources: under DDP against torchrun, then its
+# peak memory under FSDP against DDP at 101 M parameters.
+bench-gpt: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.ddp_vs_torchrun --model gpt --steps 60
+	$(BIN)/python -m workflows.benchmarks.fsdp --model gpt
 
 # The GPU checks (.ci/gpu-check): the gpu tests and a short DDP benchmark on nccl, within
 # 10 minutes on one GPU. In this project's .venv by default; `make gpu-check PYTHON_ENV=system`

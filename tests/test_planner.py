@@ -9,9 +9,16 @@ import torch
 from torch import nn
 
 from tests.commands import CONFIGS, dask_train
-from workers.profiling import LayerProfile, profile_layers
-from workers.strategies.pipeline import even_split
-from workflows.planner import balanced_split, stage_memory
+from workers.profiling import DeviceProfile, LayerProfile, profile_layers
+from workers.stage_cuts import even_split
+from workflows.planner import (
+    StagePlan,
+    _recommend,
+    balanced_split,
+    estimate_memory,
+    stage_memory,
+    suggested_shard,
+)
 
 MIB = 2**20
 
@@ -79,6 +86,54 @@ def test_the_planner_cuts_where_a_deliberately_unbalanced_model_needs_it():
     assert balanced_split(by_work, 2, memory_bytes=10**12, in_flight=1) == ["heavy"]
 
 
+def test_memory_per_rank_is_a_replica_under_ddp_and_a_shard_plus_one_unit_under_fsdp():
+    # 60 MiB of parameters in units of 10, 30 and 20; 1 MiB of activations per layer and
+    # micro-batch of 8 rows, 16 rows a rank.
+    layers = _layers([1, 1, 1], param_mib=[10, 30, 20])
+    ddp = estimate_memory(layers, rows=16, micro_batch=8, momentum=True)
+    # Parameters, gradients and DDP's buckets, momentum, activations.
+    assert (ddp.parameters, ddp.gradients, ddp.optimizer) == (60 * MIB, 120 * MIB, 60 * MIB)
+    assert ddp.activations == 6 * MIB and ddp.total == 246 * MIB
+    # Sharded over 2: half of everything, and the largest unit (30) gathered with its gradient.
+    assert (
+        estimate_memory(layers, rows=16, micro_batch=8, momentum=True, shard=2).total
+        == ((30 + 30) + (30 + 30) + 30 + 6) * MIB
+    )
+    no_momentum = estimate_memory(layers, rows=16, micro_batch=8, momentum=False, shard=4)
+    assert no_momentum.optimizer == 0 and no_momentum.total == (45 + 45 + 6) * MIB
+    estimates = {
+        shard: estimate_memory(layers, rows=16, micro_batch=8, momentum=True, shard=shard)
+        for shard in (1, 2, 4)
+    }
+    assert [suggested_shard(estimates, mib * MIB) for mib in (300, 200, 120, 100)] == [
+        1,
+        2,
+        4,
+        None,
+    ]
+
+
+@pytest.mark.parametrize(("world", "advice"), [(2, "fsdp"), (4, "hsdp")])
+def test_the_plan_suggests_sharding_when_a_replica_does_not_fit(make_config, world, advice):
+    layers = _layers([1, 1, 1], param_mib=[10, 30, 20])
+    profile = DeviceProfile("cpu", memory_bytes=200 * MIB, micro_batch=8, layers=tuple(layers))
+    config = make_config(batch_size=16 * world, momentum=0.9)
+    plan = _recommend(
+        config,
+        profile=profile,
+        stages=(StagePlan(layers=("l0", "l1", "l2"), seconds=3.0, memory_bytes=0),),
+        points=[],
+        world_size=world,
+        n_microbatches=1,
+        dp=world,
+    )
+    assert not plan.fits_one_device
+    assert plan.recommendation.startswith(f"{advice} with parallel.dp_shard = 2: a DDP replica")
+    rendered = plan.render().splitlines()
+    assert "  ddp                      246.0 MiB  (60.0 + 120.0 + 60.0 + 6.0)" in rendered
+    assert "  fsdp, dp_shard=2         156.0 MiB  (60.0 + 60.0 + 30.0 + 6.0)" in rendered
+
+
 def test_plan_command_prints_profile_split_bubble_and_recommendation(tmp_path):
     command = dask_train(
         *("plan", str(CONFIGS / "digits_ddp.toml")),
@@ -97,6 +152,7 @@ def test_plan_command_prints_profile_split_bubble_and_recommendation(tmp_path):
     assert "Split into 2 stages at ['" in out
     assert "(p-1)/(m+p-1) = 11.1%" in out  # p=2, m=8
     assert "Recommendation: ddp: the whole model" in out  # a small model fits one device
+    assert "Memory per rank at 2 ranks" in out and "\n  fsdp, dp_shard=2 " in out
 
 
 def test_plan_command_refuses_a_config_that_cannot_be_staged(tmp_path):

@@ -26,8 +26,8 @@ from workers.losses import Criterion
 from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
+from workers.stage_cuts import check_cut, cut_points, trace_stages
 from workers.strategies.base import EpochSums, Strategy, get_strategy
-from workers.strategies.pipeline import check_cut, cut_points, trace_stages
 from workflows import launch
 from workflows.config import ConfigError
 from workflows.driver import train

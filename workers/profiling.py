@@ -3,7 +3,7 @@
 Each layer is timed forward and backward on one micro-batch (all layers in turns, repeatedly),
 and its parameter and saved-activation bytes are counted, on the device a stage would run on.
 The layers of an ``nn.Sequential`` are its top-level children; those of any other model are
-the pieces between its cut points (``workers.strategies.pipeline.cut_points``), traced as
+the pieces between its cut points (``workers.stage_cuts.cut_points``), traced as
 pipeline stages.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from workers.models import ModelConfig, build_model
-from workers.strategies.pipeline import cut_points, is_traced, trace_stages
+from workers.stage_cuts import cut_points, is_traced, trace_stages
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ class RunConfig(BaseModel):
         import torch
 
         from workers.models import build_model
-        from workers.strategies.pipeline import check_cut
+        from workers.stage_cuts import check_cut
 
         p, size = self.pipeline, self.data.image_size
         m = p.n_microbatches if self.training.strategy == "pipeline" else 1

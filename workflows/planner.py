@@ -17,8 +17,8 @@ from torch import nn
 from workers.config_models import MODEL_LAYERS
 from workers.layout import Layout
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
+from workers.stage_cuts import check_cut, cut_points, even_split
 from workers.strategies import STAGED
-from workers.strategies.pipeline import check_cut, cut_points, even_split
 from workflows.cluster import live_workers
 from workflows.config import ConfigError, RunConfig
 
@@ -34,6 +34,49 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds while training, by what holds them."""
+
+    parameters: int
+    gradients: int  # DDP's: the gradients and its all-reduce buckets, a copy each
+    optimizer: int  # SGD's momentum buffer (none without momentum)
+    activations: int  # saved for backward, for the rank's rows of one step
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+def estimate_memory(
+    layers: Sequence[LayerProfile],
+    *,
+    rows: int,
+    micro_batch: int,
+    momentum: bool,
+    shard: int = 1,
+) -> MemoryEstimate:
+    """A rank's memory for ``rows`` rows a step of the profiled model: a DDP replica when
+    ``shard`` is 1; under FSDP2 over ``shard`` ranks its shards, plus the largest unit gathered
+    whole (its parameters, then its gradient before the reduce-scatter)."""
+    params = sum(layer.param_bytes for layer in layers)
+    activations = sum(layer.activation_bytes for layer in layers) * rows // max(micro_batch, 1)
+    if shard == 1:
+        state = params if momentum else 0
+        return MemoryEstimate(params, 2 * params, state, activations)
+    own, unit = -(-params // shard), max(layer.param_bytes for layer in layers)
+    return MemoryEstimate(own + unit, own + unit, own if momentum else 0, activations)
+
+
+def suggested_shard(estimates: dict[int, MemoryEstimate], memory_bytes: int) -> int | None:
+    """The fewest ranks to shard over (``parallel.dp_shard``) that fit a rank in
+    ``memory_bytes``: 1 when a replica fits; None when even the most sharding does not."""
+    fitting = [
+        shard for shard, estimate in sorted(estimates.items()) if estimate.total <= memory_bytes
+    ]
+    return fitting[0] if fitting else None
+
+
+@dataclass(frozen=True)
 class Plan:
     strategy: str
     schedule: str
@@ -46,6 +89,10 @@ class Plan:
     predicted_step_s: dict[str, float]  # strategy -> seconds per optimizer step
     fits_one_device: bool
     recommendation: str
+    world_size: int
+    # Per rank at world_size ranks: a DDP replica under 1, sharded over dp_shard ranks under
+    # each divisor of the world size.
+    memory: dict[int, MemoryEstimate]
 
     @property
     def bubble(self) -> float:
@@ -81,6 +128,18 @@ class Plan:
         lines.append("Predicted seconds per optimizer step:")
         for strategy, seconds in self.predicted_step_s.items():
             lines.append(f"  {strategy:<15}{seconds * 1e3:>10.2f} ms")
+        lines.append(
+            f"Memory per rank at {self.world_size} ranks (parameters + gradients + optimizer "
+            f"state + activations; device {self.profile.memory_bytes / mib:,.0f} MiB):"
+        )
+        for shard, estimate in self.memory.items():
+            label = "ddp" if shard == 1 else f"fsdp, dp_shard={shard}"
+            parts = (estimate.parameters, estimate.gradients, estimate.optimizer)
+            lines.append(
+                f"  {label:<20}{estimate.total / mib:>10,.1f} MiB  ("
+                + " + ".join(f"{part / mib:,.1f}" for part in (*parts, estimate.activations))
+                + ")"
+            )
         lines.append(f"Recommendation: {self.recommendation}")
         return "\n".join(lines)
 
@@ -217,8 +276,20 @@ def _recommend(
     unit = sum(layer.seconds for layer in profile.layers)
     rows = config.training.batch_size
     per_row = unit / profile.micro_batch
-    whole = stage_memory(profile.layers, 1)
-    fits = whole <= profile.memory_bytes
+    memory = {
+        shard: estimate_memory(
+            profile.layers,
+            rows=rows // world_size,
+            micro_batch=profile.micro_batch,
+            momentum=config.training.momentum > 0,
+            shard=shard,
+        )
+        for shard in range(1, world_size + 1)
+        if world_size % shard == 0
+    }
+    shard = suggested_shard(memory, profile.memory_bytes)
+    whole = memory[1].total
+    fits = shard == 1
     p, m = len(stages), n_microbatches
     slowest = max(stage.seconds for stage in stages)
     slowest_per_row = slowest / profile.micro_batch
@@ -236,6 +307,14 @@ def _recommend(
             f"the whole model needs {whole / 2**20:.1f} MiB and fits one device, so DDP keeps "
             f"every worker busy without a pipeline bubble ({predicted['ddp'] * 1e3:.2f} ms per "
             f"step vs {predicted['pipeline'] * 1e3:.2f} ms pipelined)"
+        )
+    elif shard is not None:
+        # Sharded over all ranks is FSDP; over fewer, HSDP replicates across the groups.
+        choice = f"{'fsdp' if shard == world_size else 'hsdp'} with parallel.dp_shard = {shard}"
+        why = (
+            f"a DDP replica needs {whole / 2**20:,.1f} MiB per rank, more than the device's "
+            f"{profile.memory_bytes / 2**20:,.0f} MiB; sharding parameters, gradients and "
+            f"optimizer state over {shard} ranks needs {memory[shard].total / 2**20:,.1f} MiB"
         )
     elif m > 1 and predicted["pipeline"] < predicted["model_parallel"]:
         choice = "pipeline"
@@ -264,6 +343,8 @@ def _recommend(
         predicted_step_s=predicted,
         fits_one_device=fits,
         recommendation=f"{choice}: {why}",
+        world_size=world_size,
+        memory=memory,
     )
 
 
@@ -320,10 +401,13 @@ def _cut_points(
 
 
 __all__ = [
+    "MemoryEstimate",
     "Plan",
     "balanced_split",
+    "estimate_memory",
     "plan",
     "planned_layout",
     "resolve_split_points",
     "stage_memory",
+    "suggested_shard",
 ]

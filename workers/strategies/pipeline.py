@@ -1,19 +1,14 @@
 """Model and pipeline parallelism with ``torch.distributed.pipelining``, optionally x data parallel.
 
-An ``nn.Sequential`` is cut at named top-level children into consecutive stages. Any other model
-is traced by ``torch.distributed.pipelining.pipeline()`` (``torch.export`` underneath) and cut at
-module paths (``"layer3"``, ``"layer4.1"``): a stage begins where that module's forward begins.
-Ranks form a
-``(pp, dp)`` mesh: the ``pp`` ranks of a row hold one stage each (or several, interleaved)
-and pass activations forward and gradients back; the ``dp`` replicas of a stage average
-gradients with FSDP2 or DDP. Model parallelism is the degenerate pipeline: one micro-batch,
-so only one stage works at a time, exactly the seed article's ModelPart1 → ModelPart2.
+The model is cut into stages as ``workers/stage_cuts.py`` says (named children of an
+``nn.Sequential``, or traced at module paths). Ranks form a ``(pp, dp)`` mesh: the ``pp`` ranks
+of a row hold one stage each (or several, interleaved) and pass activations forward and
+gradients back; the ``dp`` replicas of a stage average gradients with FSDP2 or DDP. Model
+parallelism is the degenerate pipeline: one micro-batch, so only one stage works at a time,
+exactly the seed article's ModelPart1 → ModelPart2.
 """
 
-import itertools
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +22,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
-    SplitPoint,
     build_stage,
-    pipeline,
 )
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.nn.parallel import DistributedDataParallel
@@ -38,6 +31,7 @@ from workers.config_models import PipelineConfig
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.layout import Layout
 from workers.precision import Precision
+from workers.stage_cuts import cut_into_stages, is_traced, trace_stages
 from workers.strategies.base import EpochSums, Strategy, register
 
 SCHEDULES = {
@@ -45,273 +39,6 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
-
-
-def cut_into_stages(model: nn.Module, split_points: Sequence[str]) -> list[nn.Sequential]:
-    """Consecutive stages; stage ``i+1`` starts at ``split_points[i]``.
-
-    Each stage keeps its children's names, so a stage's ``state_dict`` keys are the full model's.
-    """
-    names = [name for name, _ in model.named_children()]
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(
-            f"model: {type(model).__name__} is not an nn.Sequential of named layers, so it "
-            "cannot be cut into pipeline stages"
-        )
-    positions = []
-    for point in split_points:
-        if point not in names:
-            raise ValueError(
-                f"pipeline.split_points: {point!r} names no top-level module; the model's are "
-                f"{names}"
-            )
-        positions.append(names.index(point))
-    if positions != sorted(positions) or 0 in positions:
-        raise ValueError(
-            f"pipeline.split_points: {list(split_points)} must follow the model's order "
-            f"{names} and leave the first stage at least one layer"
-        )
-    bounds = [0, *positions, len(names)]
-    children = dict(model.named_children())
-    return [
-        nn.Sequential(OrderedDict((n, children[n]) for n in names[start:end]))
-        for start, end in itertools.pairwise(bounds)
-    ]
-
-
-def even_split(names: Sequence[str], n_stages: int) -> list[str]:
-    """Split points that give every stage the same number of layers (the first ones get more)."""
-    if n_stages > len(names):
-        raise ValueError(
-            f"pipeline: {n_stages} stages need at least {n_stages} layers; the model has "
-            f"{len(names)} ({list(names)})"
-        )
-    base, extra = divmod(len(names), n_stages)
-    points, at = [], 0
-    for stage in range(n_stages - 1):
-        at += base + (stage < extra)
-        points.append(names[at])
-    return points
-
-
-def is_traced(model: nn.Module) -> bool:
-    """Whether ``model`` is cut by tracing: anything but an ``nn.Sequential``."""
-    return not isinstance(model, nn.Sequential)
-
-
-@dataclass(frozen=True)
-class _Calls:
-    """The modules one forward of a model calls: where a traced cut may begin."""
-
-    order: tuple[str, ...]  # module paths, in the order of their first call
-    counts: dict[str, int]  # path -> calls in one forward
-    places: dict[str, int]  # path -> where its first call begins; a container and its first
-    # child begin at the same place, and a cut before either is the same cut
-
-
-def _module_calls(model: nn.Module, sample: torch.Tensor) -> _Calls:
-    events: list[str] = []
-
-    def recorder(path: str) -> Callable[..., None]:
-        def record(module: nn.Module, args: tuple) -> None:
-            events.append(path)
-
-        return record
-
-    handles = [
-        module.register_forward_pre_hook(recorder(path))
-        for path, module in model.named_modules()
-        if path
-    ]
-    modes = {module: module.training for module in model.modules()}
-    try:
-        # Eval mode: the call order is the same, and no batch statistics move.
-        model.eval()
-        with torch.no_grad():
-            model(sample)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, mode in modes.items():
-            module.training = mode
-    order: list[str] = []
-    counts: dict[str, int] = {}
-    places: dict[str, int] = {}
-    place, previous = -1, None
-    for path in events:
-        # A call right after its parent's begins where the parent does: nothing ran between.
-        if previous is None or not path.startswith(previous + "."):
-            place += 1
-        previous = path
-        counts[path] = counts.get(path, 0) + 1
-        if path not in places:
-            places[path] = place
-            order.append(path)
-    return _Calls(order=tuple(order), counts=counts, places=places)
-
-
-def cut_points(model: nn.Module, sample: torch.Tensor, *, depth: int = 2) -> list[str]:
-    """Where a stage of ``model`` may begin, in the order its forward runs; the first entry
-    names where the model itself begins (no cut goes there). What the planner profiles.
-
-    An ``nn.Sequential``: its top-level children. Any other model: the module paths up to
-    ``depth`` levels deep (resnet: ``layer1`` … ``layer4`` and ``layer1.1`` …) that run once per
-    forward, one per place (``layer1`` and ``layer1.0`` begin at the same place: ``layer1``),
-    except in-place activations.
-    """
-    if not is_traced(model):
-        return [name for name, _ in model.named_children()]
-    return _candidates(model, _module_calls(model, sample), depth=depth)
-
-
-def _candidates(model: nn.Module, calls: _Calls, *, depth: int = 2) -> list[str]:
-    if not calls.order:
-        return []
-    points, taken = [calls.order[0]], {0}
-    for path in calls.order:
-        place = calls.places[path]
-        if calls.counts[path] != 1 or path.count(".") >= depth or place in taken:
-            continue
-        if getattr(model.get_submodule(path), "inplace", False):
-            continue  # nn.ReLU(inplace=True) would change a received activation in place
-        taken.add(place)
-        points.append(path)
-    return points
-
-
-def check_cut(
-    model: nn.Module, sample: torch.Tensor, split_points: Sequence[str] | None
-) -> list[str]:
-    """``model``'s cut points (:func:`cut_points`), once ``split_points`` (None: to be planned)
-    are known to cut it: a ValueError naming the field otherwise. A traced model is traced here
-    as the ranks will trace it, so a model that does not trace fails here, with the reason."""
-    if not is_traced(model):
-        if split_points is not None:
-            cut_into_stages(model, split_points)
-        return cut_points(model, sample)
-    trace_stages(model, sample, split_points or ())
-    return cut_points(model, sample)
-
-
-def check_split_points(model: nn.Module, sample: torch.Tensor, split_points: Sequence[str]) -> None:
-    """Refuse, naming ``pipeline.split_points``, points where a traced cut of ``model`` cannot
-    begin a stage: not a module path, a module that runs other than once per forward, the
-    model's own beginning, or points out of the forward's order."""
-    name = type(model).__name__
-    modules = dict(model.named_modules())
-    calls = _module_calls(model, sample)
-    candidates = _candidates(model, calls)[1:]
-    unknown = [point for point in split_points if not point or point not in modules]
-    if unknown:
-        raise ValueError(
-            f"pipeline.split_points: {unknown} name no module of {name}; a stage can begin at "
-            f"{candidates} (or a deeper module path)"
-        )
-    for point in split_points:
-        runs = calls.counts.get(point, 0)
-        if runs != 1:
-            raise ValueError(
-                f"pipeline.split_points: {point!r} runs {runs} times in one forward of {name}; "
-                f"a stage can only begin at a module that runs once, such as {candidates}"
-            )
-        if calls.places[point] == 0:
-            raise ValueError(
-                f"pipeline.split_points: {point!r} is where {name} begins, which leaves the "
-                "first stage empty"
-            )
-    places = [calls.places[point] for point in split_points]
-    if any(b <= a for a, b in itertools.pairwise(places)):
-        in_order = sorted(split_points, key=calls.places.__getitem__)
-        raise ValueError(
-            f"pipeline.split_points: {list(split_points)} must begin at different places, in "
-            f"the order {name}'s forward runs them ({in_order})"
-        )
-
-
-def trace_stages(model: nn.Module, sample: torch.Tensor, split_points: Sequence[str]) -> Pipe:
-    """``model`` traced by ``torch.distributed.pipelining.pipeline()`` and cut before each of
-    ``split_points``: ``len(split_points) + 1`` stage modules that share ``model``'s parameters
-    under its own names. ``sample`` is one micro-batch: the stages keep its shape.
-
-    A ValueError that names the field: a point that is no place to cut, or a model that the
-    tracer refuses (with the tracer's reason).
-    """
-    check_split_points(model, sample, split_points)
-    name = type(model).__name__
-    try:
-        with _split_annotations_removed(model, split_points):
-            pipe = pipeline(
-                model,
-                mb_args=(sample,),
-                split_spec=dict.fromkeys(split_points, SplitPoint.BEGINNING),
-            )
-    # torch.export raises many types (UserError, data-dependent guards, unsupported ops); each
-    # is the same fact for the user: this model does not trace.
-    except Exception as error:
-        raise ValueError(
-            f"model: {name} does not trace into pipeline stages (torch.export): "
-            f"{_tracer_reason(error)}"
-        ) from error
-    if pipe.num_stages != len(split_points) + 1:
-        raise ValueError(
-            f"pipeline.split_points: tracing {name} cut at {list(split_points)} gave "
-            f"{pipe.num_stages} stages, not {len(split_points) + 1}"
-        )
-    _check_stages_run(pipe, sample, name=name, split_points=split_points)
-    return pipe
-
-
-def _check_stages_run(
-    pipe: Pipe, sample: torch.Tensor, *, name: str, split_points: Sequence[str]
-) -> None:
-    """Run the stages once as a pipeline would: each on inputs that are leaves requiring grad.
-    A stage that begins by changing its input in place fails there, not mid-training."""
-    buffers = [(buffer, buffer.clone()) for buffer in pipe.split_gm.buffers()]
-    try:
-        pipe(sample)
-    # Whatever a stage raises there, the cut is the cause.
-    except Exception as error:
-        raise ValueError(
-            f"pipeline.split_points: {name} cut at {list(split_points)} does not run as "
-            f"stages: {_tracer_reason(error)}; a stage cannot begin by changing its input in "
-            "place (nn.ReLU(inplace=True)): cut before or after that module"
-        ) from error
-    finally:
-        # The run moved no parameter, but batch statistics would have.
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-
-
-@contextmanager
-def _split_annotations_removed(model: nn.Module, split_points: Sequence[str]) -> Iterator[None]:
-    """``pipeline()`` marks each split module by replacing its ``forward``; put them back, so
-    the model runs as before (and a second trace does not split twice)."""
-    marked = [model.get_submodule(point) for point in split_points]
-    own = [module.__dict__.get("forward") for module in marked]
-    try:
-        yield
-    finally:
-        for module, forward in zip(marked, own, strict=True):
-            module.__dict__.pop("_orig_forward", None)
-            if forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = forward
-
-
-def _tracer_reason(error: BaseException) -> str:
-    """The root cause of a failed trace on one line, with the user's line it points at."""
-    # pipelining wraps export's error in a generic RuntimeError; the reason is underneath.
-    while error.__cause__ is not None:
-        error = error.__cause__
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
-    marker = "The following call raised this error:"
-    if marker in lines and lines.index(marker) + 2 < len(lines):
-        at = lines.index(marker)
-        reason += f" ({lines[at + 1]}: {lines[at + 2]})"
-    return reason
 
 
 @dataclass

@@ -2,7 +2,7 @@
 and the built-in trainer vs the same work written as a user function on ``launch``.
 
     python -m workflows.benchmarks.ddp_vs_torchrun [--workers 2] [--steps 150] [--repeats 3]
-        [--latency-jobs 10] [--device cpu|cuda]
+        [--latency-jobs 10] [--device cpu|cuda] [--model cnn|gpt]
 
 torchrun and dask-train's built-in trainer both run :func:`workers.train.train`, so the only
 difference is what launched the ranks: torchrun's processes, or Dask worker processes
@@ -22,6 +22,11 @@ cluster and on a 4-worker cluster started here, from the ``train()`` call to ran
 finished step (``TrainResult.first_step_s``); the first job of each cluster (imports, the
 store's first read) is left out; median and max of the rest.
 
+``--model gpt``: the built-in GPT (4 blocks, 128 wide, 1.3 M parameters with the byte
+vocabulary) on windows of 128 bytes of the standard library's top-level modules (the text
+store), in place of the seed CNN on the synthetic images; torchrun and the built-in trainer
+only (the user-function side and the first steps are the CNN's).
+
 ``--device cpu`` (the default) compares on gloo and hides any GPU from both sides, so the
 figures mean the same on every machine; ``--device cuda`` compares on nccl, one process per
 GPU (at most ``--workers``), dask-train on a one-worker-per-GPU cluster.
@@ -29,6 +34,7 @@ GPU (at most ``--workers``), dask-train on a one-worker-per-GPU cluster.
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -59,6 +65,29 @@ def benchmark_config(steps: int, batch_size: int) -> RunConfig:
                 "synthetic_samples": SYNTHETIC_SAMPLES,
                 "drop_last": True,
             },
+            "training": {
+                "strategy": "ddp",
+                "epochs": 1,
+                "max_steps": steps,
+                "batch_size": batch_size,
+                "lr": 0.01,
+            },
+        }
+    )
+
+
+def gpt_benchmark_config(steps: int, batch_size: int) -> RunConfig:
+    return load_config(
+        {
+            "name": "bench-gpt",
+            "data": {
+                "dataset": "text",
+                "root": "python:stdlib",
+                "files": "*.py",
+                "sequence_length": 128,
+                "drop_last": True,
+            },
+            "model": {"name": "gpt", "kwargs": {"dim": 128, "n_layers": 4, "n_heads": 4}},
             "training": {
                 "strategy": "ddp",
                 "epochs": 1,
@@ -161,7 +190,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-jobs", type=int, default=10)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")
     args = parser.parse_args()
+    cnn = args.model == "cnn"
 
     if args.device == "cpu":
         # Before anything asks CUDA: the workers and torchrun's ranks inherit it.
@@ -171,15 +202,24 @@ def main() -> None:
         if not gpus:
             raise SystemExit("--device cuda: NVML sees no GPU on this machine")
         args.workers = min(args.workers, gpus)
-    config = benchmark_config(args.steps, args.batch_size)
-    rates: dict[str, list[float]] = {"plain": [], "tuned": [], "dask": [], "user": []}
+    if cnn:
+        config = benchmark_config(args.steps, args.batch_size)
+    else:
+        config = gpt_benchmark_config(args.steps, args.batch_size)
+    rates: dict[str, list[float]] = {
+        "plain": [],
+        "tuned": [],
+        "dask": [],
+        "user": [] if cnn else [math.nan],
+    }
     kind = "cuda" if args.device == "cuda" else "cpu"
     first: dict[int, list[float]] = {}
     with start_cluster(n_workers=args.workers, kind=kind, dashboard_port=0) as cluster:
         # Imports and first-touch, paid once; and the steps the trainer runs (one epoch of the
         # training split, at most --steps), which the user function runs too.
         steps = int(train(config, cluster=cluster, on_event=None).history[-1]["step"])
-        launch(user_ddp_loop, 5, args.batch_size, cluster=cluster)
+        if cnn:
+            launch(user_ddp_loop, 5, args.batch_size, cluster=cluster)
         sides = {
             "plain": lambda: run_torchrun(
                 config, args.workers, tuned_malloc=False, device=args.device
@@ -192,20 +232,24 @@ def main() -> None:
                 launch(user_ddp_loop, steps, args.batch_size, cluster=cluster).results
             ),
         }
+        if not cnn:
+            del sides["user"]
         order = list(sides)
         for repeat in range(args.repeats):
             # Rotated each repeat: no side always follows the same one.
             shift = repeat % len(order)
             for name in order[shift:] + order[:shift]:
                 rates[name].append(sides[name]())
+            user = f", the same work on launch {rates['user'][-1]:.0f}" if cnn else ""
             print(
                 f"repeat {repeat + 1}: torchrun {rates['plain'][-1]:.0f}, torchrun with our malloc "
-                f"settings {rates['tuned'][-1]:.0f}, dask-train {rates['dask'][-1]:.0f}, the same "
-                f"work as a user function on launch {rates['user'][-1]:.0f} samples/s",
+                f"settings {rates['tuned'][-1]:.0f}, dask-train {rates['dask'][-1]:.0f}{user} "
+                "samples/s",
                 flush=True,
             )
-        first[args.workers] = warm_first_steps(cluster, args.workers, args.latency_jobs)
-    if args.workers != 4 and (args.device == "cpu" or count_gpus() >= 4):
+        if cnn:
+            first[args.workers] = warm_first_steps(cluster, args.workers, args.latency_jobs)
+    if cnn and args.workers != 4 and (args.device == "cpu" or count_gpus() >= 4):
         with start_cluster(n_workers=4, kind=kind, dashboard_port=0) as cluster:
             first[4] = warm_first_steps(cluster, 4, args.latency_jobs)
 
@@ -214,15 +258,19 @@ def main() -> None:
     )
     print()
     print(
-        f"seed CNN, {args.workers} processes on {args.device}, global batch {args.batch_size}, "
+        f"{'seed CNN' if cnn else 'GPT on text'}, {args.workers} processes on {args.device}, "
+        f"global batch {args.batch_size}, "
         f"{steps} steps, median of {args.repeats}:"
     )
     print(f"  torchrun --standalone (glibc malloc defaults)  {plain:8.0f} samples/s")
     print(f"  torchrun --standalone (our malloc settings)    {tuned:8.0f} samples/s")
     print(f"  dask-train DDP (built-in trainer)              {dask:8.0f} samples/s")
-    print(f"  the same work as a user function on launch     {user:8.0f} samples/s")
+    if cnn:
+        print(f"  the same work as a user function on launch     {user:8.0f} samples/s")
     print(f"  ratio dask-train / plain torchrun              {dask / plain:8.3f}")
     print(f"  ratio dask-train / torchrun, same malloc       {dask / tuned:8.3f}")
+    if not cnn:
+        return
     print(f"  ratio built-in trainer / user function         {dask / user:8.3f}")
     print("warm first step, digits config (3 steps), train() call to the first step:")
     for ranks, seconds in sorted(first.items()):

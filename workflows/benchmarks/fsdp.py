@@ -1,12 +1,14 @@
 """FSDP2 against DDP: peak memory per rank and throughput, at 2 and 4 ranks.
 
-    python -m workflows.benchmarks.fsdp [--width 4096] [--layers 6] [--steps 4]
+    python -m workflows.benchmarks.fsdp [--model mlp|gpt] [--width 4096] [--layers 6] [--steps 4]
 
 On one machine, for each world size (2, then 4 workers), in one run: the same model, data and
 steps under ``ddp`` and ``fsdp``. The model is a stack of ``--layers`` square linear layers
 ``--width`` wide (6 x 4096 wide: 101 M parameters), so that parameters, gradients and
 optimizer state (SGD momentum) dominate a rank's memory, as in a large transformer; the data is
-the synthetic store (32x32 RGB).
+the synthetic store (32x32 RGB). ``--model gpt``: the built-in GPT, ``--layers`` blocks
+``--width`` wide (8 x 1024: 101 M parameters), on windows of 64 bytes of the standard library's
+wsgiref package (the text store), global batch 8 unless ``--batch`` says otherwise.
 
 Memory: each rank's peak while training, as ``TrainResult.peak_memory_mib`` reports it (the
 growth of the worker's peak resident set on CPU, CUDA's allocator peak on a GPU; the export of
@@ -26,27 +28,46 @@ from workflows.driver import train
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--layers", type=int)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
+    gpt = args.model == "gpt"
+    width = args.width or (1024 if gpt else 4096)
+    layers = args.layers or (8 if gpt else 6)
+    batch = args.batch or (8 if gpt else 32)
+    if gpt:
+        # A small corpus: validation runs the 101 M-parameter model over the whole val split
+        # (one file, 105 windows), which on a CPU takes longer than the steps measured.
+        data = {
+            "dataset": "text",
+            "root": "python:wsgiref",
+            "files": "*.py",
+            "sequence_length": 64,
+            "val_fraction": 0.1,
+        }
+        model = {"name": "gpt", "kwargs": {"dim": width, "n_layers": layers, "n_heads": 8}}
+    else:
+        data = {"dataset": "synthetic", "synthetic_samples": 1024}
+        model = {
+            "name": "workflows.benchmarks.wide_mlp:wide_mlp",
+            "kwargs": {"width": width, "layers": layers},
+        }
 
     def config(store: str, strategy: str) -> RunConfig:
         return load_config(
             {
                 "name": f"fsdp-bench-{strategy}",
-                "data": {"dataset": "synthetic", "synthetic_samples": 1024, "store": store},
-                "model": {
-                    "name": "workflows.benchmarks.wide_mlp:wide_mlp",
-                    "kwargs": {"width": args.width, "layers": args.layers},
-                },
+                "data": data | {"store": store},
+                "model": model,
                 "training": {
                     "strategy": strategy,
                     "epochs": 1,
                     "max_steps": args.steps,
-                    "batch_size": args.batch,
+                    "batch_size": batch,
                     "lr": 0.01,
                 },
             }
