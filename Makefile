@@ -96,7 +96,7 @@ bench-fsdp: $(STAMP)
 # The built-in GPT on the standard library's sources: under DDP against torchrun, then its
 # peak memory under FSDP against DDP at 101 M parameters.
 bench-gpt: $(STAMP)
-	$(BIN)/python -m workflows.benchmarks.ddp_vs_torchrun --model gpt --steps 60
+	$(BIN)/python -m workflows.benchmarks.ddp_vs_torchrun --model gpt --steps 40
 	$(BIN)/python -m workflows.benchmarks.fsdp --model gpt
 
 # The GPU checks (.ci/gpu-check): the gpu tests and a short DDP benchmark on nccl, within

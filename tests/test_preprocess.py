@@ -212,10 +212,11 @@ def test_an_unreadable_url_is_a_clear_error(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_out_of_core_preprocessing_with_small_workers(tmp_path):
-    # 120,000 synthetic images: ~1.5 GB normalized, workers limited to 350 MB each.
+    # 72,000 synthetic images: ~0.9 GB normalized, workers limited to 350 MB each: more than
+    # both workers may hold together, and each worker's half more than it may hold alone.
     config = DataConfig(
         dataset="synthetic",
-        synthetic_samples=120_000,
+        synthetic_samples=72_000,
         store=str(tmp_path / "store"),
         chunk_size=2048,
     )
@@ -224,12 +225,12 @@ def test_out_of_core_preprocessing_with_small_workers(tmp_path):
         pids = small.client.run(os.getpid)
         manifest = prepare_store(small.client, config, seed=0)
         assert small.client.run(os.getpid) == pids  # same workers at the same addresses: no restart
-    assert manifest.counts["train"] + manifest.counts["val"] == 120_000
+    assert manifest.counts["train"] + manifest.counts["val"] == 72_000
     stored = [
         zarr.open_array(str(tmp_path / "store"), path=f"{split}/images", mode="r")
         for split in ("train", "val")
     ]
-    assert sum(a.nbytes for a in stored) > 4 * 350e6  # several times what a worker may hold
+    assert sum(a.nbytes for a in stored) > 2.5 * 350e6  # what the workers may hold, and more
     sample = np.asarray(stored[0][:4096])
     assert abs(float(sample.mean())) < 0.1 and 0.8 < float(sample.std()) < 1.2
 

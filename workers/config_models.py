@@ -172,6 +172,11 @@ class DataConfig(BaseModel):
         return (3, self.image_size, self.image_size)
 
     @property
+    def tokens(self) -> bool:
+        """Whether the store's samples are token ids (an embedding's indices), not values."""
+        return self.dataset == "text"
+
+    @property
     def store_url(self) -> str:
         store = self.store or f"data/stores/{self.dataset}"
         # A relative path means the client's working directory, wherever the worker runs.

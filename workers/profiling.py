@@ -7,6 +7,7 @@ the pieces between its cut points (``workers.stage_cuts.cut_points``), traced as
 pipeline stages.
 """
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -40,9 +41,9 @@ def profile_model(
     model: str | ModelConfig,
     *,
     num_classes: int,
-    image_size: int,
-    in_channels: int,
+    input_shape: tuple[int, ...],
     micro_batch: int,
+    tokens: bool = False,
     repeats: int = 7,
     build: Callable[[], nn.Module] | None = None,
 ) -> DeviceProfile:
@@ -54,10 +55,14 @@ def profile_model(
         else (torch.device("cpu"))
     )
     if build is None:
-        model = build_model(model, num_classes=num_classes, seed=0, image_size=image_size)
+        model = build_model(model, num_classes=num_classes, seed=0, input_shape=input_shape)
     else:
         model = build()
-    sample = torch.randn(micro_batch, in_channels, image_size, image_size)
+    # Token ids for a language model (``tokens``), values otherwise: what the store gives.
+    if tokens:
+        sample = torch.randint(num_classes, (micro_batch, *input_shape))
+    else:
+        sample = torch.randn(micro_batch, *input_shape)
     layers = profile_module(model.to(device), sample=sample.to(device), repeats=repeats)
     return DeviceProfile(
         device=str(device),
@@ -137,7 +142,7 @@ def _profile(layers: list[tuple[str, nn.Module, tuple]], *, repeats: int) -> lis
             layer.zero_grad(set_to_none=True)
             _synchronize(device)
             started = time.perf_counter()
-            with _SavedBytes() as saved:
+            with _SavedBytes(held=layer) as saved:
                 outputs = _tensors(layer(*inputs[index]))
             differentiable = [o for o in outputs if o.requires_grad]
             torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
@@ -172,11 +177,13 @@ def _tensors(value: object) -> list[torch.Tensor]:
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd keeps for backward (each storage once)."""
+    """Counts the bytes autograd keeps for backward (each storage once), less what ``held``
+    holds anyway: a linear layer saves its weight, which is a parameter, not an activation."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: nn.Module) -> None:
         self.bytes = 0
-        seen: set[int] = set()
+        tensors = itertools.chain(held.parameters(), held.buffers())
+        seen: set[int] = {tensor.untyped_storage().data_ptr() for tensor in tensors}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()

@@ -214,8 +214,8 @@ def plan(
         profile_model,
         config.model,
         num_classes=num_classes,
-        image_size=config.data.image_size,
-        in_channels=3,
+        input_shape=config.data.sample_shape,
+        tokens=config.data.tokens,
         micro_batch=layout.micro_batch,
         build=build,
         key=f"profile-{config.model.name}",
@@ -362,9 +362,8 @@ def resolve_split_points(
     p = config.pipeline
     if build is not None:
         # The config checked the cut of model.name's model when it loaded, not this one's.
-        size = config.data.image_size
         try:
-            check_cut(build(), torch.zeros(layout.micro_batch, 3, size, size), p.split_points)
+            check_cut(build(), _sample(config, layout.micro_batch), p.split_points)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if p.split_points is not None:
@@ -390,14 +389,22 @@ def _cut_points(
     """A model's cut points, found on the client (one forward of a micro-batch)."""
     from workers.models import build_model
 
-    size = config.data.image_size
     if build is None:
         model = build_model(
-            config.model, num_classes=num_classes, seed=config.training.seed, image_size=size
+            config.model,
+            num_classes=num_classes,
+            seed=config.training.seed,
+            input_shape=config.data.sample_shape,
         )
     else:
         model = build()
-    return cut_points(model, torch.zeros(layout.micro_batch, 3, size, size))
+    return cut_points(model, _sample(config, layout.micro_batch))
+
+
+def _sample(config: RunConfig, rows: int) -> torch.Tensor:
+    """``rows`` samples shaped and typed as the store gives them: zeros (token 0 or 0.0)."""
+    dtype = torch.int64 if config.data.tokens else torch.float32
+    return torch.zeros((rows, *config.data.sample_shape), dtype=dtype)
 
 
 __all__ = [

@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"])
     args = parser.parse_args()
     gpt = args.model == "gpt"
     width = args.width or (1024 if gpt else 4096)
@@ -79,7 +80,7 @@ def main() -> None:
             with start_cluster(n_workers=ranks, dashboard_port=0) as cluster:
                 grown: dict[str, float] = {}
                 speed: dict[str, float] = {}
-                for strategy in ("ddp", "fsdp"):
+                for strategy in args.strategies:
                     result = train(config(f"{tmp}/store", strategy), cluster=cluster, on_event=None)
                     # The largest rank's: TrainResult's per-rank peaks (workers/peak_memory.py).
                     grown[strategy] = max(result.peak_memory_mib)
@@ -90,12 +91,13 @@ def main() -> None:
                         f"{speed[strategy]:.1f} samples/s",
                         flush=True,
                     )
-                print(
-                    f"{ranks} ranks: FSDP / DDP peak memory per rank "
-                    f"{grown['fsdp'] / grown['ddp']:.2f}x, samples/s "
-                    f"{speed['fsdp'] / speed['ddp']:.2f}x",
-                    flush=True,
-                )
+                if {"ddp", "fsdp"} <= set(grown):
+                    print(
+                        f"{ranks} ranks: FSDP / DDP peak memory per rank "
+                        f"{grown['fsdp'] / grown['ddp']:.2f}x, samples/s "
+                        f"{speed['fsdp'] / speed['ddp']:.2f}x",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":
