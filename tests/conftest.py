@@ -164,21 +164,6 @@ def four_workers():
         yield training_cluster
 
 
-@pytest.fixture(scope="session")
-def stock_workers(tmp_path_factory):
-    """``dask scheduler`` and two stock ``dask worker`` processes started in an empty folder,
-    which cannot import the user code the tests write under their own ``tmp_path``: shared by
-    the tests of code shipping (each writes modules under names of its own). Yields the
-    scheduler's address and its scheduler file."""
-    from tests.test_multihost import _stock_cluster
-
-    folder = tmp_path_factory.mktemp("stock-workers")
-    elsewhere = folder / "elsewhere"
-    elsewhere.mkdir()
-    with _stock_cluster(folder, {"w0": [], "w1": []}, cwd=elsewhere) as (address, scheduler_file):
-        yield address, scheduler_file
-
-
 @pytest.fixture
 def own_cluster():
     """A fresh 2-worker cluster for tests that restart, add or kill workers."""

@@ -3,7 +3,6 @@ would run them. Real CLI processes, real clusters, real signals."""
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import textwrap
@@ -11,7 +10,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from tests.commands import dask_train, session_leftovers
 
@@ -193,30 +191,3 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
-
-
-@pytest.mark.slow
-def test_a_module_the_stock_workers_cannot_import_is_shipped(tmp_path, stock_workers):
-    user_code = tmp_path / "user_code" / "my_launch_pkg"
-    user_code.mkdir(parents=True)
-    (user_code / "__init__.py").write_text("")
-    (user_code / "main.py").write_text(textwrap.dedent(TORCHRUN_SCRIPT))
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    _, scheduler_file = stock_workers
-    output = tmp_path / "out"
-    output.mkdir()
-    # The client imports the package from its own folder; the stock workers, started in
-    # another directory, cannot.
-    client_env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(user_code.parent), str(ROOT)]),
-    }
-    done = _launch(
-        *("--scheduler-file", str(scheduler_file), "--world-size", "2"),
-        *("-m", "my_launch_pkg.main", str(output)),
-        cwd=elsewhere,
-        env=client_env,
-    )
-    assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in output.iterdir()) == ["rank0.json", "rank1.json"]
-    assert "[rank 1] hello from rank 1 of 2" in done.stdout

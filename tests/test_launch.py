@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import assert_same_parameters
-from workflows import CodeNotShippable, launch
+from workflows import launch
 from workflows.jobs import TrainingFailed
 
 GLOBAL_BATCH, FEATURES, CLASSES = 32, 12, 4
@@ -379,31 +379,6 @@ def _write_package(root: Path, name: str) -> None:
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(textwrap.dedent(USER_PACKAGE.format(name=name)))
     (package / "helpers.py").write_text("def scale(value):\n    return 10 * value\n")
-
-
-def test_code_the_stock_workers_cannot_import_is_shipped(tmp_path, monkeypatch, stock_workers):
-    user_code = tmp_path / "user_code"
-    _write_package(user_code, "my_research_pkg")
-    (user_code / "my_single_module.py").write_text(
-        "def times_rank(ctx, value):\n    return value * ctx.rank\n"
-    )
-    (user_code / "compiled_pkg").mkdir()
-    (user_code / "compiled_pkg" / "__init__.py").write_text("def fn(ctx):\n    return 1\n")
-    (user_code / "compiled_pkg" / "_speedups.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
-    monkeypatch.syspath_prepend(str(user_code))
-    from compiled_pkg import fn as compiled_fn
-    from distributed import Client
-    from my_research_pkg import user_loop
-    from my_single_module import times_rank
-
-    address, _ = stock_workers
-    with Client(address, timeout=30) as client:
-        assert launch(user_loop, 0.5, cluster=client, world_size=2).results == [15.0, 15.0]
-        assert launch(times_rank, 7, cluster=client, world_size=2).results == [0, 7]
-        with pytest.raises(CodeNotShippable, match=r"module 'compiled_pkg'.*compiled"):
-            launch(compiled_fn, cluster=client, world_size=2)
-    for module in [m for m in sys.modules if m.startswith(("my_", "compiled_pkg"))]:
-        del sys.modules[module]
 
 
 def test_the_modules_a_pickled_job_imports_are_found_exactly():

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed import Client
 from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 from torch import nn
 
@@ -23,7 +22,7 @@ from workers.data import open_store
 from workers.losses import Criterion
 from workers.models import build_model
 from workers.strategies.base import EpochSums
-from workflows.batch_predict import predict, prepare
+from workflows.batch_predict import prepare
 from workflows.config import ConfigError, check_model, load_config
 from workflows.dashboard import ROUTE
 from workflows.driver import format_epoch, train
@@ -313,58 +312,6 @@ def test_a_factory_with_a_bare_kwargs_trains_on_the_shared_cluster(cluster, make
     result = train(config, model=mlp, cluster=cluster, on_event=None)
     assert result.state_dict["1.weight"].shape == (64, 3 * 32 * 32)
     assert result.state_dict["3.weight"].shape == (10, 64)
-
-
-@pytest.mark.slow
-def test_a_factory_outside_the_repository_is_shipped_to_stock_workers(
-    tmp_path, monkeypatch, make_config, stock_workers
-):
-    by_name = _user_module(tmp_path / "user_code", monkeypatch)
-    given = _user_module(tmp_path / "more_user_code", monkeypatch)
-    address, _ = stock_workers
-    config = make_config(
-        {"name": "import-path", "model": {"name": f"{by_name}:make_mlp", "kwargs": {"hidden": 16}}},
-        max_steps=3,
-        **BASE,
-    )
-    try:
-        with Client(address, timeout=30) as client:
-            lacking = client.run(lambda: [importlib.util.find_spec(m) for m in (by_name, given)])
-            assert all(specs == [None, None] for specs in lacking.values())
-            run = RunDirectory.create(config, tmp_path / "run")
-            with run:
-                result = train(config, cluster=client, on_event=None)
-                run.finish(result)
-            # Batch prediction rebuilds the run's model from its config on the workers.
-            scored = predict(
-                model=run.path,
-                input=config.data.resolved().store_url,
-                output=tmp_path / "predictions",
-                settings={"partition_size": 200},
-                cluster=client,
-            )
-            from_python = train(
-                config.model_copy(update={"model": ModelConfig()}),
-                model=importlib.import_module(given).make_mlp,
-                cluster=client,
-                on_event=None,
-            )
-    finally:
-        for module in (by_name, given):
-            sys.modules.pop(module, None)
-    assert result.state_dict["1.weight"].shape == (16, 3 * 32 * 32)  # in_features, hidden
-    assert result.state_dict["3.weight"].shape == (10, 16)  # num_classes
-    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=2, steps=3))
-    assert from_python.state_dict["1.weight"].shape == (32, 3 * 32 * 32)  # hidden's default
-    val = open_store(config.data.resolved().store_url).val
-    model = nn.Sequential(
-        nn.Flatten(), nn.Linear(3 * 32 * 32, 16), nn.ReLU(), nn.Linear(16, 10)
-    )  # make_mlp(10, 3 * 32 * 32, hidden=16), written out: the module is gone from here
-    model.load_state_dict(torch.load(run.path / "model.pt", weights_only=True))
-    with torch.no_grad():
-        want = torch.softmax(model(torch.from_numpy(np.asarray(val.images[:]))), dim=1).numpy()
-    got = scored.read()[[f"prob_{c}" for c in range(10)]].to_numpy()
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ Written and reused as the image stores are (``workflows/preprocess.py``): the ma
 a fingerprint of the files and every parameter deciding reuse.
 """
 
-import logging
 import time
 from typing import Any
 
@@ -36,8 +35,6 @@ from workflows.stores import (
     manifest_of,
     reusable_store,
 )
-
-logger = logging.getLogger(__name__)
 
 # The manifest's names of each split's arrays (workers/data.py open_store reads them).
 ARRAYS = {"features": "tokens", "targets": "next"}

@@ -24,8 +24,8 @@ store's first read) is left out; median and max of the rest.
 
 ``--model gpt``: the built-in GPT (4 blocks, 128 wide, 0.9 M parameters with the byte
 vocabulary) on windows of 128 bytes of the standard library's top-level modules (the text
-store; two of them held out), in place of the seed CNN on the synthetic images; torchrun and the built-in trainer
-only (the user-function side and the first steps are the CNN's).
+store; two of them held out), in place of the seed CNN on the synthetic images; torchrun and
+the built-in trainer only (the user-function side and the first steps are the CNN's).
 
 ``--device cpu`` (the default) compares on gloo and hides any GPU from both sides, so the
 figures mean the same on every machine; ``--device cuda`` compares on nccl, one process per
@@ -56,50 +56,36 @@ SYNTHETIC_SAMPLES = 16384
 DIGITS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_ddp.toml"
 
 
-def benchmark_config(steps: int, batch_size: int) -> RunConfig:
-    return load_config(
-        {
-            "name": "bench",
-            "data": {
-                "dataset": "synthetic",
-                "synthetic_samples": SYNTHETIC_SAMPLES,
-                "drop_last": True,
-            },
-            "training": {
-                "strategy": "ddp",
-                "epochs": 1,
-                "max_steps": steps,
-                "batch_size": batch_size,
-                "lr": 0.01,
-            },
-        }
-    )
+# What each model trains on: the seed CNN on the synthetic images, the built-in GPT on windows
+# of the standard library's top-level modules (two files, 69 kB, held out: each run validates
+# once, and throughput is measured on the steps).
+WORKLOADS: dict[str, dict] = {
+    "cnn": {
+        "data": {"dataset": "synthetic", "synthetic_samples": SYNTHETIC_SAMPLES, "drop_last": True}
+    },
+    "gpt": {
+        "data": {
+            "dataset": "text",
+            "root": "python:stdlib",
+            "files": "*.py",
+            "sequence_length": 128,
+            "drop_last": True,
+            "val_fraction": 0.01,
+        },
+        "model": {"name": "gpt", "kwargs": {"dim": 128, "n_layers": 4, "n_heads": 4}},
+    },
+}
 
 
-def gpt_benchmark_config(steps: int, batch_size: int) -> RunConfig:
-    return load_config(
-        {
-            "name": "bench-gpt",
-            "data": {
-                "dataset": "text",
-                "root": "python:stdlib",
-                "files": "*.py",
-                "sequence_length": 128,
-                "drop_last": True,
-                # Two files (69 kB) held out: each run validates once, and throughput is
-                # measured on the steps.
-                "val_fraction": 0.01,
-            },
-            "model": {"name": "gpt", "kwargs": {"dim": 128, "n_layers": 4, "n_heads": 4}},
-            "training": {
-                "strategy": "ddp",
-                "epochs": 1,
-                "max_steps": steps,
-                "batch_size": batch_size,
-                "lr": 0.01,
-            },
-        }
-    )
+def benchmark_config(steps: int, batch_size: int, model: str = "cnn") -> RunConfig:
+    training = {
+        "strategy": "ddp",
+        "epochs": 1,
+        "max_steps": steps,
+        "batch_size": batch_size,
+        "lr": 0.01,
+    }
+    return load_config({"name": f"bench-{model}", **WORKLOADS[model], "training": training})
 
 
 def run_torchrun(
@@ -205,10 +191,7 @@ def main() -> None:
         if not gpus:
             raise SystemExit("--device cuda: NVML sees no GPU on this machine")
         args.workers = min(args.workers, gpus)
-    if cnn:
-        config = benchmark_config(args.steps, args.batch_size)
-    else:
-        config = gpt_benchmark_config(args.steps, args.batch_size)
+    config = benchmark_config(args.steps, args.batch_size, args.model)
     rates: dict[str, list[float]] = {
         "plain": [],
         "tuned": [],
