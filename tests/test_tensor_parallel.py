@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from tests import test_text as text
 from tests.reference import assert_same_parameters, train_in_one_process
 from tests.refusals import refusal
 from workflows.driver import train
@@ -68,6 +69,19 @@ def test_tensor_parallelism_times_fsdp_two_by_two_matches_one_process(four_worke
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4
     _assert_matches_reference(result, config, replicas=2)
+
+
+@pytest.mark.equivalence
+def test_the_gpt_split_by_its_own_plan_times_fsdp_two_by_two_matches_one_process(
+    four_workers, make_config
+):
+    # The built-in GPT's plan (q, k, v by columns, the attention's output by rows, ...) on the
+    # tp dimension, FSDP over the two replicas: one process on both replicas' batches.
+    raw = {"name": "gpt-tp-fsdp", "data": text.CORPUS, "model": text.GPT, "parallel": {"tp": 2}}
+    config = make_config(raw, **(text.BASE | {"strategy": "fsdp"}))
+    result = train(config, cluster=four_workers, on_event=None)
+    assert result.world_size == 4
+    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=2, steps=4))
 
 
 @pytest.mark.parametrize(

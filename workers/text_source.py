@@ -23,6 +23,9 @@ from workers.sources import Listing, SourceError, _split, _stamp, digest
 
 Tokenizer = Literal["byte", "char"]
 BYTES = 256
+# Each split's arrays in the store, as its manifest names them (workers/data.py open_store
+# reads them): the samples, and their targets one token on.
+ARRAYS = {"features": "tokens", "targets": "next"}
 # data.root = "python:stdlib" or "python:<package>": text every machine with Python has.
 PYTHON_ROOT = "python:"
 
@@ -167,7 +170,10 @@ def pack_windows(
             pieces.append(np.asarray(raw[lo - offset : hi - offset]))
         offset += count
     windows = np.concatenate(pieces)
-    for name, values in (("tokens", windows[:, :-1]), ("next", windows[:, 1:])):
+    for name, values in (
+        (ARRAYS["features"], windows[:, :-1]),
+        (ARRAYS["targets"], windows[:, 1:]),
+    ):
         target = zarr.open_array(url, path=f"{split}/{name}", mode="r+", storage_options=options)
         target[start:stop] = values
     return stop - start

@@ -21,6 +21,7 @@ from distributed import Client
 from workers.config_models import DataConfig
 from workers.sources import Listing, SourceError, digest
 from workers.text_source import (
+    ARRAYS,
     characters,
     encode_partition,
     list_text,
@@ -35,9 +36,6 @@ from workflows.stores import (
     manifest_of,
     reusable_store,
 )
-
-# The manifest's names of each split's arrays (workers/data.py open_store reads them).
-ARRAYS = {"features": "tokens", "targets": "next"}
 
 
 def list_corpus(config: DataConfig, *, seed: int) -> Listing:
