@@ -73,8 +73,7 @@ class StoreSplit:
 
     def zeros(self, rows: int) -> torch.Tensor:
         """``rows`` samples of zeros, shaped and typed as a model takes this split's."""
-        dtype = torch.int64 if self.tokens else torch.float32
-        return torch.zeros((rows, *self.images.shape[1:]), dtype=dtype)
+        return zero_samples(rows, tuple(self.images.shape[1:]), tokens=self.tokens)
 
 
 @dataclass(frozen=True)
@@ -141,6 +140,11 @@ def as_features(values: Any, *, tokens: bool = False) -> np.ndarray:
 
 def feature_dtype(tokens: bool) -> np.dtype:
     return np.dtype(np.int64 if tokens else np.float32)
+
+
+def zero_samples(rows: int, shape: tuple[int, ...], *, tokens: bool = False) -> torch.Tensor:
+    """``rows`` samples of ``shape``, zeros, typed as a model takes them (``as_features``)."""
+    return torch.from_numpy(np.zeros((rows, *shape), dtype=feature_dtype(tokens)))
 
 
 def as_targets(values: np.ndarray) -> np.ndarray:

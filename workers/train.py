@@ -28,7 +28,7 @@ from workers.collection_shard import (
     trainer_splits,
 )
 from workers.config_models import TrainingConfig
-from workers.data import DataConfig, RankBatches, StoreSplit, open_store
+from workers.data import DataConfig, RankBatches, StoreSplit, open_store, zero_samples
 from workers.layout import Layout
 from workers.losses import Criterion
 from workers.models import ModelConfig, build_model
@@ -383,7 +383,7 @@ def build(
         sample = store.train.zeros(layout.micro_batch)
     else:
         num_classes, input_shape = collections_model_inputs(collections)
-        sample = torch.zeros((layout.micro_batch, *input_shape))
+        sample = zero_samples(layout.micro_batch, input_shape)
     model = build_model(
         model_config,
         num_classes=criterion.outputs(num_classes),

@@ -43,6 +43,20 @@ GAUGES = (
     ("dask_train_world_size", "world_size", "Ranks in the job"),
     ("dask_train_recoveries", "recoveries", "Restarts from a checkpoint after a failure"),
 )
+# One gauge per rank, from each rank's last heartbeat: (metric, the job state's field, help).
+RANK_GAUGES = (
+    (
+        "dask_train_rank_samples_per_second",
+        "ranks",
+        "Training samples per second of one rank (its last heartbeat)",
+    ),
+    (
+        "dask_train_rank_peak_memory_bytes",
+        "memory",
+        "Peak memory of one rank since it started (its last heartbeat): CUDA's allocator "
+        "peak on a GPU, the growth of the process's peak resident set on a CPU",
+    ),
+)
 
 
 class TrainingMetrics(SchedulerPlugin):
@@ -189,25 +203,12 @@ class _Exporter:
                 if isinstance(state.get(field), int | float):
                     family.add_metric([job, str(state.get("strategy", ""))], float(state[field]))
             yield family
-        family = GaugeMetricFamily(
-            "dask_train_rank_samples_per_second",
-            "Training samples per second of one rank (its last heartbeat)",
-            labels=["job", "strategy", "rank"],
-        )
-        for job, state in jobs.items():
-            for rank, value in sorted(state["ranks"].items()):
-                family.add_metric([job, str(state.get("strategy", "")), str(rank)], value)
-        yield family
-        family = GaugeMetricFamily(
-            "dask_train_rank_peak_memory_bytes",
-            "Peak memory of one rank since it started (its last heartbeat): CUDA's allocator "
-            "peak on a GPU, the growth of the process's peak resident set on a CPU",
-            labels=["job", "strategy", "rank"],
-        )
-        for job, state in jobs.items():
-            for rank, value in sorted(state["memory"].items()):
-                family.add_metric([job, str(state.get("strategy", "")), str(rank)], value)
-        yield family
+        for metric, field, help_text in RANK_GAUGES:
+            family = GaugeMetricFamily(metric, help_text, labels=["job", "strategy", "rank"])
+            for job, state in jobs.items():
+                for rank, value in sorted(state[field].items()):
+                    family.add_metric([job, str(state.get("strategy", "")), str(rank)], value)
+            yield family
 
 
 _exporter = _Exporter()

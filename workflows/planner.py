@@ -15,6 +15,7 @@ from distributed import Client
 from torch import nn
 
 from workers.config_models import MODEL_LAYERS
+from workers.data import zero_samples
 from workers.layout import Layout
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
 from workers.stage_cuts import check_cut, cut_points, even_split
@@ -403,8 +404,7 @@ def _cut_points(
 
 def _sample(config: RunConfig, rows: int) -> torch.Tensor:
     """``rows`` samples shaped and typed as the store gives them: zeros (token 0 or 0.0)."""
-    dtype = torch.int64 if config.data.tokens else torch.float32
-    return torch.zeros((rows, *config.data.sample_shape), dtype=dtype)
+    return zero_samples(rows, config.data.sample_shape, tokens=config.data.tokens)
 
 
 __all__ = [
