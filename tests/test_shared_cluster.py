@@ -351,7 +351,13 @@ def test_sigterm_of_a_queued_cli_job_exits_130_and_leaves_nothing(cluster, tmp_p
             if "waits for 2 of 2 eligible workers, held by holder" in line:
                 break
         queued.send_signal(signal.SIGTERM)
-        rest = queued.communicate(timeout=60)[1]
+        try:
+            rest = queued.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            # Stopped here, not left running; what it printed says where its shutdown stuck.
+            queued.kill()
+            rest = queued.communicate(timeout=30)[1]
+            pytest.fail(f"no exit 60 s after SIGTERM; its stderr:\n{''.join(lines)}{rest}")
         assert queued.returncode == 130, "".join(lines) + rest
         queue = client.run_on_scheduler(queue_snapshot)
         assert [j["name"] for j in queue["holding"]] == ["holder"] and not queue["queued"], queue
