@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,20 @@ def digits_run(
         *(item for key, value in training.items() for item in ("--set", f"training.{key}={value}")),
         *("--output", str(output)),
     ]
+
+
+def kill_showing_stacks(process: subprocess.Popen) -> str:
+    """Kill a command that hangs, and return what it printed to stderr since (when it was
+    started with ``stderr=PIPE`` and nothing reads it): each of its threads' stack. The tests
+    start every command with Python's fault handler on (``PYTHONFAULTHANDLER``, conftest.py),
+    which prints them on SIGABRT; a hang that shows up once in many runs is then diagnosable
+    from that one run's report."""
+    process.send_signal(signal.SIGABRT)
+    try:
+        return process.communicate(timeout=30)[1] or ""
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.communicate(timeout=30)[1] or ""
 
 
 def session_leftovers(session: int) -> list[psutil.Process]:

@@ -78,6 +78,9 @@ def _in_a_temporary_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )
+    # A command that hangs can be made to print its threads' stacks (commands.py:
+    # kill_showing_stacks).
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
 
 
 SHARED_WORKERS = 2

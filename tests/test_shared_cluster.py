@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch.distributed as dist
 
-from tests.commands import dask_train
+from tests.commands import dask_train, kill_showing_stacks
 from tests.reference import assert_same_parameters
 from tests.test_launch import _one_process, _wait_for_file, ddp_loop
 from workers.process_group import ProcessGroupPlugin
@@ -354,9 +354,8 @@ def test_sigterm_of_a_queued_cli_job_exits_130_and_leaves_nothing(cluster, tmp_p
         try:
             rest = queued.communicate(timeout=60)[1]
         except subprocess.TimeoutExpired:
-            # Stopped here, not left running; what it printed says where its shutdown stuck.
-            queued.kill()
-            rest = queued.communicate(timeout=30)[1]
+            # Stopped here, not left running; its threads' stacks say where its shutdown stuck.
+            rest = kill_showing_stacks(queued)
             pytest.fail(f"no exit 60 s after SIGTERM; its stderr:\n{''.join(lines)}{rest}")
         assert queued.returncode == 130, "".join(lines) + rest
         queue = client.run_on_scheduler(queue_snapshot)
