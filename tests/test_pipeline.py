@@ -18,17 +18,20 @@ STEPS = 5
 
 
 def _assert_matches_reference(result, config, *, steps: int = STEPS) -> None:
-    expected = train_in_one_process(config, world_size=config.pipeline.dp, steps=steps)
+    # One process, reading the batches as the run's replicas of each stage do together.
+    replicas = config.layout(result.world_size).dp
+    expected = train_in_one_process(config, world_size=replicas, steps=steps)
     assert_same_parameters(result.state_dict, expected, rtol=1e-5, atol=4e-5)
     # The run moved the parameters: equality is not the initial state twice.
-    untrained = train_in_one_process(config, world_size=config.pipeline.dp, steps=0)
+    untrained = train_in_one_process(config, world_size=replicas, steps=0)
     assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"])
 
 
 @pytest.fixture
 def staged_config(make_config):
-    def staged_config(strategy="pipeline", pipeline=None, data=None, **training):
+    def staged_config(strategy="pipeline", pipeline=None, data=None, parallel=None, **training):
         raw = {"name": "staged", "pipeline": pipeline or {}, "data": data or {}}
+        raw |= {"parallel": parallel} if parallel else {}
         return make_config(raw, strategy=strategy, **(BASE | {"max_steps": STEPS} | training))
 
     return staged_config
@@ -89,22 +92,28 @@ def test_pipeline_across_an_epoch_boundary_drops_the_partial_batch(cluster, stag
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "pipeline",
+    ("pipeline", "parallel", "shards"),
     [
-        {"schedule": "1f1b", "dp_mode": "ddp"},
-        {"schedule": "1f1b", "dp_mode": "fsdp"},
-        {"schedule": "gpipe", "dp_mode": "fsdp"},
+        # The degrees of [parallel]: PP x DDP, and PP x FSDP with the replicas the world leaves.
+        ({"schedule": "1f1b"}, {"pp": 2, "dp_replicate": 2}, 1),
+        ({"schedule": "1f1b"}, {"pp": 2}, 2),
+        # An older config's [pipeline] dp and dp_mode say the same.
+        ({"schedule": "gpipe", "dp": 2, "dp_mode": "fsdp"}, None, 2),
         # Clipping over FSDP's sharded gradients: the norm still spans the whole model.
-        {"schedule": "1f1b", "dp_mode": "fsdp", "clip": 0.05},
+        ({"schedule": "1f1b", "clip": 0.05}, {"dp_shard": 2}, 2),
     ],
     ids=["1f1b-ddp", "1f1b-fsdp", "gpipe-fsdp", "1f1b-fsdp-clipped"],
 )
 def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
-    four_workers, staged_config, pipeline
+    four_workers, staged_config, pipeline, parallel, shards
 ):
     pipeline = dict(pipeline)
     clip = pipeline.pop("clip", None)
-    config = staged_config(pipeline={"dp": 2, "n_microbatches": 4, **pipeline}, grad_clip_norm=clip)
+    config = staged_config(
+        pipeline={"n_microbatches": 4, **pipeline}, parallel=parallel, grad_clip_norm=clip
+    )
+    layout = config.layout(4)
+    assert (layout.pp, layout.dp, layout.dp_shard) == (2, 2, shards)
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4
     _assert_matches_reference(result, config)
@@ -125,7 +134,24 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
         ({"pipeline": {"schedule": "interleaved_1f1b"}}, "set stages_per_rank = 2 or more"),
         ({"pipeline": {"stages_per_rank": 2}}, "use schedule = 'interleaved_1f1b'"),
         ({"training": {"grad_accum_steps": 2}}, "accumulates over pipeline.n_microbatches"),
-        ({"launch": {"world_size": 12}, "cluster": {"n_workers": 12}}, "12 stages need at least"),
+        ({"launch": {"world_size": 12}, "cluster": {"n_workers": 12}}, "need at least 12 layers"),
+        ({"parallel": {"pp": 3}}, "parallel.pp: 3 does not divide the world size 2"),
+        ({"parallel": {"pp": 2, "dp_shard": 2}}, "pp x replicas = 2 x 2 must equal the world size"),
+        ({"parallel": {"dp_shard": 2, "dp_replicate": 2}}, "sharded (dp_shard, FSDP2) or"),
+        ({"parallel": {"dp_shard": 2}, "pipeline": {"dp": 2}}, "replaces pipeline.dp"),
+        (
+            {"parallel": {"dp_replicate": 2}, "pipeline": {"schedule": "gpipe"}},
+            "parallel.dp_replicate: DDP-wrapped stages only work with the 1f1b",
+        ),
+        (
+            {"parallel": {"pp": 12}, "launch": {"world_size": 12}, "cluster": {"n_workers": 12}},
+            "parallel.pp: 12 ranks x 1 stages per rank need at least 12 layers",
+        ),
+        ({"parallel": {"pp": 2}, "training": {"strategy": "ddp"}}, "parallel.pp: ddp keeps the"),
+        (
+            {"parallel": {"dp_shard": 2}, "training": {"strategy": "model_parallel"}},
+            "parallel: model_parallel runs one copy",
+        ),
         ({"training": {"strategy": "model_parallel"}, "launch": {"world_size": 1}}, "at least 2"),
         ({"training": {"precision": "fp16"}}, "no loss scaling for fp16"),
     ],

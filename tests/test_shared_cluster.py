@@ -17,13 +17,14 @@ import urllib.request
 
 import pytest
 import torch.distributed as dist
+from distributed import Client
 
 from tests.commands import dask_train, kill_showing_stacks
 from tests.reference import assert_same_parameters
 from tests.test_launch import _one_process, _wait_for_file, ddp_loop
 from workers.process_group import ProcessGroupPlugin
 from workflows import launch, start_cluster
-from workflows.admission import Request, queue_snapshot
+from workflows.admission import Admission, AdmissionError, Request, queue_snapshot
 from workflows.dashboard import training_page_url
 from workflows.launcher import LaunchError, WorkerSelection
 
@@ -330,6 +331,46 @@ def test_the_readmes_sharing_example_runs_as_pasted(tmp_path):
     assert ast.literal_eval(done.stdout.splitlines()[-1]) == {"first": [0, 1], "second": [0, 1]}
     assert "waits for 2 of 2 eligible workers" in done.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["sharing.py"]
+
+
+def _block_the_event_loop(seconds: float, dask_scheduler=None) -> None:
+    time.sleep(seconds)  # a plain function runs on the scheduler's event loop itself
+
+
+def test_a_scheduler_that_does_not_answer_the_queue_is_an_error_not_a_hang(cluster):
+    client = cluster.client
+    # The job's own client, on an event loop of its own: the cluster's client shares the
+    # scheduler's, which the test blocks.
+    job_client = Client(client.scheduler.address)
+    request = Request(
+        job_id="unanswered-0",
+        name="unanswered",
+        client=job_client.id,
+        minimum=1,
+        maximum=1,
+        selection=WorkerSelection(),
+        lease_s=1.0,
+    )
+    admission = Admission(
+        job_client, request, queue_timeout_s=60.0, worker_wait_s=60.0, call_timeout_s=0.5
+    )
+    busy = threading.Thread(target=client.run_on_scheduler, args=(_block_the_event_loop, 3.0))
+    busy.start()
+    try:
+        time.sleep(0.2)  # the scheduler is busy now (3 s); the bound below is 0.5 s
+        unanswered = r"did not answer the queue \(install_queue\) within 0.5 s"
+        with pytest.raises(AdmissionError, match=unanswered):
+            admission.hold()
+    finally:
+        busy.join(timeout=30)
+        job_client.close()
+    # The scheduler reads the request once it answers again, after the client gave up on it:
+    # what it holds goes back, given back by the client or at the end of its lease.
+    deadline = time.monotonic() + 30
+    while "unanswered-0" in str(client.run_on_scheduler(queue_snapshot)):
+        assert time.monotonic() < deadline, "the unanswered request still holds its worker"
+        time.sleep(0.1)
+    _nothing_left_of(client, "unanswered-")
 
 
 @pytest.mark.timeout(180)

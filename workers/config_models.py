@@ -364,42 +364,57 @@ class PipelineConfig(BaseModel):
                 f"pipeline.stages_per_rank: {self.schedule} runs one stage per rank; "
                 "set stages_per_rank = 1, or use schedule = 'interleaved_1f1b'"
             )
-        # Measured with torch 2.14 on gloo: GPipe over DDP-wrapped stages trips the reducer's
-        # "rebuilt params size" assert on the second step, because every micro-batch's
-        # backward runs before DDP's bucket rebuild; 1F1B interleaves them and stays correct.
-        if self.dp > 1 and self.dp_mode == "ddp" and self.schedule != "1f1b":
-            raise ValueError(
-                f"pipeline.dp_mode: DDP-wrapped stages only work with the 1f1b schedule "
-                f"(with {self.schedule} DDP's reducer fails); use dp_mode = 'fsdp', "
-                "or schedule = '1f1b'"
-            )
+        if self.dp > 1 and self.dp_mode == "ddp":
+            self.check_ddp_stages("pipeline.dp_mode", "use dp_mode = 'fsdp'")
         if self.split_points is not None and len(set(self.split_points)) != len(self.split_points):
             raise ValueError(f"pipeline.split_points: names repeat in {list(self.split_points)}")
         return self
 
+    def check_ddp_stages(self, field: str, instead: str) -> None:
+        """DDP-wrapped stages (replicas of each stage that average gradients by DDP) need the
+        1f1b schedule. Measured with torch 2.14 on gloo: GPipe over DDP-wrapped stages trips
+        the reducer's "rebuilt params size" assert on the second step, because every
+        micro-batch's backward runs before DDP's bucket rebuild; 1F1B interleaves them and
+        stays correct."""
+        if self.schedule != "1f1b":
+            raise ValueError(
+                f"{field}: DDP-wrapped stages only work with the 1f1b schedule (with "
+                f"{self.schedule} DDP's reducer fails); {instead}, or schedule = '1f1b'"
+            )
+
 
 class ParallelConfig(BaseModel):
-    """The degrees of parallelism, whose product is the world size: ``dp_replicate`` copies
-    of the model, each sharded over ``dp_shard`` ranks, each of whose layers ``tp`` ranks split
-    (torchtitan's names).
+    """The degrees of parallelism, whose product is the world size: ``pp`` ranks in a row of
+    pipeline stages, ``dp_replicate`` copies of the model (or of each stage), each sharded over
+    ``dp_shard`` ranks, each of whose layers ``tp`` ranks split (torchtitan's names).
 
     ``ddp`` replicates over every rank and ``fsdp`` shards over every rank (the world size /
     ``tp``), so neither needs the data-parallel degrees; ``hsdp`` needs one of the two (the
-    other is what the world size leaves).
+    other is what the world size leaves). ``pipeline`` and ``model_parallel`` take ``pp`` and
+    the stages' replicas: ``dp_shard`` (FSDP2) or ``dp_replicate`` (DDP), the one the world
+    size leaves when only ``pp`` is given (``pipeline.dp`` and ``pipeline.dp_mode`` say the
+    same in older configs).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    pp: int | None = Field(
+        default=None,
+        ge=1,
+        description="pipeline and model_parallel: ranks in a row of stages, each holding its "
+        "own (unset: the world size / the stages' replicas)",
+    )
     dp_replicate: int | None = Field(
         default=None,
         ge=1,
-        description="hsdp: copies of the model (unset: the world size / dp_shard)",
+        description="hsdp: copies of the model (unset: the world size / dp_shard); pipeline: "
+        "DDP replicas of every stage",
     )
     dp_shard: int | None = Field(
         default=None,
         ge=1,
         description="hsdp: ranks one copy is sharded over, e.g. the GPUs of one host "
-        "(unset: the world size / dp_replicate)",
+        "(unset: the world size / dp_replicate); pipeline: FSDP2 shards of every stage",
     )
 
     tp: int = Field(

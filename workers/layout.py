@@ -68,38 +68,48 @@ class Layout:
         the config field where they cannot share the work."""
         strategy, batch = training.strategy, training.batch_size
         tp = _tp_degree(strategy, parallel, world_size=world_size)
+        if strategy in STAGED:
+            return cls._staged(training, pipeline, parallel, world_size=world_size)
+        if parallel is not None and (parallel.pp or 1) > 1:
+            raise ValueError(
+                f"parallel.pp: {strategy} keeps the whole model on every rank; stages are "
+                "strategy = 'pipeline' or 'model_parallel'"
+            )
         dp = world_size // tp
         shard = _shard_degree(strategy, parallel, world_size=dp)
-        if strategy not in STAGED:
-            # Each data-parallel rank reads its own share; the tp ranks of one read the same.
-            readers = "world size" if tp == 1 else "data-parallel ranks (world size / tp)"
-            if batch < dp:
-                raise ValueError(
-                    f"training.batch_size: {batch} is smaller than the {readers} {dp}; every "
-                    "rank needs at least one sample per step"
-                )
-            if batch % (dp * training.grad_accum_steps):
-                raise ValueError(
-                    f"training.batch_size: {batch} must be a multiple of {readers} x "
-                    f"grad_accum_steps = {dp} x {training.grad_accum_steps}"
-                )
-            return cls(
-                world_size=world_size,
-                pp=1,
-                dp=dp,
-                batch_size=batch,
-                n_microbatches=training.grad_accum_steps,
-                dp_shard=shard,
-                tp=tp,
-            )
-        dp = pipeline.dp
-        if world_size % dp:
+        # Each data-parallel rank reads its own share; the tp ranks of one read the same.
+        readers = "world size" if tp == 1 else "data-parallel ranks (world size / tp)"
+        if batch < dp:
             raise ValueError(
-                f"pipeline.dp: {world_size} workers do not split into replicas of {dp}; "
-                f"pp x dp must equal the worker count (set launch.world_size to a multiple "
-                f"of {dp})"
+                f"training.batch_size: {batch} is smaller than the {readers} {dp}; every "
+                "rank needs at least one sample per step"
             )
-        pp = world_size // dp
+        if batch % (dp * training.grad_accum_steps):
+            raise ValueError(
+                f"training.batch_size: {batch} must be a multiple of {readers} x "
+                f"grad_accum_steps = {dp} x {training.grad_accum_steps}"
+            )
+        return cls(
+            world_size=world_size,
+            pp=1,
+            dp=dp,
+            batch_size=batch,
+            n_microbatches=training.grad_accum_steps,
+            dp_shard=shard,
+            tp=tp,
+        )
+
+    @classmethod
+    def _staged(
+        cls,
+        training: "TrainingConfig",
+        pipeline: "PipelineConfig",
+        parallel: "ParallelConfig | None",
+        *,
+        world_size: int,
+    ) -> "Layout":
+        strategy, batch = training.strategy, training.batch_size
+        pp, dp, sharded = _stage_degrees(pipeline, parallel, world_size=world_size)
         if strategy == "model_parallel" and pp < 2:
             raise ValueError(
                 "launch.world_size: model_parallel needs at least 2 workers to hold 2 stages"
@@ -107,8 +117,9 @@ class Layout:
         # Model parallel is a pipeline of one micro-batch: one stage works at a time.
         m = pipeline.n_microbatches if strategy == "pipeline" else 1
         if batch % (dp * m):
+            replicas = "pipeline.dp" if parallel is None or not parallel.given else "replicas"
             raise ValueError(
-                f"training.batch_size: {batch} must be a multiple of pipeline.dp x "
+                f"training.batch_size: {batch} must be a multiple of {replicas} x "
                 f"pipeline.n_microbatches = {dp} x {m}, so every micro-batch has the same shape"
             )
         return cls(
@@ -118,6 +129,7 @@ class Layout:
             batch_size=batch,
             n_microbatches=m,
             stages_per_rank=pipeline.stages_per_rank,
+            dp_shard=dp if sharded else 1,
         )
 
     @property
@@ -150,6 +162,48 @@ class Layout:
     def tp_rank(self, rank: int) -> int:
         """Which part of each split layer ``rank`` holds."""
         return rank % self.tp
+
+
+def _stage_degrees(
+    pipeline: "PipelineConfig", parallel: "ParallelConfig | None", *, world_size: int
+) -> tuple[int, int, bool]:
+    """A staged run's ranks per row of stages (``pp``), its replicas of each stage, and whether
+    FSDP2 shards the replicas (rather than DDP averaging them)."""
+    given_pp = parallel.pp if parallel is not None else None
+    shard = parallel.dp_shard if parallel is not None else None
+    replicate = parallel.dp_replicate if parallel is not None else None
+    if (shard or 1) > 1 and (replicate or 1) > 1:
+        raise ValueError(
+            "parallel: a pipeline's stages are sharded (dp_shard, FSDP2) or replicated "
+            "(dp_replicate, DDP), not both; set one of them"
+        )
+    if parallel is not None and parallel.given:
+        if pipeline.dp > 1:
+            raise ValueError(
+                "pipeline.dp: the stages' replicas are given once; parallel.dp_shard (FSDP2) "
+                "or parallel.dp_replicate (DDP) replaces pipeline.dp and pipeline.dp_mode"
+            )
+        sharded = replicate in (None, 1)
+        dp = shard if sharded and shard is not None else replicate or 1
+        field = "parallel.dp_shard" if sharded else "parallel.dp_replicate"
+    elif given_pp is not None:
+        if world_size % given_pp:
+            raise ValueError(f"parallel.pp: {given_pp} does not divide the world size {world_size}")
+        dp, sharded, field = world_size // given_pp, pipeline.dp_mode == "fsdp", "parallel.pp"
+    else:
+        dp, sharded, field = pipeline.dp, pipeline.dp_mode == "fsdp", "pipeline.dp"
+    if given_pp is not None and given_pp * dp != world_size:
+        raise ValueError(
+            f"parallel: pp x replicas = {given_pp} x {dp} must equal the world size {world_size}"
+        )
+    if world_size % dp:
+        raise ValueError(
+            f"{field}: {world_size} workers do not split into replicas of {dp}; pp x dp must "
+            f"equal the worker count (set launch.world_size to a multiple of {dp})"
+        )
+    if dp > 1 and not sharded:
+        pipeline.check_ddp_stages(field, "use parallel.dp_shard")
+    return world_size // dp, dp, sharded
 
 
 def _tp_degree(strategy: str, parallel: "ParallelConfig | None", *, world_size: int) -> int:

@@ -39,6 +39,11 @@ QUEUE_PLUGIN_NAME = "dask-train-queue"
 EXPIRY_CHECK_S = 0.5  # how often the scheduler looks for leases that ran out
 TEARDOWN_TIMEOUT_S = 30.0  # a dropped job's worker plugins get this long to let go
 LONG_POLL_S = 1.0  # one wait on the scheduler; the client checks its own bounds in between
+# Every call to the queue is bounded: a scheduler that does not answer (gone, or too busy) is an
+# error, never a hang. Giving workers back is bounded tighter: the scheduler also frees them when
+# the client goes away, so a release that cannot get through only waits for that.
+SCHEDULER_CALL_TIMEOUT_S = 30.0
+RELEASE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -294,6 +299,13 @@ def _queue(scheduler: Scheduler) -> WorkerQueue:
     return scheduler.plugins[QUEUE_PLUGIN_NAME]
 
 
+async def _install_queue(dask_scheduler: Scheduler) -> None:
+    # Client.register_plugin, with the bound every call to the queue has (see Admission._ask).
+    await dask_scheduler.register_scheduler_plugin(
+        WorkerQueue(), name=QUEUE_PLUGIN_NAME, idempotent=True
+    )
+
+
 def _request(request: Request, dask_scheduler: Scheduler) -> dict[str, Any]:
     return _queue(dask_scheduler).request(request)
 
@@ -350,7 +362,8 @@ class Admission:
     ``hold()`` returns the job's workers, waiting in the queue for them when they are held by
     others (at most ``queue_timeout_s`` the first time; after a lost worker, ``worker_wait_s``
     for a replacement); ``release()`` gives them back. While it holds workers, a thread renews
-    the lease. ``on_queued(status)`` is called once, when the job first has to wait.
+    the lease. ``on_queued(status)`` is called once, when the job first has to wait. Each call
+    to the scheduler is bounded by ``call_timeout_s`` (beyond what it waits there on purpose).
     """
 
     def __init__(
@@ -363,8 +376,10 @@ class Admission:
         on_queued: Callable[[dict[str, Any]], None] | None = None,
         stop: threading.Event | None = None,
         queue_field: str = "launch.queue_timeout_s",
+        call_timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
     ) -> None:
         self.client, self.request = client, request
+        self.call_timeout_s = call_timeout_s
         self.queue_field = queue_field
         self.queue_timeout_s, self.worker_wait_s = queue_timeout_s, worker_wait_s
         self.on_queued, self.stop = on_queued, stop
@@ -381,10 +396,12 @@ class Admission:
         if first and capacity is not None and self.request.minimum > capacity:
             raise TooFewWorkers(self._too_few(capacity, waited=False))
         if first:
-            self.client.register_plugin(WorkerQueue(), name=QUEUE_PLUGIN_NAME)
+            self._ask(_install_queue)
         try:
-            status = self.client.run_on_scheduler(_request, self.request)
+            # Held from the moment the request is sent: one that fails on the way (a scheduler
+            # that answers too late) may still be applied there, and is given back all the same.
             self._held = True
+            status = self._ask(_request, self.request)
             if first:
                 self._start_renewing()
             if status["waiting"]:
@@ -419,11 +436,22 @@ class Admission:
             left = bound - (now - started)
             if left <= 0 and too_few_since is None:
                 raise QueueTimeout(self._timed_out(status, bound, first=first))
-            status = self.client.run_on_scheduler(
-                _wait, self.request.job_id, max(0.05, min(LONG_POLL_S, left))
-            )
+            poll_s = max(0.05, min(LONG_POLL_S, left))
+            status = self._ask(_wait, self.request.job_id, poll_s, timeout_s=poll_s)
         self.waited_s += time.monotonic() - started
         return status
+
+    def _ask(self, function: Callable[..., Any], *args: Any, timeout_s: float = 0.0) -> Any:
+        """Call ``function`` on the scheduler; ``timeout_s`` is how long it may itself wait
+        there, on top of the bound every call has."""
+        bound = timeout_s + self.call_timeout_s
+        try:
+            return self.client.run_on_scheduler(function, *args, callback_timeout=bound)
+        except TimeoutError as error:
+            raise AdmissionError(
+                f"the scheduler did not answer the queue ({function.__name__.strip('_')}) "
+                f"within {bound:g} s; it is gone or overloaded"
+            ) from error
 
     def describe_wait(self, status: dict[str, Any]) -> str:
         """One line: what the job waits for, who holds it and who is ahead in the line."""
@@ -472,7 +500,7 @@ class Admission:
         def renew() -> None:
             while not self._ended.wait(self.request.lease_s / 3):
                 with contextlib.suppress(Exception):  # the scheduler may be restarting
-                    if not self.client.run_on_scheduler(_renew, self.request.job_id):
+                    if not self._ask(_renew, self.request.job_id):
                         logger.warning("job %s lost its hold on its workers", self.request.job_id)
                         return
 
@@ -485,7 +513,11 @@ class Admission:
         if self._held:
             self._held = False
             with contextlib.suppress(Exception):  # a closed client: the scheduler drops it
-                self.client.run_on_scheduler(_release, self.request.job_id)
+                self.client.run_on_scheduler(
+                    _release,
+                    self.request.job_id,
+                    callback_timeout=min(RELEASE_TIMEOUT_S, self.call_timeout_s),
+                )
 
     def __enter__(self) -> "Admission":
         return self

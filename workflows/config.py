@@ -146,9 +146,11 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
             )
-        if strategy == "model_parallel" and (p.dp > 1 or p.stages_per_rank > 1):
+        replicas = max(p.dp, self.parallel.dp_shard or 1, self.parallel.dp_replicate or 1)
+        if strategy == "model_parallel" and (replicas > 1 or p.stages_per_rank > 1):
+            field = "pipeline.dp" if p.dp > 1 or p.stages_per_rank > 1 else "parallel"
             raise ValueError(
-                "pipeline.dp: model_parallel runs one copy of the model, one stage per rank; "
+                f"{field}: model_parallel runs one copy of the model, one stage per rank; "
                 "for replicas or interleaving use strategy = 'pipeline'"
             )
         layers = MODEL_LAYERS.get(self.model.name)
@@ -171,11 +173,17 @@ class RunConfig(BaseModel):
                 )
         if world_size is None:
             return
-        stages = self.layout(world_size).n_stages
-        if stages > len(names):
+        layout = self.layout(world_size)
+        if layout.n_stages > len(names):
+            field, fewer = (
+                ("parallel.pp", "lower parallel.pp")
+                if self.parallel.pp is not None
+                else ("pipeline", "use fewer workers")
+            )
             raise ValueError(
-                f"pipeline: {stages} stages need at least {stages} layers, and "
-                f"{self.model.name} has {len(names)}; use fewer workers or stages_per_rank"
+                f"{field}: {layout.pp} ranks x {layout.stages_per_rank} stages per rank need "
+                f"at least {layout.n_stages} layers, and {self.model.name} has {len(names)}; "
+                f"{fewer} or stages_per_rank"
             )
 
     def _checked_cut(self) -> list[str]:
@@ -189,7 +197,8 @@ class RunConfig(BaseModel):
 
         p, size = self.pipeline, self.data.image_size
         m = p.n_microbatches if self.training.strategy == "pipeline" else 1
-        micro_batch = max(1, self.training.batch_size // p.dp // m)  # whatever the world size
+        replicas = self.parallel.dp_shard or self.parallel.dp_replicate or p.dp
+        micro_batch = max(1, self.training.batch_size // replicas // m)  # whatever the world
         # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
         model = build_model(self.model, num_classes=10, seed=self.training.seed, image_size=size)
         return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)

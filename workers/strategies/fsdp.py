@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.config_models import ShardingSettings
 from workers.data import StoreSplit, fixed_shape_eval_batches
+from workers.device_mesh import build_device_mesh
 from workers.layout import Layout
 from workers.precision import Precision
 from workers.strategies.base import EpochSums, WholeModel, register
@@ -73,17 +74,6 @@ def _units(module: nn.Module) -> Iterator[nn.Module]:
             yield child
 
 
-def device_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    """The job's one mesh: ``dp_replicate`` (HSDP only), ``dp_shard``, then ``tp`` innermost,
-    so that the ranks splitting one layer are neighbours (on one host, for NVLink)."""
-    dims = [("dp_replicate", layout.dp_replicate)] if layout.dp_replicate > 1 else []
-    dims.append(("dp_shard", layout.dp_shard))
-    if layout.tp > 1:
-        dims.append(("tp", layout.tp))
-    names, sizes = zip(*dims, strict=True)
-    return init_device_mesh(device.type, sizes, mesh_dim_names=names)
-
-
 @register
 class FSDP(WholeModel):
     """Every rank trains on its share of the batch and holds a shard of the model."""
@@ -110,7 +100,7 @@ class FSDP(WholeModel):
                 f"fsdp.cpu_offload: rank {rank} trains on the CPU, where the shards are in host "
                 "memory already; set cpu_offload = false (it moves a GPU's shards to the host)"
             )
-        mesh = device_mesh(layout, device)
+        mesh = build_device_mesh(layout, device, keep=("dp_shard",))
         # Left where it was built (the CPU): parallelize_module and fully_shard move each
         # rank's slices and shards to the mesh's device, so the whole model never lands on it.
         if layout.tp > 1:

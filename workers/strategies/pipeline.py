@@ -3,7 +3,8 @@
 The model is cut into stages as ``workers/stage_cuts.py`` says (named children of an
 ``nn.Sequential``, or traced at module paths). Ranks form a ``(pp, dp)`` mesh: the ``pp`` ranks
 of a row hold one stage each (or several, interleaved) and pass activations forward and
-gradients back; the ``dp`` replicas of a stage average gradients with FSDP2 or DDP. Model
+gradients back; the ``dp`` replicas of a stage are FSDP2 shards (the mesh's ``dp_shard``) or DDP
+replicas (``dp_replicate``), as the layout says. Model
 parallelism is the degenerate pipeline: one micro-batch, so only one stage works at a time,
 exactly the seed article's ModelPart1 → ModelPart2.
 """
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     Pipe,
     PipelineStage,
@@ -29,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workers.config_models import PipelineConfig
 from workers.data import StoreSplit, fixed_shape_eval_batches
+from workers.device_mesh import build_device_mesh
 from workers.layout import Layout
 from workers.precision import Precision
 from workers.stage_cuts import cut_into_stages, is_traced, trace_stages
@@ -96,7 +98,7 @@ def apply_pipeline(
     if config.split_points is None:
         raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
     pp, dp, n_stages = layout.pp, layout.dp, layout.n_stages
-    sharded = dp > 1 and config.dp_mode == "fsdp"
+    sharded = layout.dp_shard > 1
     pipe = eval_pipe = None
     if is_traced(model):
         if sample is None:
@@ -114,10 +116,13 @@ def apply_pipeline(
             f"stages, but {pp} pipeline ranks x {layout.stages_per_rank} stages per rank need "
             f"{n_stages}"
         )
-    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    # The replicas' dimension: FSDP2's shards, or DDP's copies (one of them: the layout
+    # refuses both); a pipeline of one copy keeps dp_shard, of size 1, to index.
+    replicas = "dp_shard" if sharded or dp == 1 else "dp_replicate"
+    mesh = build_device_mesh(layout, device, keep=("pp", replicas))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank(replicas)
     pp_group = mesh.get_group("pp")
-    dp_group = mesh.get_group("dp") if dp > 1 else None
+    dp_group = mesh.get_group(replicas) if dp > 1 else None
     assert dist.get_rank() == pp_rank * dp + dp_rank
 
     # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
@@ -129,7 +134,7 @@ def apply_pipeline(
             # The tracer burns the trace's device into ops that make tensors (torch.zeros …);
             # Pipe.build_stage moves them the same way, but builds on the unwrapped module.
             _modify_graph_op_device(stage, device)
-        module = _replicate(stage, config=config, mesh=mesh, device=device, traced=pipe is not None)
+        module = _replicate(stage, mesh=mesh, device=device, traced=pipe is not None)
         modules.append(module)
         if pipe is None:
             pipeline_stages.append(PipelineStage(module, index, n_stages, device, group=pp_group))
@@ -217,28 +222,25 @@ class _TracedStageDDP(DistributedDataParallel):
 
 
 def _replicate(
-    module: nn.Module,
-    *,
-    config: PipelineConfig,
-    mesh: DeviceMesh,
-    device: torch.device,
-    traced: bool = False,
+    module: nn.Module, *, mesh: DeviceMesh, device: torch.device, traced: bool = False
 ) -> nn.Module:
-    """Make the dp replicas of one stage average their gradients."""
-    if config.dp == 1:
-        return module
-    if config.dp_mode == "ddp":
+    """Make the dp replicas of one stage average their gradients: DDP over the mesh's
+    ``dp_replicate`` dimension, or FSDP2 over its ``dp_shard`` one."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names:
         wrapper = _TracedStageDDP if traced else DistributedDataParallel
         # static_graph=True looks tempting for a fixed pipeline but gives silently wrong
         # parameters with torch 2.14 (measured), so the dynamic reducer stays.
         return wrapper(
             module,
-            process_group=mesh.get_group("dp"),
+            process_group=mesh.get_group("dp_replicate"),
             device_ids=[device.index] if device.type == "cuda" else None,
         )
+    if mesh["dp_shard"].size() == 1:
+        return module
     from torch.distributed.fsdp import fully_shard
 
-    return fully_shard(module, mesh=mesh["dp"])
+    return fully_shard(module, mesh=mesh["dp_shard"])
 
 
 def full_state_dict(pipeline: Pipeline) -> dict[str, torch.Tensor]:

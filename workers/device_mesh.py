@@ -1,0 +1,32 @@
+"""The job's one device mesh, built once per attempt from the layout's degrees.
+
+torchtitan's order, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. The ranks
+that talk most (a layer's ``tp`` slices, then a copy's shards) are neighbours, on one host
+where a host holds them. The mesh's rank order is the layout's (``workers/layout.py``).
+"""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from workers.layout import Layout
+
+ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def build_device_mesh(
+    layout: Layout, device: torch.device, *, keep: tuple[str, ...] = ()
+) -> DeviceMesh:
+    """The mesh of ``layout``'s degrees. A degree of 1 is left out (it would make one-rank
+    process groups, one per rank, for nothing) unless it is in ``keep``: the dimensions the
+    caller indexes whatever their size."""
+    degrees = {
+        "pp": layout.pp,
+        "dp_replicate": layout.dp_replicate,
+        "dp_shard": layout.dp_shard,
+        "tp": layout.tp,
+    }
+    names = [name for name in ORDER if degrees[name] > 1 or name in keep]
+    if not names:
+        raise ValueError(f"a mesh of {layout} has no dimension; keep one")
+    sizes = tuple(degrees[name] for name in names)
+    return init_device_mesh(device.type, sizes, mesh_dim_names=tuple(names))
