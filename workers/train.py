@@ -9,6 +9,7 @@ through :class:`Hooks` (metrics records, liveness, checkpoints), which ``run_ran
 task, fills from Dask.
 """
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store, zero_samples
 from workers.layout import Layout
 from workers.losses import Criterion
+from workers.malloc import freed_memory_returned
 from workers.models import ModelConfig, build_model
 from workers.peak_memory import PeakMemory
 from workers.precision import Precision
@@ -243,24 +245,27 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
     checkpoints = None
     if job.checkpoint is not None and job.checkpoint.directory is not None:
         checkpoints = Checkpoints.in_directory(job.checkpoint)
-    return train(
-        job.data,
-        job.model,
-        job.training,
-        membership=ctx.membership,
-        layout=job.layout,
-        settings=job.settings,
-        factory=job.factory,
-        hooks=Hooks(
-            report=ctx.emit,
-            heartbeat=heartbeat,
-            checkpoints=checkpoints,
-            step_done=step_done,
-            peak_memory=ctx.peak_memory_bytes,
-        ),
-        restore=_continue(ctx),
-        collections=job.collections,
-    )
+    # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py).
+    sharded_on_cpu = job.layout.dp_shard > 1 and ctx.membership.device.type == "cpu"
+    with freed_memory_returned() if sharded_on_cpu else contextlib.nullcontext():
+        return train(
+            job.data,
+            job.model,
+            job.training,
+            membership=ctx.membership,
+            layout=job.layout,
+            settings=job.settings,
+            factory=job.factory,
+            hooks=Hooks(
+                report=ctx.emit,
+                heartbeat=heartbeat,
+                checkpoints=checkpoints,
+                step_done=step_done,
+                peak_memory=ctx.peak_memory_bytes,
+            ),
+            restore=_continue(ctx),
+            collections=job.collections,
+        )
 
 
 def _continue(ctx: RankContext) -> Restore:
