@@ -329,9 +329,7 @@ def test_image_folder_and_cifar10_are_preprocessed_as_in_training(cluster, tmp_p
         input=tmp_path / "images", output=tmp_path / "p1", settings={"partition_size": 5}, **common
     ).read()
     from_store = predict(input=data.store, output=tmp_path / "p2", **common).read()
-    listing = list_records(
-        "imagefolder", root=data.root, val_fraction=0.5, seed=0, synthetic_samples=0
-    )
+    listing = list_records(data, seed=0)
     val_files = [url.rsplit("/images/", 1)[1] for url, _ in listing.val]
     assert len(from_images) == 18 and from_images["sample_id"].is_unique
     by_file = from_images.set_index("sample_id").loc[val_files]

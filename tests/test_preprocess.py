@@ -75,9 +75,7 @@ def test_image_folder_store_equals_the_sequential_reference(cluster, tmp_path):
     )
     manifest = prepare_store(cluster.client, config, seed=5)
     assert manifest.classes == ["cat", "dog", "eel"]
-    listing = list_records(
-        "imagefolder", root=config.root, val_fraction=0.25, seed=5, synthetic_samples=0
-    )
+    listing = list_records(config, seed=5)
 
     def decode_sequentially(records):
         images = []
@@ -237,9 +235,7 @@ def test_out_of_core_preprocessing_with_small_workers(tmp_path):
 
 def test_pickled_cifar_labels_round_trip_through_the_listing(tmp_path):
     write_tiny_cifar10(tmp_path)
-    listing = list_records(
-        "cifar10", root=str(tmp_path), val_fraction=0.2, seed=0, synthetic_samples=0
-    )
+    listing = list_records(DataConfig(dataset="cifar10", root=str(tmp_path)), seed=0)
     assert [url.rsplit("/", 1)[-1] for url in listing.train] == [
         f"data_batch_{i}" for i in range(1, 6)
     ]
@@ -262,8 +258,41 @@ def test_a_store_path_holding_something_else_is_never_overwritten(cluster, tmp_p
 def test_the_digits_listing_counts_what_load_digits_returns_without_importing_it():
     from sklearn.datasets import load_digits
 
-    from workers.sources import _digits_count
+    from workers.sources.digits import digits_count
 
     # The client counts the lines of the file load_digits reads (no scikit-learn import on
     # every run); the workers decode with load_digits itself: the two must agree.
-    assert _digits_count() == len(load_digits().target) == 1797
+    assert digits_count() == len(load_digits().target) == 1797
+
+
+def test_every_source_module_registers_the_source_its_name_says():
+    import importlib
+    import pkgutil
+
+    import workers.sources
+    from workers.sources import SOURCES, get_source
+
+    # Adding a source is one module: its name in SOURCES, its class registered under it.
+    modules = {m.name for m in pkgutil.iter_modules(workers.sources.__path__)}
+    assert set(SOURCES) <= modules
+    for name in modules - set(SOURCES):  # what the sources share, registering nothing
+        importlib.import_module(f"workers.sources.{name}")
+    assert {name: get_source(name).name for name in SOURCES} == {n: n for n in SOURCES}
+    assert {n for n in SOURCES if get_source(n).store == "text"} == {"text"}
+    with pytest.raises(SourceError, match="unknown dataset 'mnist'"):
+        get_source("mnist")
+
+
+def test_a_config_validates_without_importing_any_source_module():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from workers.config_models import DataConfig\n"
+        "DataConfig(dataset='imagefolder', root='x')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('workers.sources.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

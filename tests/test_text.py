@@ -11,7 +11,7 @@ from tests.commands import CONFIGS, run_dask_train
 from tests.reference import assert_same_parameters, train_in_one_process
 from tests.refusals import refusal
 from workers.sources import SourceError
-from workers.text_source import list_text, resolve_root
+from workers.sources.text import list_text, resolve_root
 from workflows.config import load_config
 from workflows.driver import train
 from workflows.preprocess import prepare_store

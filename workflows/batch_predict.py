@@ -51,7 +51,10 @@ from workers.inference import (
     zarr_columns,
 )
 from workers.model_sources import ModelError, source_of
-from workers.sources import CIFAR_FOLDER, IMAGE_SUFFIXES, SourceError, _scan_classes
+from workers.sources import SourceError
+from workers.sources.cifar10 import CIFAR_FOLDER
+from workers.sources.imagefolder import scan_classes
+from workers.sources.images import IMAGE_SUFFIXES
 from workflows.admission import Admission, Request
 from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
@@ -384,7 +387,7 @@ def _plan_images(
         base, shown = f"{path}/{settings.split}", f"{url}/{settings.split}"
     classes: list[str] | None
     try:
-        items, classes = _scan_classes(fs, base, shown)
+        items, classes = scan_classes(fs, base, shown)
         index = {name: i for i, name in enumerate(classes)}
         records = [(file, index[name]) for file, name, _ in items]
     except SourceError as error:

@@ -218,14 +218,7 @@ def _check_data_root(config: RunConfig) -> None:
     if data.dataset == "cifar10" and data.download:
         return  # the download makes it
     try:
-        if data.dataset == "text":  # a glob: as cheap as a look at the root
-            from workflows.text_store import list_corpus
-
-            list_corpus(data.resolved(), seed=config.training.seed)
-        else:
-            check_root(
-                data.dataset, root=data.resolved().root, storage_options=data.storage_options
-            )
+        check_root(data.resolved())
     except SourceError as error:
         _fail(EXIT_INVALID, str(error))
 

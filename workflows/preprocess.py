@@ -23,7 +23,7 @@ from distributed import Client, Future
 
 from workers.data import DataConfig
 from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
-from workers.sources import Listing, SourceError, digest, list_records
+from workers.sources import Listing, SourceError, digest, get_source, list_records
 from workflows.stores import (
     STORE_FORMAT,
     StoreManifest,
@@ -39,14 +39,14 @@ def prepare_store(
     client: Client, config: DataConfig, *, seed: int, force: bool = False
 ) -> StoreManifest:
     """Build the dataset store for ``config`` on the cluster, or reuse a complete one."""
-    if config.dataset == "text":
+    if get_source(config.dataset).store == "text":
         from workflows.text_store import prepare_text_store
 
         return prepare_text_store(client, config, seed=seed, force=force)
     started = time.perf_counter()
     if config.dataset == "cifar10" and config.download:
         _download_cifar10(config)
-    listing = list_source(config, seed=seed)
+    listing = list_records(config, seed=seed)
     fingerprint = _fingerprint(listing, config, seed)
     url = config.store_url
     reusable = reusable_store(url, config.storage_options, fingerprint, force=force)
@@ -54,18 +54,6 @@ def prepare_store(
         return manifest_of(url, reusable, reused=True, seconds=time.perf_counter() - started)
     attrs = _build(client, config, listing, fingerprint, seed)
     return manifest_of(url, attrs, reused=False, seconds=time.perf_counter() - started)
-
-
-def list_source(config: DataConfig, *, seed: int) -> Listing:
-    """Every record of ``config``'s source, split and in store order (runs on the client)."""
-    return list_records(
-        config.dataset,
-        root=config.root,
-        val_fraction=config.val_fraction,
-        seed=seed,
-        synthetic_samples=config.synthetic_samples,
-        storage_options=config.storage_options,
-    )
 
 
 def _build(

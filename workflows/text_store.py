@@ -19,12 +19,11 @@ import zarr
 from distributed import Client
 
 from workers.config_models import DataConfig
-from workers.sources import Listing, SourceError, digest
-from workers.text_source import (
+from workers.sources import Listing, SourceError, digest, list_records
+from workers.sources.text import (
     ARRAYS,
     characters,
     encode_partition,
-    list_text,
     pack_windows,
     token_dtype,
     vocabulary,
@@ -38,24 +37,12 @@ from workflows.stores import (
 )
 
 
-def list_corpus(config: DataConfig, *, seed: int) -> Listing:
-    """The corpus's files, split by file (runs on the client)."""
-    assert config.root is not None  # DataConfig requires it for text
-    return list_text(
-        config.root,
-        files=config.files,
-        val_fraction=config.val_fraction,
-        seed=seed,
-        storage_options=config.storage_options,
-    )
-
-
 def prepare_text_store(
     client: Client, config: DataConfig, *, seed: int, force: bool = False
 ) -> StoreManifest:
     """Build the token store for ``config`` on the cluster, or reuse a complete one."""
     started = time.perf_counter()
-    listing = list_corpus(config, seed=seed)
+    listing = list_records(config, seed=seed)
     fingerprint = digest(
         listing.fingerprint,
         (STORE_FORMAT, "text", config.files, config.tokenizer, config.sequence_length),

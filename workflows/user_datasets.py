@@ -12,10 +12,10 @@ into a store, each rank reads the partitions its worker loaded.
 
 from typing import Any
 
-from workers.config_models import DataConfig
+from workers.config_models import USER_DATASETS, DataConfig
 from workflows.collections import DataError
 
-USER_DATASETS = ("parquet", "zarr")
+__all__ = ["USER_DATASETS", "read_user_dataset"]
 
 
 def read_user_dataset(config: DataConfig, *, seed: int) -> dict[str, tuple[Any, Any]]:

@@ -22,10 +22,11 @@ from PIL import Image
 
 from workers.data import DataConfig
 from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
+from workers.sources import list_records
 from workflows.cluster import start_cluster
 from workflows.config import load_config
 from workflows.driver import train
-from workflows.preprocess import list_source, prepare_store
+from workflows.preprocess import prepare_store
 
 
 def write_jpeg_folder(root: Path, n: int, size: int = 128) -> None:
@@ -42,7 +43,7 @@ def write_jpeg_folder(root: Path, n: int, size: int = 128) -> None:
 def preprocess_in_one_process(config: DataConfig, seed: int) -> None:
     """The same work as the graph, as a plain loop over the same task functions, writing the
     same arrays (uncompressed float chunks)."""
-    listing = list_source(config, seed=seed)
+    listing = list_records(config, seed=seed)
     url, size = config.store_url, listing.partition_size
     zarr.open_group(url, mode="w")
     outcomes = {}

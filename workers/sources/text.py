@@ -1,5 +1,6 @@
-"""Text as training data: files listed on the client, tokenized into fixed-length windows in
-Dask tasks (``workflows/text_store.py`` builds the graph). numpy, fsspec and zarr only.
+"""text: files as training data for a language model, listed on the client, tokenized into
+fixed-length windows in Dask tasks (``workflows/text_store.py`` builds the graph). numpy,
+fsspec and zarr only.
 
 A sample is ``sequence_length`` tokens and its target the same window moved on by one token:
 a language model learns to predict each next token. Windows are cut from each partition's
@@ -13,13 +14,25 @@ corpus's distinct characters after UTF-8 decoding, a vocabulary found in a first
 import importlib.util
 import sysconfig
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
 import numpy as np
 import zarr
 
-from workers.sources import Listing, SourceError, _split, _stamp, digest
+from workers.sources import (
+    Listing,
+    Source,
+    SourceError,
+    digest,
+    file_stamp,
+    register,
+    required_root,
+    split_records,
+)
+
+if TYPE_CHECKING:
+    from workers.config_models import DataConfig
 
 Tokenizer = Literal["byte", "char"]
 BYTES = 256
@@ -70,8 +83,10 @@ def list_text(
         )
     names = sorted(found)
     records = [fs.unstrip_protocol(name) for name in names]
-    train, val = _split(list(range(len(records))), val_fraction, seed)
-    stamps = [(record, _stamp(found[name])) for record, name in zip(records, names, strict=True)]
+    train, val = split_records(list(range(len(records))), val_fraction, seed)
+    stamps = [
+        (record, file_stamp(found[name])) for record, name in zip(records, names, strict=True)
+    ]
     return Listing(
         train=[records[i] for i in train],
         val=[records[i] for i in val],
@@ -79,6 +94,26 @@ def list_text(
         fingerprint=digest("text", stamps),
         partition_size=64,
     )
+
+
+@register
+class Text(Source):
+    name = "text"
+    store = "text"
+
+    @classmethod
+    def listing(cls, data: "DataConfig", *, seed: int) -> Listing:
+        return list_text(
+            required_root(data),
+            files=data.files,
+            val_fraction=data.val_fraction,
+            seed=seed,
+            storage_options=data.storage_options,
+        )
+
+    @classmethod
+    def check_root(cls, data: "DataConfig") -> None:
+        cls.listing(data, seed=0)  # a glob: as cheap as a look at the root
 
 
 def _read(url: str, storage_options: dict[str, Any] | None) -> bytes:

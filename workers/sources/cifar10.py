@@ -1,0 +1,103 @@
+"""cifar10: CIFAR-10 in torchvision's on-disk format (pickled batches), under ``data.root``,
+local or any fsspec URL. One record a batch file: a partition reads its file once."""
+
+import pickle
+from typing import TYPE_CHECKING, Any
+
+import fsspec
+import numpy as np
+from PIL import Image
+
+from workers.sources import (
+    Decoded,
+    Listing,
+    OnBad,
+    Source,
+    SourceError,
+    digest,
+    file_stamp,
+    register,
+    required_root,
+)
+from workers.sources.images import resize, stack
+
+if TYPE_CHECKING:
+    from workers.config_models import DataConfig
+
+CIFAR_FOLDER = "cifar-10-batches-py"
+CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR_TEST = ("test_batch",)
+
+
+def cifar10_folder(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """The filesystem and path of ``root``'s batch folder; a SourceError naming it if absent."""
+    fs, base = fsspec.core.url_to_fs(root.rstrip("/") + "/" + CIFAR_FOLDER, **storage_options)
+    if not fs.isdir(base):
+        raise SourceError(
+            f"data.root: {root}/{CIFAR_FOLDER} does not exist; point data.root at the folder "
+            "holding cifar-10-batches-py"
+        )
+    return fs, base
+
+
+@register
+class Cifar10(Source):
+    name = "cifar10"
+
+    @classmethod
+    def check_root(cls, data: "DataConfig") -> None:
+        cifar10_folder(required_root(data), data.storage_options)
+
+    @classmethod
+    def listing(cls, data: "DataConfig", *, seed: int) -> Listing:
+        root = required_root(data)
+        fs, base = cifar10_folder(root, data.storage_options)
+        names = CIFAR_TRAIN + CIFAR_TEST
+        missing = [name for name in names if not fs.isfile(f"{base}/{name}")]
+        if missing:
+            raise SourceError(f"data.root: {root}/{CIFAR_FOLDER} lacks {', '.join(missing)}")
+        files = {name: fs.unstrip_protocol(f"{base}/{name}") for name in names}
+        stamps = [file_stamp(fs.info(f"{base}/{name}")) for name in names]
+        fingerprint = digest("cifar10", list(zip(files.values(), stamps, strict=True)))
+        # Sample counts are read from each file at decode time.
+        return Listing(
+            train=[files[name] for name in CIFAR_TRAIN],
+            val=[files[name] for name in CIFAR_TEST],
+            classes=[f"class{i}" for i in range(10)],
+            fingerprint=fingerprint,
+            partition_size=1,
+        )
+
+    @classmethod
+    def decode(
+        cls,
+        records: list[Any],
+        *,
+        image_size: int,
+        seed: int,
+        on_bad: OnBad,
+        storage_options: dict[str, Any],
+    ) -> Decoded:
+        images: list[np.ndarray] = []
+        labels: list[int] = []
+        bad: list[tuple[str, str]] = []
+        for url in records:
+            try:
+                with fsspec.open(url, "rb", **storage_options) as f:
+                    batch = pickle.load(f, encoding="latin1")
+                data = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+                batch_labels = [int(v) for v in batch["labels"]]
+                if len(batch_labels) != len(data):
+                    raise ValueError(f"{len(data)} images but {len(batch_labels)} labels")
+            except (EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as error:
+                why = f"{type(error).__name__}: {error}"
+                if on_bad == "fail":
+                    raise SourceError(f"{url}: not a readable CIFAR-10 batch ({why})") from error
+                bad.append((url, why))
+                continue
+            for image in data:
+                if image_size != 32:
+                    image = resize(Image.fromarray(image.transpose(1, 2, 0)), image_size)
+                images.append(image)
+            labels.extend(batch_labels)
+        return Decoded(*stack(images, labels, image_size), bad=bad)

@@ -1,0 +1,125 @@
+"""imagefolder: a class-per-folder tree of images under ``data.root``, local or any fsspec URL;
+``train/`` and ``val/`` subfolders when the split is given, else a seeded split."""
+
+import io
+from typing import TYPE_CHECKING, Any
+
+import fsspec
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from workers.sources import (
+    Decoded,
+    Listing,
+    OnBad,
+    Source,
+    SourceError,
+    digest,
+    file_stamp,
+    register,
+    required_root,
+    split_records,
+)
+from workers.sources.images import IMAGE_SUFFIXES, resize, stack
+
+if TYPE_CHECKING:
+    from workers.config_models import DataConfig
+
+
+def imagefolder_root(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """The filesystem and path of ``root``; a SourceError naming it if it cannot be read."""
+    try:
+        fs, base = fsspec.core.url_to_fs(root, **storage_options)
+        exists = fs.isdir(base)
+    except Exception as error:  # any backend's own error for a bad URL or credentials
+        raise SourceError(
+            f"data.root: cannot read {root}: {type(error).__name__}: {error}"
+        ) from error
+    if not exists:
+        raise SourceError(f"data.root: {root} is not a readable folder")
+    return fs, base
+
+
+def scan_classes(
+    fs: Any, base: str, shown: str
+) -> tuple[list[tuple[str, str, tuple[Any, ...]]], list[str]]:
+    """(url, class, stamp) of every image under base/<class>/, in sorted order; one listing
+    call per class folder brings the stamps along (no stat per file)."""
+    classes = sorted(
+        entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        for entry in fs.ls(base, detail=True)
+        if entry["type"] == "directory"
+    )
+    if not classes:
+        raise SourceError(f"data.root: {shown} has no class folders")
+    items: list[tuple[str, str, tuple[Any, ...]]] = []
+    for name in classes:
+        found = fs.find(f"{base}/{name}", detail=True)
+        files = sorted(path for path in found if path.lower().endswith(IMAGE_SUFFIXES))
+        if not files:
+            raise SourceError(f"data.root: class folder {shown}/{name} holds no images")
+        items.extend((fs.unstrip_protocol(path), name, file_stamp(found[path])) for path in files)
+    return items, classes
+
+
+@register
+class ImageFolder(Source):
+    name = "imagefolder"
+
+    @classmethod
+    def check_root(cls, data: "DataConfig") -> None:
+        imagefolder_root(required_root(data), data.storage_options)
+
+    @classmethod
+    def listing(cls, data: "DataConfig", *, seed: int) -> Listing:
+        root = required_root(data)
+        fs, base = imagefolder_root(root, data.storage_options)
+        splits = {n: f"{base}/{n}" for n in ("train", "val") if fs.isdir(f"{base}/{n}")}
+        if set(splits) == {"train", "val"}:
+            train_items, classes = scan_classes(fs, splits["train"], root + "/train")
+            val_items, val_classes = scan_classes(fs, splits["val"], root + "/val")
+            unknown = sorted(set(val_classes) - set(classes))
+            if unknown:
+                raise SourceError(
+                    f"data.root: {root}/val has classes that {root}/train lacks: "
+                    f"{', '.join(unknown)}"
+                )
+            index = {name: i for i, name in enumerate(classes)}
+            train = [(url, index[c]) for url, c, _ in train_items]
+            val = [(url, index[c]) for url, c, _ in val_items]
+            stamps = train_items + val_items
+        else:
+            stamps, classes = scan_classes(fs, base, root)
+            index = {name: i for i, name in enumerate(classes)}
+            records = [(url, index[c]) for url, c, _ in stamps]
+            train_i, val_i = split_records(list(range(len(records))), data.val_fraction, seed)
+            train, val = [records[i] for i in train_i], [records[i] for i in val_i]
+        return Listing(train, val, classes, digest("imagefolder", stamps), 256)
+
+    @classmethod
+    def decode(
+        cls,
+        records: list[Any],
+        *,
+        image_size: int,
+        seed: int,
+        on_bad: OnBad,
+        storage_options: dict[str, Any],
+    ) -> Decoded:
+        images: list[np.ndarray] = []
+        labels: list[int] = []
+        bad: list[tuple[str, str]] = []
+        for url, label in records:
+            try:
+                with fsspec.open(url, "rb", **storage_options) as f:
+                    payload = f.read()
+                with Image.open(io.BytesIO(payload)) as image:
+                    images.append(resize(image.convert("RGB"), image_size))
+            except (OSError, UnidentifiedImageError, ValueError) as error:
+                why = f"{type(error).__name__}: {error}"
+                if on_bad == "fail":
+                    raise SourceError(f"{url}: not a readable image ({why})") from error
+                bad.append((url, why))
+                continue
+            labels.append(label)
+        return Decoded(*stack(images, labels, image_size), bad=bad)
