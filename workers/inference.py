@@ -28,7 +28,7 @@ from torch import nn
 
 from workers.models import ModelConfig, build_model
 from workers.preprocessing import normalize_images
-from workers.sources import decode
+from workers.sources import Decoding, decode
 
 PLUGIN_PREFIX = "dask-train-model"
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -267,14 +267,8 @@ def read_partition(partition: Partition, job: ScoreJob) -> tuple[np.ndarray, np.
         images = normalize_images(raw[lo:hi], job.mean, job.std)
         labels = batch_labels[lo:hi]
     else:
-        decoded = decode(
-            "imagefolder",
-            list(partition.records),
-            image_size=job.image_size,
-            seed=0,
-            on_bad="fail",
-            storage_options=job.storage_options,
-        )
+        how = Decoding(job.image_size, storage_options=job.storage_options)
+        decoded = decode("imagefolder", list(partition.records), how)
         images = normalize_images(decoded.images, job.mean, job.std)
         labels = decoded.labels
     if job.label_map is None:
@@ -295,14 +289,7 @@ def _renormalize(images: np.ndarray, job: ScoreJob) -> np.ndarray:
 @functools.lru_cache(maxsize=2)
 def _cifar_batch(url: str, image_size: int, options: str) -> tuple[np.ndarray, np.ndarray]:
     # One pickled batch holds 10,000 images: its partitions on this worker decode it once.
-    decoded = decode(
-        "cifar10",
-        [url],
-        image_size=image_size,
-        seed=0,
-        on_bad="fail",
-        storage_options=json.loads(options),
-    )
+    decoded = decode("cifar10", [url], Decoding(image_size, storage_options=json.loads(options)))
     return decoded.images, decoded.labels
 
 

@@ -8,35 +8,20 @@ from typing import Any
 import numpy as np
 import zarr
 
-from workers.sources import OnBad, decode
+from workers.sources import Decoding, decode
 
 
 def decode_partition(
-    dataset: str,
-    records: list[Any],
-    *,
-    url: str,
-    component: str,
-    image_size: int,
-    seed: int,
-    on_bad: OnBad,
-    storage_options: dict[str, Any] | None,
+    dataset: str, records: list[Any], how: Decoding, *, url: str, component: str
 ) -> dict[str, Any]:
     """Decode and resize one partition and write its images as ``component/images``.
 
     Writing here, rather than returning the pixels, keeps every partition's memory on its
     worker only while the task runs: the graph stays out-of-core whatever the dataset's size.
     """
-    decoded = decode(
-        dataset,
-        records,
-        image_size=image_size,
-        seed=seed,
-        on_bad=on_bad,
-        storage_options=storage_options,
-    )
-    options = storage_options or None
-    chunks = (max(1, len(decoded.images)), 3, image_size, image_size)
+    decoded = decode(dataset, records, how)
+    options, size = how.storage_options or None, how.image_size
+    chunks = (max(1, len(decoded.images)), 3, size, size)
     zarr.create_array(
         url,
         name=f"{component}/images",
@@ -56,7 +41,7 @@ def decode_partition(
         "count": len(decoded.labels),
         "labels": decoded.labels,
         "bad": decoded.bad,
-        "pixels": len(decoded.labels) * image_size * image_size,
+        "pixels": len(decoded.labels) * size * size,
         "sums": sums,  # per channel: Σx and Σx² of the uint8 pixels, exact
     }
 

@@ -23,7 +23,7 @@ from distributed import Client, Future
 
 from workers.data import DataConfig
 from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
-from workers.sources import Listing, SourceError, digest, get_source, list_records
+from workers.sources import Decoding, Listing, SourceError, digest, get_source, list_records
 from workflows.stores import (
     STORE_FORMAT,
     StoreManifest,
@@ -68,18 +68,16 @@ def _build(
     # returning its count, labels, bad records and per-channel sums of x and x².
     decoded: dict[str, list[Future]] = {}
     size = listing.partition_size
+    how = Decoding(config.image_size, seed, config.on_bad, config.storage_options)
     for split, records in (("train", listing.train), ("val", listing.val)):
         decoded[split] = [
             client.submit(
                 decode_partition,
                 config.dataset,
                 records[start : start + size],
+                how,
                 url=url,
                 component=f"raw/{split}/{start // size:06d}",
-                image_size=config.image_size,
-                seed=seed,
-                on_bad=config.on_bad,
-                storage_options=config.storage_options,
                 key=f"decode-{split}-{start // size:06d}-{tag}",
                 pure=False,
             )

@@ -14,7 +14,7 @@ with the names alone, and no source module is imported before a config names it.
 
 import hashlib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
@@ -48,6 +48,16 @@ class Decoded:
     bad: list[tuple[str, str]]  # (record, why) of records skipped under on_bad="skip"
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How a partition's records become images: one for every task of a store."""
+
+    image_size: int
+    seed: int = 0
+    on_bad: OnBad = "fail"  # "skip": leave a bad record out, and list it in Decoded.bad
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
 class Source:
     """One raw source: how its records are listed, checked and decoded."""
 
@@ -67,15 +77,7 @@ class Source:
         command checks before it starts a cluster. Nothing to check by default."""
 
     @classmethod
-    def decode(
-        cls,
-        records: list[Any],
-        *,
-        image_size: int,
-        seed: int,
-        on_bad: OnBad,
-        storage_options: dict[str, Any],
-    ) -> Decoded:
+    def decode(cls, records: list[Any], how: Decoding) -> Decoded:
         """Decode and resize one partition of records (a Dask task of the images' store)."""
         raise NotImplementedError(f"{cls.name} records are not decoded into images")
 
@@ -108,23 +110,9 @@ def check_root(data: "DataConfig") -> None:
     return get_source(data.dataset).check_root(data)
 
 
-def decode(
-    dataset: str,
-    records: list[Any],
-    *,
-    image_size: int,
-    seed: int,
-    on_bad: OnBad,
-    storage_options: dict[str, Any] | None = None,
-) -> Decoded:
+def decode(dataset: str, records: list[Any], how: Decoding) -> Decoded:
     """Decode and resize one partition of ``dataset``'s records (a Dask task)."""
-    return get_source(dataset).decode(
-        records,
-        image_size=image_size,
-        seed=seed,
-        on_bad=on_bad,
-        storage_options=storage_options or {},
-    )
+    return get_source(dataset).decode(records, how)
 
 
 # -- what the sources share -------------------------------------------------------------------

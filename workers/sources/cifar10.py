@@ -10,8 +10,8 @@ from PIL import Image
 
 from workers.sources import (
     Decoded,
+    Decoding,
     Listing,
-    OnBad,
     Source,
     SourceError,
     digest,
@@ -69,21 +69,13 @@ class Cifar10(Source):
         )
 
     @classmethod
-    def decode(
-        cls,
-        records: list[Any],
-        *,
-        image_size: int,
-        seed: int,
-        on_bad: OnBad,
-        storage_options: dict[str, Any],
-    ) -> Decoded:
+    def decode(cls, records: list[Any], how: Decoding) -> Decoded:
         images: list[np.ndarray] = []
         labels: list[int] = []
         bad: list[tuple[str, str]] = []
         for url in records:
             try:
-                with fsspec.open(url, "rb", **storage_options) as f:
+                with fsspec.open(url, "rb", **how.storage_options) as f:
                     batch = pickle.load(f, encoding="latin1")
                 data = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
                 batch_labels = [int(v) for v in batch["labels"]]
@@ -91,13 +83,13 @@ class Cifar10(Source):
                     raise ValueError(f"{len(data)} images but {len(batch_labels)} labels")
             except (EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as error:
                 why = f"{type(error).__name__}: {error}"
-                if on_bad == "fail":
+                if how.on_bad == "fail":
                     raise SourceError(f"{url}: not a readable CIFAR-10 batch ({why})") from error
                 bad.append((url, why))
                 continue
             for image in data:
-                if image_size != 32:
-                    image = resize(Image.fromarray(image.transpose(1, 2, 0)), image_size)
+                if how.image_size != 32:
+                    image = resize(Image.fromarray(image.transpose(1, 2, 0)), how.image_size)
                 images.append(image)
             labels.extend(batch_labels)
-        return Decoded(*stack(images, labels, image_size), bad=bad)
+        return Decoded(*stack(images, labels, how.image_size), bad=bad)

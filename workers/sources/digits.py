@@ -11,8 +11,8 @@ from PIL import Image
 
 from workers.sources import (
     Decoded,
+    Decoding,
     Listing,
-    OnBad,
     Source,
     SourceError,
     digest,
@@ -59,16 +59,9 @@ class Digits(Source):
         return Listing(train, val, [str(i) for i in range(10)], digest("digits", n), 512)
 
     @classmethod
-    def decode(
-        cls,
-        records: list[Any],
-        *,
-        image_size: int,
-        seed: int,
-        on_bad: OnBad,
-        storage_options: dict[str, Any],
-    ) -> Decoded:
+    def decode(cls, records: list[Any], how: Decoding) -> Decoded:
         pixels, targets = _digits_arrays()
-        images = [resize(Image.fromarray(pixels[i]).convert("RGB"), image_size) for i in records]
+        size = how.image_size
+        images = [resize(Image.fromarray(pixels[i]).convert("RGB"), size) for i in records]
         labels = [int(targets[i]) for i in records]
-        return Decoded(*stack(images, labels, image_size), bad=[])
+        return Decoded(*stack(images, labels, size), bad=[])

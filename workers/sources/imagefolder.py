@@ -10,8 +10,8 @@ from PIL import Image, UnidentifiedImageError
 
 from workers.sources import (
     Decoded,
+    Decoding,
     Listing,
-    OnBad,
     Source,
     SourceError,
     digest,
@@ -97,29 +97,21 @@ class ImageFolder(Source):
         return Listing(train, val, classes, digest("imagefolder", stamps), 256)
 
     @classmethod
-    def decode(
-        cls,
-        records: list[Any],
-        *,
-        image_size: int,
-        seed: int,
-        on_bad: OnBad,
-        storage_options: dict[str, Any],
-    ) -> Decoded:
+    def decode(cls, records: list[Any], how: Decoding) -> Decoded:
         images: list[np.ndarray] = []
         labels: list[int] = []
         bad: list[tuple[str, str]] = []
         for url, label in records:
             try:
-                with fsspec.open(url, "rb", **storage_options) as f:
+                with fsspec.open(url, "rb", **how.storage_options) as f:
                     payload = f.read()
                 with Image.open(io.BytesIO(payload)) as image:
-                    images.append(resize(image.convert("RGB"), image_size))
+                    images.append(resize(image.convert("RGB"), how.image_size))
             except (OSError, UnidentifiedImageError, ValueError) as error:
                 why = f"{type(error).__name__}: {error}"
-                if on_bad == "fail":
+                if how.on_bad == "fail":
                     raise SourceError(f"{url}: not a readable image ({why})") from error
                 bad.append((url, why))
                 continue
             labels.append(label)
-        return Decoded(*stack(images, labels, image_size), bad=bad)
+        return Decoded(*stack(images, labels, how.image_size), bad=bad)

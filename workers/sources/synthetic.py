@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workers.sources import Decoded, Listing, OnBad, Source, digest, register, split_records
+from workers.sources import Decoded, Decoding, Listing, Source, digest, register, split_records
 from workers.sources.images import stack
 
 if TYPE_CHECKING:
@@ -23,16 +23,8 @@ class Synthetic(Source):
         return Listing(train, val, [str(i) for i in range(10)], digest("synthetic", n), 2048)
 
     @classmethod
-    def decode(
-        cls,
-        records: list[Any],
-        *,
-        image_size: int,
-        seed: int,
-        on_bad: OnBad,
-        storage_options: dict[str, Any],
-    ) -> Decoded:
-        size = image_size
+    def decode(cls, records: list[Any], how: Decoding) -> Decoded:
+        size, seed = how.image_size, how.seed
         templates = np.random.default_rng(seed + 7919).normal(size=(10, 3, size, size))
         images, labels = [], []
         for index in records:

@@ -22,7 +22,7 @@ from PIL import Image
 
 from workers.data import DataConfig
 from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
-from workers.sources import list_records
+from workers.sources import Decoding, list_records
 from workflows.cluster import start_cluster
 from workflows.config import load_config
 from workflows.driver import train
@@ -47,17 +47,15 @@ def preprocess_in_one_process(config: DataConfig, seed: int) -> None:
     url, size = config.store_url, listing.partition_size
     zarr.open_group(url, mode="w")
     outcomes = {}
+    how = Decoding(config.image_size, seed)
     for split, records in (("train", listing.train), ("val", listing.val)):
         outcomes[split] = [
             decode_partition(
                 config.dataset,
                 records[start : start + size],
+                how,
                 url=url,
                 component=f"raw/{split}/{start // size:06d}",
-                image_size=config.image_size,
-                seed=seed,
-                on_bad="fail",
-                storage_options=None,
             )
             for start in range(0, len(records), size)
         ]
