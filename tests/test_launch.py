@@ -171,6 +171,37 @@ def test_a_user_exception_is_raised_once_and_never_retried(cluster, tmp_path, er
     assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
 
 
+def fails_on_rank_0_last(ctx) -> int:
+    if ctx.rank == 0:
+        time.sleep(0.5)  # after rank 1 has returned
+        raise ValueError("rank 0's own error")
+    return ctx.rank
+
+
+def test_a_rank_failing_just_after_the_launcher_looked_is_still_a_rank_failure(
+    cluster, monkeypatch
+):
+    from distributed import wait
+
+    from workflows.launcher import ProcessGroup
+
+    # The launcher looks at the ranks' tasks for failures, then at which are done. A rank
+    # that failed between the two looks passed as done: its exception reached the caller
+    # raw, as if no launcher had seen it (no rank, no restart; it made a --max-restarts CI
+    # run fail once). Here every rank ends right after the first look found nothing.
+    looked = ProcessGroup._failure
+
+    def look_then_let_every_rank_end(self, futures):
+        found = looked(self, futures)
+        wait(futures, timeout=60)
+        return found
+
+    monkeypatch.setattr(ProcessGroup, "_failure", look_then_let_every_rank_end)
+    with pytest.raises(ValueError, match="rank 0's own error") as raised:
+        launch(fails_on_rank_0_last, cluster=cluster, world_size=2)
+    assert "raised by rank 0 on worker" in "".join(getattr(raised.value, "__notes__", []))
+
+
 def shapes_do_not_match(ctx) -> torch.Tensor:
     weights = torch.ones(2, 3)
     # A call over several lines: its markers start under "_project(".

@@ -513,10 +513,15 @@ class ProcessGroup:
                 wait_futures(
                     pending, timeout_s=self.config.poll_interval_s, return_when="FIRST_COMPLETED"
                 )
+            # Which are done, then how they ended: a rank that fails between the two looks is
+            # still pending here, and caught on the next round. The other order let a rank
+            # that failed just after the look at failures pass as done, and its exception
+            # reach the caller as the training code's, past the restarts (seen once in a CI
+            # run of --max-restarts: the script's exit 5 was not restarted).
+            pending = [future for future in futures if not future.done()]
             failure = self._failure(futures)
             if failure is not None:
                 raise self._root_cause(futures, failure)
-            pending = [future for future in futures if not future.done()]
             if not pending:
                 return
             if stop is not None and stop.is_set():
