@@ -22,7 +22,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,7 +40,6 @@ from workers.inference import (
     CheckpointError,
     ModelPlugin,
     ModelSpec,
-    Partition,
     ScoreJob,
     empty_frame,
     input_shape,
@@ -51,22 +49,19 @@ from workers.inference import (
     zarr_columns,
 )
 from workers.model_sources import ModelError, source_of
-from workers.sources import SourceError
-from workers.sources.cifar10 import CIFAR_FOLDER
-from workers.sources.imagefolder import scan_classes
-from workers.sources.images import IMAGE_SUFFIXES
 from workflows.admission import Admission, Request
 from workflows.cluster import ClusterConfig, TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
+from workflows.confusion import confusion_metrics, plot_confusion_matrix
 from workflows.launcher import LaunchConfig, WorkerSelection
+from workflows.prediction_inputs import InputPlan, InputRequest, plan_input
 from workflows.stores import read_manifest
 from workflows.tracking import TrackingConfig, track_prediction
 
 logger = logging.getLogger(__name__)
 
 PREDICTIONS = {"parquet": "predictions.parquet", "zarr": "predictions.zarr"}
-Ranges = Callable[[int], list[tuple[int, int]]]  # sample count → partitions' (start, stop)
 
 
 class PredictConfig(BaseModel):
@@ -251,168 +246,6 @@ def resolve_model(model: str | Path, config: RunConfig | None = None) -> Trained
 
 
 @dataclass(frozen=True)
-class InputPlan:
-    """The input listed on the client: its partitions, and its classes when it has labels."""
-
-    kind: Literal["store", "cifar10", "imagefolder"]
-    url: str
-    partitions: list[Partition]
-    classes: list[str] | None
-    mean: list[float] | None = None  # a store's own statistics
-    std: list[float] | None = None
-
-    @property
-    def count(self) -> int:
-        return sum(len(p) for p in self.partitions)
-
-
-def plan_input(
-    source: str | Path,
-    *,
-    model: TrainedModel,
-    settings: PredictConfig,
-    channels: int = 3,
-    storage_options: dict[str, Any] | None = None,
-) -> InputPlan:
-    """List a dataset store, a CIFAR-10 test batch or an image folder into partitions."""
-    url = str(source)
-    if "://" not in url:
-        url = str(Path(url).expanduser().resolve())
-    options = storage_options or {}
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **options)
-        exists = fs.exists(path)
-    except Exception as error:  # any backend's own error for a bad URL or credentials
-        raise ConfigError(f"--input: cannot read {url}: {type(error).__name__}: {error}") from None
-    if not exists:
-        raise ConfigError(f"--input: {url} does not exist")
-    size = settings.partition_size
-
-    def ranges(n: int) -> list[tuple[int, int]]:
-        return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
-
-    if fs.isfile(f"{path}/zarr.json"):
-        return _plan_store(url, model, settings, channels, options, ranges)
-    batch = _cifar_test_batch(fs, path)
-    if batch is not None:
-        n = _cifar_count(fs, batch)
-        batch_url = fs.unstrip_protocol(batch)
-        parts = [
-            Partition(i, lo, hi, "cifar10", batch_url, rows=(lo, hi))
-            for i, (lo, hi) in enumerate(ranges(n))
-        ]
-        return InputPlan("cifar10", batch_url, parts, [f"class{i}" for i in range(10)])
-    if not fs.isdir(path):
-        raise ConfigError(
-            f"--input: {url} is neither a dataset store, a CIFAR-10 test batch nor a folder "
-            "of images"
-        )
-    return _plan_images(fs, path, url, settings, ranges)
-
-
-def _plan_store(
-    url: str,
-    model: TrainedModel,
-    settings: PredictConfig,
-    channels: int,
-    options: dict[str, Any],
-    ranges: Ranges,
-) -> InputPlan:
-    manifest = read_manifest(url, storage_options=options)
-    if manifest is None:
-        raise ConfigError(
-            f"--input: {url} holds no complete dataset store (interrupted preprocessing?); "
-            "run dask-train preprocess again"
-        )
-    group = zarr.open_group(url, mode="r", storage_options=options or None)
-    split = settings.split
-    if f"{split}/images" not in group:
-        raise ConfigError(f"predict.split: the store {url} has no {split!r} split")
-    images = group[f"{split}/images"]
-    shape = tuple(images.shape[1:])
-    want = (channels, model.image_size, model.image_size)
-    if len(shape) != 3 or shape[0] != channels:
-        raise ConfigError(
-            f"--input: {url} holds images of shape {shape}: {shape[0] if shape else 0} channels, "
-            f"but the model takes {channels} (its first convolution)"
-        )
-    if shape != want:
-        raise ConfigError(
-            f"--input: {url} holds {shape[1]}x{shape[2]} images, but the model was trained on "
-            f"{want[1]}x{want[2]} (data.image_size = {model.image_size}); preprocess the input "
-            "at that size"
-        )
-    parts = [
-        Partition(i, lo, hi, "store", url, split=split, rows=(lo, hi))
-        for i, (lo, hi) in enumerate(ranges(int(images.shape[0])))
-    ]
-    return InputPlan(
-        "store", url, parts, list(manifest["classes"]), manifest["mean"], manifest["std"]
-    )
-
-
-def _cifar_test_batch(fs: Any, path: str) -> str | None:
-    """The test batch file named by ``path``: the file itself, or inside the CIFAR-10 folder
-    or the folder above it."""
-    if fs.isfile(path):
-        return path if path.rstrip("/").endswith("test_batch") else None
-    for candidate in (f"{path}/test_batch", f"{path}/{CIFAR_FOLDER}/test_batch"):
-        if fs.isfile(candidate):
-            return candidate
-    return None
-
-
-def _cifar_count(fs: Any, batch: str) -> int:
-    import pickle
-
-    try:
-        with fs.open(batch, "rb") as f:
-            content = pickle.load(f, encoding="latin1")
-        count = len(content["labels"])
-        if len(content["data"]) != count or np.asarray(content["data"]).shape[1:] != (3072,):
-            raise ValueError("images and labels do not match, or images are not 3x32x32")
-    except (EOFError, OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as error:
-        raise ConfigError(
-            f"--input: {fs.unstrip_protocol(batch)}: not a readable CIFAR-10 batch "
-            f"({type(error).__name__}: {error})"
-        ) from None
-    return count
-
-
-def _plan_images(
-    fs: Any, path: str, url: str, settings: PredictConfig, ranges: Ranges
-) -> InputPlan:
-    base, shown = path, url
-    if fs.isdir(f"{path}/train") and fs.isdir(f"{path}/val"):
-        base, shown = f"{path}/{settings.split}", f"{url}/{settings.split}"
-    classes: list[str] | None
-    try:
-        items, classes = scan_classes(fs, base, shown)
-        index = {name: i for i, name in enumerate(classes)}
-        records = [(file, index[name]) for file, name, _ in items]
-    except SourceError as error:
-        if "has no class folders" not in str(error):
-            raise ConfigError(str(error).replace("data.root:", "--input:")) from None
-        # A plain folder of images: scored without labels.
-        found = sorted(p for p in fs.find(base) if p.lower().endswith(IMAGE_SUFFIXES))
-        if not found:
-            raise ConfigError(
-                f"--input: {url} holds no images ({', '.join(IMAGE_SUFFIXES)}), no dataset "
-                "store and no CIFAR-10 test batch"
-            ) from None
-        records, classes = [(fs.unstrip_protocol(p), -1) for p in found], None
-    prefix = fs.unstrip_protocol(base).rstrip("/") + "/"
-    ids = [file.removeprefix(prefix) for file, _ in records]
-    parts = [
-        Partition(
-            i, lo, hi, "imagefolder", shown, records=tuple(records[lo:hi]), ids=tuple(ids[lo:hi])
-        )
-        for i, (lo, hi) in enumerate(ranges(len(records)))
-    ]
-    return InputPlan("imagefolder", shown, parts, classes)
-
-
-@dataclass(frozen=True)
 class PreparedPrediction:
     """A request checked on the client: nothing left to fail before scoring but the cluster."""
 
@@ -474,9 +307,14 @@ def prepare(
             "classes"
         )
     options = dict(trained.config.data.storage_options)
-    plan = plan_input(
-        input, model=trained, settings=settings, channels=shape[0], storage_options=options
+    request = InputRequest(
+        image_size=trained.image_size,
+        channels=shape[0],
+        split=settings.split,
+        partition_size=settings.partition_size,
+        storage_options=options,
     )
+    plan = plan_input(input, request)
     if not plan.count:
         raise ConfigError(f"--input: {plan.url} holds no samples")
     label_map, notes = _label_map(plan, trained, settings)
@@ -811,61 +649,6 @@ def _create_zarr(url: str, job: ScoreJob, plan: InputPlan, options: dict[str, An
         )
     group = zarr.open_group(url, mode="r+", storage_options=options or None)
     group.attrs.update({"classes": list(job.classes), "input": plan.url})
-
-
-def confusion_metrics(matrix: np.ndarray, classes: list[str]) -> dict[str, Any]:
-    """Accuracy, per-class precision and recall (0 where a class was never predicted or never
-    present, as scikit-learn's zero_division=0), support, and the matrix (rows: true class)."""
-    matrix = np.asarray(matrix, dtype=np.int64)
-    diagonal = np.diag(matrix).astype(np.float64)
-    predicted, actual = matrix.sum(axis=0), matrix.sum(axis=1)
-    precision = np.divide(diagonal, predicted, out=np.zeros_like(diagonal), where=predicted > 0)
-    recall = np.divide(diagonal, actual, out=np.zeros_like(diagonal), where=actual > 0)
-    total = int(matrix.sum())
-    return {
-        "samples": total,
-        "accuracy": float(diagonal.sum() / total) if total else 0.0,
-        "classes": list(classes),
-        "precision": dict(zip(classes, precision.tolist(), strict=True)),
-        "recall": dict(zip(classes, recall.tolist(), strict=True)),
-        "support": dict(zip(classes, actual.tolist(), strict=True)),
-        "confusion_matrix": matrix.tolist(),
-    }
-
-
-def plot_confusion_matrix(matrix: np.ndarray, classes: list[str]) -> Any:
-    """A matplotlib Figure of the matrix (no pyplot: leaves the caller's backend alone)."""
-    from matplotlib.figure import Figure
-
-    n = len(classes)
-    side = min(12.0, 2.0 + 0.5 * n)
-    figure = Figure(figsize=(side, side))
-    ax = figure.subplots()
-    image = ax.imshow(matrix, cmap="Blues")
-    figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    ax.set(
-        xticks=range(n),
-        yticks=range(n),
-        xticklabels=classes,
-        yticklabels=classes,
-        xlabel="predicted",
-        ylabel="true",
-        title="confusion matrix",
-    )
-    if n <= 30:
-        threshold = matrix.max() / 2 if matrix.size else 0
-        for (i, j), value in np.ndenumerate(matrix):
-            ax.text(
-                j,
-                i,
-                str(value),
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="white" if value > threshold else "black",
-            )
-    figure.tight_layout()
-    return figure
 
 
 def _write_json(fs: Any, path: str, content: dict[str, Any]) -> None:
