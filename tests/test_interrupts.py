@@ -66,3 +66,60 @@ def test_launch_and_train_hold_the_redelivery_while_they_wait(cluster, make_conf
     train(make_config({"name": "redelivery"}, epochs=1), cluster=cluster, on_event=record)
     assert seen and set(seen) == {"DroppedInterrupts"}
     assert sys.unraisablehook is before  # given back
+
+
+class _Landed(Exception):
+    """Raised by the test's signal wherever the main thread is, as Ctrl-C raises
+    KeyboardInterrupt (which pytest would take as the session's own)."""
+
+
+def _land(signum, frame):
+    raise _Landed
+
+
+def test_a_signal_landing_while_a_record_is_relayed_never_leaves_the_relay_stuck(cluster):
+    # The CLI's Ctrl-C and SIGTERM land wherever its main thread is, and the "queued" record
+    # of a queued job is relayed right when a scheduler's SIGTERM is likely. Landing inside
+    # the relay's queue used to leave its lock taken: the job hung on it at its exit. Here
+    # the main thread hands the relay records (as Dask's event handler does) until a
+    # signal lands, at a moment of the thread's own, a hundred times.
+    import _thread
+    import itertools
+    import queue
+    import random
+    import signal
+    import threading
+    import time
+    import uuid
+
+    from workflows.events import EventRelay
+
+    relay = EventRelay(cluster.client, f"relay-{uuid.uuid4().hex[:8]}", on_event=lambda r: None)
+    go: queue.SimpleQueue = queue.SimpleQueue()
+
+    def signal_once_per_go() -> None:
+        rng = random.Random(0)
+        while go.get():
+            time.sleep(rng.uniform(0, 2e-4))
+            _thread.interrupt_main(signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, _land)
+    try:
+        with relay:
+            threading.Thread(target=signal_once_per_go, daemon=True).start()
+            for landing in range(100):
+                try:
+                    go.put(True)
+                    for seq in itertools.count():  # the signal lands in here
+                        relay._handle((time.time(), {"kind": "output", "seq": seq, "rank": 0}))
+                except _Landed:
+                    pass
+                # Another thread's record still gets through.
+                probe = (time.time(), {"kind": "probe", "seq": landing})
+                sender = threading.Thread(target=relay._handle, args=(probe,), daemon=True)
+                sender.start()
+                sender.join(timeout=10)
+                assert not sender.is_alive(), f"the relay is stuck after landing {landing + 1}"
+    finally:
+        go.put(False)
+        signal.signal(signal.SIGUSR1, previous)

@@ -36,7 +36,13 @@ class EventRelay:
         self.reports: dict[tuple[int, int], list[dict[str, Any]]] = {}  # (attempt, rank) ->
         self._seen: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
+        # SimpleQueue, not Queue: Queue.put takes a lock in Python code, and the Ctrl-C or
+        # SIGTERM of a CLI job (a KeyboardInterrupt, raised wherever the main thread is)
+        # landing just after it was taken left it taken for good. The main thread then hung
+        # on it in __exit__, putting _STOP (seen once: a queued CLI job, SIGTERM right after
+        # its "queued" record, no exit in 60 s; a stress of Queue.put under interrupts leaves
+        # its lock taken within the first few). SimpleQueue's put is one C call.
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._pump, name="dask-train-events", daemon=True)
 
     def _handle(self, event: tuple[float, dict[str, Any]]) -> None:
