@@ -1,12 +1,15 @@
 """A Ctrl-C that Python drops in a finalizer is raised again, in the CLI and while ``launch``
-and ``train`` wait (a script or a notebook)."""
+and ``train`` wait (a script or a notebook), and one landing while a job's event is handed over
+leaves the relay able to close."""
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from workflows import launch, train
+from workflows.events import EventRelay
 
 DROPPED_IN_A_FINALIZER = """
 import signal, time
@@ -66,3 +69,56 @@ def test_launch_and_train_hold_the_redelivery_while_they_wait(cluster, make_conf
     train(make_config({"name": "redelivery"}, epochs=1), cluster=cluster, on_event=record)
     assert seen and set(seen) == {"DroppedInterrupts"}
     assert sys.unraisablehook is before  # given back
+
+
+class Interrupted(BaseException):
+    """Stands for the KeyboardInterrupt a Ctrl-C or SIGTERM raises in the CLI's main thread
+    (not one, so that pytest never takes it for the user's)."""
+
+
+def _hand_off_interrupted_at(relay: EventRelay, point: int, outcome: list[bool]) -> None:
+    """Hand the relay one record, raising Interrupted at the ``point``-th Python event (call,
+    line, return) of that hand-off: every place a signal's exception can land. Appends whether
+    it was interrupted (False once ``point`` is past the hand-off's last event)."""
+    seen = 0
+
+    def interrupt_at_point(frame, event, arg):
+        nonlocal seen
+        seen += 1
+        if seen == point:
+            raise Interrupted
+        return interrupt_at_point
+
+    sys.settrace(interrupt_at_point)
+    try:
+        relay._handle((0.0, {"kind": "epoch", "epoch": point}))
+    except Interrupted:
+        outcome.append(True)
+        return
+    finally:
+        sys.settrace(None)
+    outcome.append(False)
+
+
+def test_an_interrupt_anywhere_in_a_records_hand_off_leaves_the_relay_able_to_close(cluster):
+    """The queued CLI job's SIGTERM hang, made deterministic: a queue.Queue here hangs the close
+    at one of them (Queue.put's lock taken, the interrupt raised before its ``with`` body)."""
+    point, interrupted = 0, True
+    while interrupted:
+        point += 1
+        relay = EventRelay(cluster.client, f"hand-off-{point}", on_event=lambda record: None)
+        relay.__enter__()
+        outcome: list[bool] = []
+        # Its own thread, so that a hand-off or a close that hangs fails the test, not the run.
+        hand_off = threading.Thread(
+            target=_hand_off_interrupted_at, args=(relay, point, outcome), daemon=True
+        )
+        hand_off.start()
+        hand_off.join(timeout=30)
+        assert outcome, f"interrupted at point {point}, the hand-off itself did not return"
+        interrupted = outcome[0]
+        closing = threading.Thread(target=relay.__exit__, args=(None, None, None), daemon=True)
+        closing.start()
+        closing.join(timeout=30)
+        assert not closing.is_alive(), f"interrupted at point {point}, the relay never closed"
+    assert point > 1  # the hand-off ran Python code, so the points were really tried

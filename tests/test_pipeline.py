@@ -153,6 +153,15 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
             "parallel: model_parallel runs one copy",
         ),
         ({"training": {"strategy": "model_parallel"}, "launch": {"world_size": 1}}, "at least 2"),
+        (
+            {
+                "parallel": {"pp": 2},
+                "training": {"strategy": "model_parallel"},
+                "launch": {"world_size": 4},
+                "cluster": {"n_workers": 4},
+            },
+            "parallel.pp: model_parallel runs one copy of the model, one stage per rank, and 2",
+        ),
         ({"training": {"precision": "fp16"}}, "no loss scaling for fp16"),
     ],
 )

@@ -114,6 +114,13 @@ class Layout:
             raise ValueError(
                 "launch.world_size: model_parallel needs at least 2 workers to hold 2 stages"
             )
+        if strategy == "model_parallel" and dp > 1:
+            field = "parallel.pp" if parallel is not None and parallel.pp else "pipeline.dp"
+            raise ValueError(
+                f"{field}: model_parallel runs one copy of the model, one stage per rank, and "
+                f"{pp} stages on {world_size} ranks leave {dp} copies; set parallel.pp = "
+                f"{world_size}, or use strategy = 'pipeline' for replicas"
+            )
         # Model parallel is a pipeline of one micro-batch: one stage works at a time.
         m = pipeline.n_microbatches if strategy == "pipeline" else 1
         if batch % (dp * m):
@@ -177,6 +184,7 @@ def _stage_degrees(
             "parallel: a pipeline's stages are sharded (dp_shard, FSDP2) or replicated "
             "(dp_replicate, DDP), not both; set one of them"
         )
+    given = given_stage_replicas(pipeline, parallel)
     if parallel is not None and parallel.given:
         if pipeline.dp > 1:
             raise ValueError(
@@ -184,14 +192,13 @@ def _stage_degrees(
                 "or parallel.dp_replicate (DDP) replaces pipeline.dp and pipeline.dp_mode"
             )
         sharded = replicate in (None, 1)
-        dp = shard if sharded and shard is not None else replicate or 1
-        field = "parallel.dp_shard" if sharded else "parallel.dp_replicate"
-    elif given_pp is not None:
+        dp, field = given, "parallel.dp_shard" if sharded else "parallel.dp_replicate"
+    elif given is None:  # parallel.pp alone: the replicas are what the world leaves
         if world_size % given_pp:
             raise ValueError(f"parallel.pp: {given_pp} does not divide the world size {world_size}")
         dp, sharded, field = world_size // given_pp, pipeline.dp_mode == "fsdp", "parallel.pp"
     else:
-        dp, sharded, field = pipeline.dp, pipeline.dp_mode == "fsdp", "pipeline.dp"
+        dp, sharded, field = given, pipeline.dp_mode == "fsdp", "pipeline.dp"
     if given_pp is not None and given_pp * dp != world_size:
         raise ValueError(
             f"parallel: pp x replicas = {given_pp} x {dp} must equal the world size {world_size}"
@@ -204,6 +211,20 @@ def _stage_degrees(
     if dp > 1 and not sharded:
         pipeline.check_ddp_stages(field, "use parallel.dp_shard")
     return world_size // dp, dp, sharded
+
+
+def given_stage_replicas(
+    pipeline: "PipelineConfig", parallel: "ParallelConfig | None"
+) -> int | None:
+    """A staged run's replicas of each stage as its config gives them, before any world size:
+    ``parallel.dp_shard`` or ``dp_replicate``, else ``pipeline.dp``; None where ``parallel.pp``
+    alone leaves them to the world size."""
+    if parallel is not None and parallel.given:
+        replicate = parallel.dp_replicate or 1
+        return replicate if replicate > 1 else parallel.dp_shard or 1
+    if parallel is not None and parallel.pp is not None:
+        return None
+    return pipeline.dp
 
 
 def _tp_degree(strategy: str, parallel: "ParallelConfig | None", *, world_size: int) -> int:

@@ -24,7 +24,7 @@ from workers.config_models import (
     ShardingSettings,
     TrainingConfig,
 )
-from workers.layout import Layout
+from workers.layout import Layout, given_stage_replicas
 from workers.strategies import SETTINGS_SECTION, SHARDED, STAGED
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
@@ -146,8 +146,8 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
             )
-        replicas = max(p.dp, self.parallel.dp_shard or 1, self.parallel.dp_replicate or 1)
-        if strategy == "model_parallel" and (replicas > 1 or p.stages_per_rank > 1):
+        replicas = given_stage_replicas(p, self.parallel)
+        if strategy == "model_parallel" and ((replicas or 1) > 1 or p.stages_per_rank > 1):
             field = "pipeline.dp" if p.dp > 1 or p.stages_per_rank > 1 else "parallel"
             raise ValueError(
                 f"{field}: model_parallel runs one copy of the model, one stage per rank; "
@@ -197,8 +197,8 @@ class RunConfig(BaseModel):
 
         p, size = self.pipeline, self.data.image_size
         m = p.n_microbatches if self.training.strategy == "pipeline" else 1
-        replicas = self.parallel.dp_shard or self.parallel.dp_replicate or p.dp
-        micro_batch = max(1, self.training.batch_size // replicas // m)  # whatever the world
+        replicas = given_stage_replicas(p, self.parallel) or 1  # whatever the world
+        micro_batch = max(1, self.training.batch_size // replicas // m)
         # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
         model = build_model(self.model, num_classes=10, seed=self.training.seed, image_size=size)
         return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)
