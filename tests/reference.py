@@ -100,4 +100,6 @@ def assert_same_parameters(
     tolerance = tolerance or FEW_STEPS_FLOAT32
     assert got.keys() == expected.keys()
     for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, msg=name, **tolerance)
+        torch.testing.assert_close(
+            got[name], value, msg=lambda detail, name=name: f"{name}: {detail}", **tolerance
+        )
