@@ -2,7 +2,6 @@
 
 from collections.abc import Callable, Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -20,17 +19,23 @@ def train_in_one_process(
     device: str = "cpu",
     factory: Callable[..., nn.Module] | None = None,
     then: tuple[int, int] | None = None,
+    micro_batches: int | None = None,
 ) -> dict:
     """``steps`` SGD steps on the full global batches that ``world_size`` ranks would see, on
     ``device``; the parameters come back on the CPU. ``then=(world_size, steps)``: that many
     more steps on what another world size's ranks read from the same place in the epoch, as
     a run resumed at that size from a checkpoint continues.
 
-    Each global batch is the concatenation of the ranks' batches at that step; the mean loss over
-    it equals the mean of the ranks' mean losses, which is what DDP optimizes. The model and
-    the loss are the config's (``factory``: a model given in Python, as to ``train``).
+    Each step takes the ranks' batches at that step, and each micro-batch of them
+    (``micro_batches`` per rank: a pipeline's, or gradient accumulation's, unless given), through
+    the model one by one, and averages their mean losses: what DDP optimizes, in the shapes the
+    ranks compute. The model and the loss are the config's (``factory``: a model given in
+    Python, as to ``train``).
     """
     t, d = config.training, config.data.resolved()
+    if micro_batches is None:  # what each rank's share is cut into: a pipeline's or accumulation's
+        pipelined = t.strategy == "pipeline"
+        micro_batches = config.pipeline.n_microbatches if pipelined else t.grad_accum_steps
     store = open_store(d.store_url)
     images = torch.from_numpy(as_features(store.train.images[:], tokens=store.train.tokens))
     images = images.to(device)
@@ -67,10 +72,20 @@ def train_in_one_process(
             batches = n // per_rank if d.drop_last else -(-n // per_rank)
             while batch < batches and done < goal:
                 start = batch * per_rank
-                index = np.concatenate([s[start : start + per_rank] for s in shards])
-                index = torch.from_numpy(index).to(device)
                 optimizer.zero_grad()
-                criterion(model(images[index]), labels[index]).backward()
+                # Each rank's share, and each micro-batch of it, through the model on its own as
+                # the rank computes it: the same mean, and the same tensor shapes, so that the
+                # kernels (whose choice and rounding follow the shapes) are the ranks'.
+                pieces = [
+                    piece
+                    for share in shards
+                    for piece in torch.from_numpy(share[start : start + per_rank]).chunk(
+                        micro_batches
+                    )
+                ]
+                for piece in pieces:
+                    piece = piece.to(device)
+                    (criterion(model(images[piece]), labels[piece]) / len(pieces)).backward()
                 if t.grad_clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
                 optimizer.step()
@@ -81,13 +96,17 @@ def train_in_one_process(
 
 
 # What "the same parameters" means after a few steps in float32. The strategy and the reference
-# sum the same per-sample gradients in another order (per rank, then across ranks; or per
-# micro-batch, or per stage), and each kernel path (AVX-512, AVX2, plain C: another CPU) blocks
-# its reductions its own way: each step's parameters differ by a few float32 ulps (eps 1.2e-7)
-# of the update. Few steps (<= 5 here, at the tests' lr 0.1 and momentum 0.9) keep that
-# from growing: measured under ATEN_CPU_CAPABILITY=avx512 and =default, at most 3e-8 absolute
-# (parameters are ~1e-3 to 1). Eight steps of batch 256 already reached 2e-5, and rounding
-# then grows about tenfold every five steps: more steps test the CPU, not the strategy.
+# compute each rank's micro-batches in the same shapes (train_in_one_process), so that each
+# picks the same kernels, and sum their gradients in another order (per rank, then across
+# ranks): each step's parameters differ by a few float32 ulps (eps 1.2e-7) of the update, on
+# every kernel path (AVX-512, AVX2, plain C: another CPU). Few steps (<= 5 here) and a moderate
+# step (SGD_FEW_STEPS) keep that from growing. Measured on an AMD EPYC, native AVX2 and
+# ATEN_CPU_CAPABILITY=default: the worst case is 1% of this tolerance at lr 0.02 and 10% at
+# lr 0.1. A reference that ran each global batch as one (other shapes, other kernels: a
+# max-pool's near-ties break the other way) reached 30x the tolerance at lr 0.1 (6e-5 in a
+# pipeline's conv1) and 93% at lr 0.02 on the same machine. A strategy's real mistakes (a wrong
+# shard, a resume from the wrong place, lost momentum) move parameters by 1e-4 or more.
+SGD_FEW_STEPS = {"lr": 0.02, "momentum": 0.9}
 FEW_STEPS_FLOAT32 = {"rtol": 1e-5, "atol": 1e-6}
 
 

@@ -10,7 +10,7 @@ import torch
 import zarr
 from distributed import get_task_stream
 
-from tests.reference import assert_same_parameters, train_in_one_process
+from tests.reference import SGD_FEW_STEPS, assert_same_parameters, train_in_one_process
 from workers.sources import SourceError
 from workflows.collections import DataError
 from workflows.driver import train
@@ -40,7 +40,7 @@ def _image_data() -> dict:
 
 def _stored(make_config, tmp_path, **training):
     data = {"collections": "store", "store": str(tmp_path / "arrays"), "chunk_size": 64}
-    base = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "seed": 3} | training
+    base = SGD_FEW_STEPS | {"batch_size": 32, "seed": 3} | training
     return make_config({"name": "arrays", "data": data}, **base)
 
 

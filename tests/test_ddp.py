@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from tests.reference import assert_same_parameters, train_in_one_process
+from tests.reference import SGD_FEW_STEPS, assert_same_parameters, train_in_one_process
 from workflows.driver import format_epoch, train
 from workflows.run_directory import RunDirectory
 
-BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
+BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3}
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests import test_text as text
-from tests.reference import assert_same_parameters, train_in_one_process
+from tests.reference import SGD_FEW_STEPS, assert_same_parameters, train_in_one_process
 from tests.refusals import refusal
 from workflows.driver import train
 
-BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3, "max_steps": 5}
+BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3, "max_steps": 5}
 HERE = "tests.test_tensor_parallel"
 MODEL = {"name": f"{HERE}:TwoLayer", "tp_plan": f"{HERE}:plan"}
 

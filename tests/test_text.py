@@ -8,7 +8,7 @@ import torch
 import zarr
 
 from tests.commands import CONFIGS, run_dask_train
-from tests.reference import assert_same_parameters, train_in_one_process
+from tests.reference import SGD_FEW_STEPS, assert_same_parameters, train_in_one_process
 from tests.refusals import refusal
 from workers.sources import SourceError
 from workers.sources.text import list_text, resolve_root
@@ -20,7 +20,7 @@ from workflows.preprocess import prepare_store
 GPT = {"name": "gpt", "kwargs": {"dim": 32, "n_layers": 2, "n_heads": 4}}
 # The json package of this Python: five real source files (~48 kB), on every machine.
 CORPUS = {"dataset": "text", "root": "python:json", "files": "*.py", "sequence_length": 32}
-BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 16, "epochs": 1, "seed": 5, "max_steps": 4}
+BASE = SGD_FEW_STEPS | {"batch_size": 16, "epochs": 1, "seed": 5, "max_steps": 4}
 
 
 @pytest.fixture
