@@ -11,11 +11,14 @@ from torch import nn
 from tests.commands import CONFIGS, dask_train
 from workers.profiling import DeviceProfile, LayerProfile, profile_layers
 from workers.stage_cuts import even_split
+from workflows.cluster import live_workers, start_cluster
 from workflows.planner import (
+    ProfileFailed,
     StagePlan,
     _recommend,
     balanced_split,
     estimate_memory,
+    plan,
     stage_memory,
     suggested_shard,
 )
@@ -165,3 +168,24 @@ def test_plan_command_refuses_a_config_that_cannot_be_staged(tmp_path):
     assert done.returncode == 2
     assert "pipeline.split_points: ['nope'] name no top-level module" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_killed_for_memory_while_profiling_is_an_error_naming_it(make_config):
+    # A model of ~1.5 GiB on a worker allowed 1 GiB: the nanny kills the worker while the
+    # profile builds it. Dask would keep the task bound to the gone worker forever.
+    config = make_config(
+        {"cluster": {"n_workers": 1, "memory_limit": "1GiB", "dashboard_port": 0}},
+        strategy="pipeline",
+    )
+
+    def too_large() -> nn.Module:
+        width = 20_000  # 20,000 x 20,000 float32: 1.5 GiB, every page written by the init
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.Linear(width, 10))
+
+    with start_cluster(config.cluster) as cluster:
+        (worker,) = live_workers(cluster.client)
+        with pytest.raises(ProfileFailed) as failed:
+            plan(cluster.client, config, world_size=2, num_classes=10, build=too_large)
+    message = str(failed.value)
+    assert f"({worker}) left the cluster" in message
+    assert "cluster.memory_limit = '1GiB'" in message and "pipeline.split_points" in message

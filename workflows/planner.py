@@ -7,6 +7,7 @@ cluster.
 """
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,13 @@ from workflows.config import ConfigError, RunConfig
 
 # Per parameter byte a stage also holds its gradient and SGD's momentum buffer.
 _PARAM_COPIES = 3
+# A bound on one profile (a few forward and backward passes per layer); a model that takes
+# longer is better cut by hand (pipeline.split_points) or by layers (pipeline.balance).
+PROFILE_TIMEOUT_S = 300
+
+
+class ProfileFailed(RuntimeError):
+    """The model could not be profiled: its worker left, or it took longer than the bound."""
 
 
 @dataclass(frozen=True)
@@ -210,19 +218,15 @@ def plan(
     n_stages, m = layout.n_stages, layout.n_microbatches
     # What the schedule keeps alive per stage: GPipe every micro-batch, 1F1B at most p.
     in_flight = m if p.schedule == "gpipe" else min(m, n_stages)
-    workers = sorted(live_workers(client))
-    profile: DeviceProfile = client.submit(
-        profile_model,
-        config.model,
+    worker = min(live_workers(client))
+    profile = _profile_on(
+        client,
+        worker,
+        config,
         num_classes=num_classes,
-        input_shape=config.data.sample_shape,
-        tokens=config.data.tokens,
         micro_batch=layout.micro_batch,
         build=build,
-        key=f"profile-{config.model.name}",
-        workers=workers[:1],
-        pure=False,
-    ).result(timeout=300)
+    )
     names = [layer.name for layer in profile.layers]
     if p.split_points is not None:
         points = list(p.split_points)
@@ -250,6 +254,59 @@ def plan(
         n_microbatches=m,
         dp=layout.dp,
     )
+
+
+def _profile_on(
+    client: Client,
+    worker: str,
+    config: RunConfig,
+    *,
+    num_classes: int,
+    micro_batch: int,
+    build: Callable[[], nn.Module] | None,
+) -> DeviceProfile:
+    """The model's profile, measured on ``worker`` (one worker, so that every layer is timed on
+    the same device). Dask would hold a task bound to a worker that left for good, so this
+    watches the worker: one killed while profiling (out of memory, most often) is a
+    ProfileFailed naming it within a second or two, not a silent wait."""
+    future = client.submit(
+        profile_model,
+        config.model,
+        num_classes=num_classes,
+        input_shape=config.data.sample_shape,
+        tokens=config.data.tokens,
+        micro_batch=micro_batch,
+        build=build,
+        key=f"profile-{config.model.name}",
+        workers=[worker],
+        pure=False,
+    )
+    deadline = time.monotonic() + PROFILE_TIMEOUT_S
+    try:
+        while True:
+            try:
+                return future.result(timeout=1)
+            except TimeoutError:
+                pass
+            if worker not in live_workers(client):
+                c = config.cluster
+                limit = (
+                    "its own memory limit"
+                    if c.scheduler or c.scheduler_file
+                    else f"cluster.memory_limit = {c.memory_limit!r}"
+                )
+                raise ProfileFailed(
+                    f"the worker profiling {config.model.name} ({worker}) left the cluster: "
+                    f"killed, most likely for memory ({limit}); give it more, or cut "
+                    "without a profile: pipeline.split_points, or pipeline.balance = 'layers'"
+                )
+            if time.monotonic() > deadline:
+                raise ProfileFailed(
+                    f"profiling {config.model.name} on {worker} took over {PROFILE_TIMEOUT_S} s; "
+                    "cut without a profile: pipeline.split_points, or pipeline.balance = 'layers'"
+                )
+    finally:
+        future.cancel()
 
 
 def planned_layout(config: RunConfig, world_size: int) -> Layout:
