@@ -83,7 +83,11 @@ def test_an_unmodified_torchrun_script_gets_torchruns_environment(tmp_path):
     assert "[rank 1] hello from rank 1 of 2" in (tmp_path / "run" / "output.log").read_text()
 
 
-def test_a_rank_exiting_3_fails_the_launch_naming_the_rank(tmp_path):
+# The exit-code and restart cases run on the shared cluster (--scheduler): what they test is the
+# launcher's policy, not the CLI's own cluster, which the other cases start and stop.
+
+
+def test_a_rank_exiting_3_fails_the_launch_naming_the_rank(tmp_path, cluster):
     script = _script(
         tmp_path,
         "fails.py",
@@ -93,13 +97,15 @@ def test_a_rank_exiting_3_fails_the_launch_naming_the_rank(tmp_path):
         sys.exit(3 if os.environ["RANK"] == "1" else 0)
         """,
     )
-    done = _launch("--world-size", "2", str(script))
+    done = _launch(
+        "--world-size", "2", "--scheduler", cluster.cluster.scheduler_address, str(script)
+    )
     assert done.returncode == 1, done.stderr
     assert "rank 1 exited with code 3" in done.stderr
     assert "[rank 1] rank 1 starting" in done.stdout
 
 
-def test_max_restarts_reruns_every_rank_like_torchrun(tmp_path):
+def test_max_restarts_reruns_every_rank_like_torchrun(tmp_path, cluster):
     script = _script(
         tmp_path,
         "flaky.py",
@@ -110,7 +116,8 @@ def test_max_restarts_reruns_every_rank_like_torchrun(tmp_path):
         sys.exit(5 if attempt == "0" and os.environ["RANK"] == "0" else 0)
         """,
     )
-    done = _launch("--world-size", "2", "--max-restarts", "2", str(script))
+    address = cluster.cluster.scheduler_address
+    done = _launch("--world-size", "2", "--max-restarts", "2", "--scheduler", address, str(script))
     assert done.returncode == 0, done.stderr
     assert "1 restarts" in done.stdout
     assert "[rank 1] attempt 1" in done.stdout
