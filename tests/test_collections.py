@@ -5,6 +5,7 @@ where they lie (Dask's own transfer accounting shows what moved), the same numbe
 process, and a worker SIGKILLed mid-epoch.
 """
 
+import importlib
 import itertools
 import os
 import signal
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.collection_shard import RankRows, RankShard, SplitPlan, batch_sizes
+from workers.config_models import DataConfig
 from workflows import launch
 from workflows.collections import DataError, assign_rows, balanced_shares
 
@@ -448,7 +450,6 @@ def ids_of_both_splits(ctx) -> list[int]:
 
 
 def test_parquet_files_train_and_validate_on_every_row_once(cluster, tmp_path):
-    from workers.config_models import DataConfig
     from workflows.user_datasets import read_user_dataset
 
     n = sum(UNEVEN)
@@ -465,6 +466,21 @@ def test_parquet_files_train_and_validate_on_every_row_once(cluster, tmp_path):
     wrong = config.model_copy(update={"target": "labels"})
     with pytest.raises(DataError, match=r"data.target: no column 'labels'"):
         read_user_dataset(wrong, seed=0)
+
+
+def test_every_user_dataset_is_one_module_read_by_its_name():
+    import pkgutil
+
+    import workflows.user_datasets
+    from workflows.user_datasets import USER_DATASETS, read_user_dataset
+
+    # Adding a dataset is one module: its name in USER_DATASETS, its read() inside.
+    modules = {m.name for m in pkgutil.iter_modules(workflows.user_datasets.__path__)}
+    assert modules == set(USER_DATASETS)
+    for name in USER_DATASETS:
+        assert callable(importlib.import_module(f"workflows.user_datasets.{name}").read)
+    with pytest.raises(ValueError, match=r"data\.dataset: 'digits' is not one of"):
+        read_user_dataset(DataConfig(dataset="digits"), seed=0)
 
 
 def test_train_from_zarr_arrays_by_config(cluster, make_config, tmp_path):
