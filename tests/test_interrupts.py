@@ -101,8 +101,9 @@ def _hand_off_interrupted_at(relay: EventRelay, point: int, outcome: list[bool])
 
 
 def test_an_interrupt_anywhere_in_a_records_hand_off_leaves_the_relay_able_to_close(cluster):
-    """The queued CLI job's SIGTERM hang, made deterministic: a queue.Queue here hangs the close
-    at one of them (Queue.put's lock taken, the interrupt raised before its ``with`` body)."""
+    """The queued CLI job's SIGTERM hang, made deterministic: with a queue.Queue as the relay's
+    queue, one of these points leaves Queue.put's lock taken (the interrupt raised before its
+    ``with`` body) and the close hangs."""
     point, interrupted = 0, True
     while interrupted:
         point += 1
