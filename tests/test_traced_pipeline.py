@@ -19,7 +19,7 @@ from torch import nn
 
 from tests.reference import assert_same_parameters, train_in_one_process
 from tests.traced_models import DataDependent, ResidualNet, build
-from workers.config_models import PipelineConfig, TrainingConfig
+from workers.config_models import PipelineConfig, StagingSettings, TrainingConfig
 from workers.data import StoreSplit, open_store
 from workers.layout import Layout
 from workers.losses import Criterion
@@ -104,7 +104,7 @@ def _trained(ctx, model_name: str, strategy: str, pipeline: dict, steps: int) ->
         layout=layout,
         rank=ctx.rank,
         device=ctx.device,
-        settings=config,
+        settings=StagingSettings(pipeline=config),
         precision=precision,
         sample=torch.zeros(layout.micro_batch, *IMAGE),
     )

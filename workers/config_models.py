@@ -16,9 +16,12 @@ from workers.model_sources import IMPORT_PATH, check_name
 from workers.sources import SOURCES
 from workers.strategies import STRATEGIES
 
-# The top-level modules of each registered model (workers/models.py): where a model can be cut
-# into stages. Written out so that checking split points needs no torch; a test compares them
-# with the modules the models really have.
+# The built-in models (workers/models.py), named here so that a config validates without torch.
+BUILTIN_MODELS = ("cifar_cnn", "small_resnet", "gpt")
+# The top-level modules of the built-in nn.Sequential models: where each can be cut into stages.
+# Written out so that checking split points needs no torch; a test compares them with the
+# modules the models really have. (gpt is cut between its blocks, as many as model.kwargs
+# gives it: its cut is checked by building it.)
 # fmt: off
 MODEL_LAYERS: dict[str, tuple[str, ...]] = {
     "cifar_cnn": (
@@ -28,7 +31,6 @@ MODEL_LAYERS: dict[str, tuple[str, ...]] = {
         "stem", "block1", "block2", "block3", "block4", "down1", "block5", "down2", "block6",
         "pool", "flatten", "fc",
     ),
-    "gpt": ("tok_embeddings", "pos_embeddings", "layers", "norm", "output"),
 }
 # fmt: on
 # The built-in models with a tensor-parallel plan of their own.
@@ -235,7 +237,7 @@ class ModelConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _known_syntax(cls, name: str) -> str:
-        check_name(name, sorted(MODEL_LAYERS))
+        check_name(name, sorted(BUILTIN_MODELS))
         return name
 
     @field_validator("tp_plan")
@@ -247,7 +249,7 @@ class ModelConfig(BaseModel):
 
     @property
     def builtin(self) -> bool:
-        return self.name in MODEL_LAYERS
+        return self.name in BUILTIN_MODELS
 
     @property
     def resolved_tp_plan(self) -> str | None:
@@ -342,7 +344,8 @@ class PipelineConfig(BaseModel):
     stages_per_rank: int = Field(default=1, ge=1, description="more than 1: interleaved only")
     split_points: tuple[str, ...] | None = Field(
         default=None,
-        description="names of the top-level modules that start stage 2, 3, …; unset: planned",
+        description="where stage 2, 3, … begin: top-level module names, blocks of a model that "
+        "names them (gpt: 'layers.2'), or module paths of a traced model; unset: planned",
     )
     balance: Literal["profile", "layers"] = Field(
         default="profile",
@@ -459,4 +462,16 @@ class ShardingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     fsdp: FSDPConfig = FSDPConfig()
+    tp_plan: str | None = None
+
+
+class StagingSettings(BaseModel):
+    """What ``pipeline`` and ``model_parallel`` are given (``RunConfig.staging``): the
+    ``[pipeline]`` section, with its split points resolved by the client so that every rank
+    cuts alike, and the model's tensor-parallel plan, which splits each stage's layers where
+    ``parallel.tp > 1``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline: PipelineConfig = PipelineConfig()
     tp_plan: str | None = None

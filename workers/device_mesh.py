@@ -5,6 +5,8 @@ that talk most (a layer's ``tp`` slices, then a copy's shards) are neighbours, o
 where a host holds them. The mesh's rank order is the layout's (``workers/layout.py``).
 """
 
+import sys
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -30,3 +32,27 @@ def build_device_mesh(
         raise ValueError(f"a mesh of {layout} has no dimension; keep one")
     sizes = tuple(degrees[name] for name in names)
     return init_device_mesh(device.type, sizes, mesh_dim_names=tuple(names))
+
+
+def forget_earlier_meshes() -> None:
+    """Empty DTensor's caches in this thread: call before a job's ranks use any mesh.
+
+    A warm worker runs one job after another in the same process, each with its own process
+    groups. A mesh of an earlier job compares equal to this job's of the same shape (a
+    ``DeviceMesh``'s equality leaves its groups out), so DTensor's sharding-propagation cache,
+    keyed by such meshes, hands back output specs on the earlier mesh, whose collectives name
+    groups that are gone ("Could not resolve the process group registered under the name 3",
+    measured: a pipeline split by tensor parallelism after a TP x FSDP job on the same workers)
+    or, where the names happen to exist again, other groups. The Python cache is per thread:
+    this clears the calling thread's, and the process-wide ones.
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # nothing cached: no job here has used a DTensor
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()

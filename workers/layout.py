@@ -69,7 +69,7 @@ class Layout:
         strategy, batch = training.strategy, training.batch_size
         tp = _tp_degree(strategy, parallel, world_size=world_size)
         if strategy in STAGED:
-            return cls._staged(training, pipeline, parallel, world_size=world_size)
+            return cls._staged(training, pipeline, parallel, world_size=world_size, tp=tp)
         if parallel is not None and (parallel.pp or 1) > 1:
             raise ValueError(
                 f"parallel.pp: {strategy} keeps the whole model on every rank; stages are "
@@ -107,9 +107,12 @@ class Layout:
         parallel: "ParallelConfig | None",
         *,
         world_size: int,
+        tp: int,
     ) -> "Layout":
         strategy, batch = training.strategy, training.batch_size
-        pp, dp, sharded = _stage_degrees(pipeline, parallel, world_size=world_size)
+        # The tp ranks of each stage's replica split its layers: the stages and their
+        # replicas share what is left.
+        pp, dp, sharded = _stage_degrees(pipeline, parallel, world_size=world_size, tp=tp)
         if strategy == "model_parallel" and pp < 2:
             raise ValueError(
                 "launch.world_size: model_parallel needs at least 2 workers to hold 2 stages"
@@ -118,8 +121,8 @@ class Layout:
             field = "parallel.pp" if parallel is not None and parallel.pp else "pipeline.dp"
             raise ValueError(
                 f"{field}: model_parallel runs one copy of the model, one stage per rank, and "
-                f"{pp} stages on {world_size} ranks leave {dp} copies; set parallel.pp = "
-                f"{world_size}, or use strategy = 'pipeline' for replicas"
+                f"{pp} stages on {world_size // tp} ranks leave {dp} copies; set parallel.pp = "
+                f"{world_size // tp}, or use strategy = 'pipeline' for replicas"
             )
         # Model parallel is a pipeline of one micro-batch: one stage works at a time.
         m = pipeline.n_microbatches if strategy == "pipeline" else 1
@@ -137,6 +140,7 @@ class Layout:
             n_microbatches=m,
             stages_per_rank=pipeline.stages_per_rank,
             dp_shard=dp if sharded else 1,
+            tp=tp,
         )
 
     @property
@@ -172,10 +176,15 @@ class Layout:
 
 
 def _stage_degrees(
-    pipeline: "PipelineConfig", parallel: "ParallelConfig | None", *, world_size: int
+    pipeline: "PipelineConfig", parallel: "ParallelConfig | None", *, world_size: int, tp: int = 1
 ) -> tuple[int, int, bool]:
     """A staged run's ranks per row of stages (``pp``), its replicas of each stage, and whether
-    FSDP2 shards the replicas (rather than DDP averaging them)."""
+    FSDP2 shards the replicas (rather than DDP averaging them), on the ``world_size / tp``
+    ranks that ``tp`` leaves (each of them ``tp`` ranks splitting its stages' layers)."""
+    whole = f"the world size {world_size}"
+    if tp > 1:
+        whole = f"world size / tp = {world_size} / {tp}"
+        world_size //= tp
     given_pp = parallel.pp if parallel is not None else None
     shard = parallel.dp_shard if parallel is not None else None
     replicate = parallel.dp_replicate if parallel is not None else None
@@ -195,20 +204,24 @@ def _stage_degrees(
         dp, field = given, "parallel.dp_shard" if sharded else "parallel.dp_replicate"
     elif given is None:  # parallel.pp alone: the replicas are what the world leaves
         if world_size % given_pp:
-            raise ValueError(f"parallel.pp: {given_pp} does not divide the world size {world_size}")
+            raise ValueError(f"parallel.pp: {given_pp} does not divide {whole}")
         dp, sharded, field = world_size // given_pp, pipeline.dp_mode == "fsdp", "parallel.pp"
     else:
         dp, sharded, field = given, pipeline.dp_mode == "fsdp", "pipeline.dp"
     if given_pp is not None and given_pp * dp != world_size:
-        raise ValueError(
-            f"parallel: pp x replicas = {given_pp} x {dp} must equal the world size {world_size}"
-        )
+        raise ValueError(f"parallel: pp x replicas = {given_pp} x {dp} must equal {whole}")
     if world_size % dp:
         raise ValueError(
-            f"{field}: {world_size} workers do not split into replicas of {dp}; pp x dp must "
-            f"equal the worker count (set launch.world_size to a multiple of {dp})"
+            f"{field}: {world_size} {'workers' if tp == 1 else 'ranks of world size / tp'} do "
+            f"not split into replicas of {dp}; pp x dp{' x tp' if tp > 1 else ''} must equal "
+            f"the worker count (set launch.world_size to a multiple of {dp * tp})"
         )
     if dp > 1 and not sharded:
+        if tp > 1:
+            raise ValueError(
+                f"{field}: DDP does not average stages whose layers parallel.tp splits; give "
+                "the replicas as parallel.dp_shard (FSDP2)"
+            )
         pipeline.check_ddp_stages(field, "use parallel.dp_shard")
     return world_size // dp, dp, sharded
 
@@ -232,10 +245,11 @@ def _tp_degree(strategy: str, parallel: "ParallelConfig | None", *, world_size: 
     tp = parallel.tp if parallel is not None else 1
     if tp == 1:
         return 1
-    if strategy not in SHARDED:
+    if strategy not in SHARDED + STAGED:
         raise ValueError(
             f"parallel.tp: tensor parallelism composes with strategy = 'fsdp' or 'hsdp' (with "
-            f"parallel.tp = {world_size} FSDP has one rank and only TP splits), not {strategy}"
+            f"parallel.tp = {world_size} FSDP has one rank and only TP splits), 'pipeline' or "
+            f"'model_parallel', not {strategy}"
         )
     if world_size % tp:
         raise ValueError(f"parallel.tp: {tp} does not divide the world size {world_size}")

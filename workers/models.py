@@ -133,7 +133,15 @@ class GPT(nn.Module):
     ``num_classes`` is the vocabulary and ``sequence_length`` the longest input, both filled in
     from a text store (``data.dataset = "text"``). Tokens may arrive as any dtype holding
     integers: they are indices, cast here.
+
+    A pipeline cuts it between blocks by keeping, in each stage, a copy of it without the parts
+    other stages hold (``pipeline_blocks``, torchtitan's way; ``workers/stage_cuts.py``): so the
+    blocks are an ``nn.ModuleDict`` (a stage's keep their names, ``layers.3``), and ``forward``
+    skips the embeddings and the head where they are None. The stages stay plain modules, which
+    a tensor-parallel plan can split as it splits the whole model.
     """
+
+    pipeline_blocks = "layers"
 
     def __init__(
         self,
@@ -146,16 +154,22 @@ class GPT(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(num_classes, dim)
         self.pos_embeddings = nn.Embedding(sequence_length, dim)
-        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads) for _ in range(n_layers))
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(dim, n_heads) for i in range(n_layers)}
+        )
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, num_classes, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = tokens.long()
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-        for layer in self.layers:
+        x = tokens  # a later pipeline stage receives the activations instead
+        if self.tok_embeddings is not None:
+            tokens = tokens.long()
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers.values():
             x = layer(x)
+        if self.output is None:
+            return x
         return self.output(self.norm(x))
 
 

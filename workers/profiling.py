@@ -2,9 +2,10 @@
 
 Each layer is timed forward and backward on one micro-batch (all layers in turns, repeatedly),
 and its parameter and saved-activation bytes are counted, on the device a stage would run on.
-The layers of an ``nn.Sequential`` are its top-level children; those of any other model are
-the pieces between its cut points (``workers.stage_cuts.cut_points``), traced as
-pipeline stages.
+A layer is the piece of the model between two of its cut points
+(``workers.stage_cuts.cut_points``): an ``nn.Sequential``'s top-level child, a block of a model
+that names its blocks (the first with what comes before it, the last with what comes after),
+or a piece of any other model traced as a pipeline stage.
 """
 
 import itertools
@@ -17,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from workers.models import ModelConfig, build_model
-from workers.stage_cuts import cut_points, is_traced, trace_stages
+from workers.stage_cuts import cut_into_stages, cut_points, is_traced, trace_stages
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,14 @@ def profile_module(
 def profile_layers(
     model: nn.Module, *, sample: torch.Tensor, repeats: int = 7
 ) -> list[LayerProfile]:
-    """Time and measure each top-level child of ``model`` on ``sample``'s device."""
+    """Time and measure each piece of a model cut without tracing (an ``nn.Sequential``, or a
+    model that names its blocks) on ``sample``'s device, each on what the ones before give."""
+    points = cut_points(model, sample)
     layers, x = [], sample
     with torch.no_grad():
-        for name, layer in model.named_children():
-            layers.append((name, layer, (x,)))
-            x = layer(x)
+        for name, piece in zip(points, cut_into_stages(model, points[1:]), strict=True):
+            layers.append((name, piece, (x,)))
+            x = piece(x)
     return _profile(layers, repeats=repeats)
 
 

@@ -18,6 +18,7 @@ from distributed import get_worker, secede
 
 from workers import live_recovery
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
+from workers.device_mesh import forget_earlier_meshes
 from workers.live_recovery import LiveSource
 from workers.peak_memory import PeakMemory
 from workers.process_group import Membership, current_membership, rank_threads
@@ -393,6 +394,7 @@ def run_function(job: RankJob) -> RankOutcome:
         secede()
     # A state another job left here (its client died) must not share the device with this one.
     live_recovery.forget(job.job_id, others=True)
+    forget_earlier_meshes()  # nor may DTensor's caches of another job's meshes
     with rank_threads.running(job.generation):
         value = job.fn(ctx, *job.args, **job.kwargs)
     # Done: nothing to recover any more. A rank that failed keeps its state for the next

@@ -2,13 +2,24 @@
 and plans with (``workflows/config.py``, ``workflows/planner.py``) and what the pipeline
 strategy (``workers/strategies/pipeline.py``) runs.
 
-An ``nn.Sequential`` is cut at named top-level children into consecutive stages. Any other
-model is traced by ``torch.distributed.pipelining.pipeline()`` (``torch.export`` underneath)
-and cut at module paths (``"layer3"``, ``"layer4.1"``): a stage begins where that module's
-forward begins. ``torch.distributed.pipelining`` is imported only to trace: checking a
-Sequential's cut, and the client's checks, do without it (~0.8 s).
+Three kinds of cut, each keeping the full model's parameter names in every stage:
+
+- an ``nn.Sequential`` is cut at named top-level children into consecutive stages;
+- a model that names its blocks in ``pipeline_blocks`` (an ``nn.ModuleDict`` child whose
+  blocks its ``forward`` runs in order, skipping each other child that is None: torchtitan's
+  convention, followed by ``workers.models.GPT``) is cut between blocks (``"layers.2"``): each
+  stage is a copy of the model keeping its own blocks, the first also the children registered
+  before them (embeddings), the last those after (the head). Its stages stay plain modules,
+  which a tensor-parallel plan can split;
+- any other model is traced by ``torch.distributed.pipelining.pipeline()`` (``torch.export``
+  underneath) and cut at module paths (``"layer3"``, ``"layer4.1"``): a stage begins where
+  that module's forward begins.
+
+``torch.distributed.pipelining`` is imported only to trace: checking a cut without tracing, and
+the client's checks, do without it (~0.8 s).
 """
 
+import copy
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -23,36 +34,86 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import Pipe
 
 
-def cut_into_stages(model: nn.Module, split_points: Sequence[str]) -> list[nn.Sequential]:
-    """Consecutive stages; stage ``i+1`` starts at ``split_points[i]``.
-
-    Each stage keeps its children's names, so a stage's ``state_dict`` keys are the full model's.
-    """
+def cut_into_stages(model: nn.Module, split_points: Sequence[str]) -> list[nn.Module]:
+    """Consecutive stages of a model that is not traced (:func:`is_traced`); stage ``i+1``
+    starts at ``split_points[i]``. The stages share ``model``'s parameters, under its names, so
+    a stage's ``state_dict`` keys are the full model's."""
+    if blocks_of(model) is not None:
+        return _cut_between_blocks(model, split_points)
     names = [name for name, _ in model.named_children()]
     if not isinstance(model, nn.Sequential):
         raise ValueError(
             f"model: {type(model).__name__} is not an nn.Sequential of named layers, so it "
             "cannot be cut into pipeline stages"
         )
-    positions = []
-    for point in split_points:
-        if point not in names:
-            raise ValueError(
-                f"pipeline.split_points: {point!r} names no top-level module; the model's are "
-                f"{names}"
-            )
-        positions.append(names.index(point))
-    if positions != sorted(positions) or 0 in positions:
-        raise ValueError(
-            f"pipeline.split_points: {list(split_points)} must follow the model's order "
-            f"{names} and leave the first stage at least one layer"
-        )
-    bounds = [0, *positions, len(names)]
+    bounds = _bounds(split_points, names, what="top-level module")
     children = dict(model.named_children())
     return [
         nn.Sequential(OrderedDict((n, children[n]) for n in names[start:end]))
         for start, end in itertools.pairwise(bounds)
     ]
+
+
+def blocks_of(model: nn.Module) -> str | None:
+    """The name of the ``nn.ModuleDict`` child whose blocks a model is cut between (its
+    ``pipeline_blocks``); None for a model that does not declare one."""
+    name = getattr(model, "pipeline_blocks", None)
+    if name is None:
+        return None
+    if not isinstance(getattr(model, name, None), nn.ModuleDict):
+        raise ValueError(
+            f"model: {type(model).__name__}.pipeline_blocks names {name!r}, which is not an "
+            "nn.ModuleDict child of it"
+        )
+    return name
+
+
+def _bounds(split_points: Sequence[str], names: Sequence[str], *, what: str) -> list[int]:
+    """Where each stage begins and the last ends, as indices into ``names``."""
+    positions = []
+    for point in split_points:
+        if point not in names:
+            raise ValueError(
+                f"pipeline.split_points: {point!r} names no {what}; the model's are {list(names)}"
+            )
+        positions.append(names.index(point))
+    if positions != sorted(set(positions)) or 0 in positions:
+        raise ValueError(
+            f"pipeline.split_points: {list(split_points)} must follow the model's order "
+            f"{list(names)} and leave the first stage at least one of them"
+        )
+    return [0, *positions, len(names)]
+
+
+def _cut_between_blocks(model: nn.Module, split_points: Sequence[str]) -> list[nn.Module]:
+    blocks_name = blocks_of(model)
+    blocks = getattr(model, blocks_name)
+    points = [f"{blocks_name}.{key}" for key in blocks]
+    bounds = _bounds(split_points, points, what=f"block of {type(model).__name__}")
+    children = [name for name, _ in model.named_children()]
+    at = children.index(blocks_name)
+    before, after = children[:at], children[at + 1 :]
+    keys = list(blocks)
+    stages = []
+    for index, (start, end) in enumerate(itertools.pairwise(bounds)):
+        stage = _shallow_copy(model)
+        dropped = [*(before if index > 0 else []), *(after if end < len(keys) else [])]
+        for name in dropped:
+            setattr(stage, name, None)
+        setattr(stage, blocks_name, nn.ModuleDict({key: blocks[key] for key in keys[start:end]}))
+        stages.append(stage)
+    return stages
+
+
+def _shallow_copy(model: nn.Module) -> nn.Module:
+    """A new module object of ``model``'s class that shares its children, parameters and
+    buffers, with tables of its own: a child set to None, or a hook a wrapper registers, on
+    the copy leaves ``model`` as it is."""
+    twin = copy.copy(model)
+    for name, value in vars(model).items():
+        if isinstance(value, dict | set):
+            twin.__dict__[name] = copy.copy(value)
+    return twin
 
 
 def even_split(names: Sequence[str], n_stages: int) -> list[str]:
@@ -71,8 +132,9 @@ def even_split(names: Sequence[str], n_stages: int) -> list[str]:
 
 
 def is_traced(model: nn.Module) -> bool:
-    """Whether ``model`` is cut by tracing: anything but an ``nn.Sequential``."""
-    return not isinstance(model, nn.Sequential)
+    """Whether ``model`` is cut by tracing: anything but an ``nn.Sequential`` or a model that
+    names its blocks."""
+    return not isinstance(model, nn.Sequential) and blocks_of(model) is None
 
 
 @dataclass(frozen=True)
@@ -126,15 +188,31 @@ def _module_calls(model: nn.Module, sample: torch.Tensor) -> _Calls:
     return _Calls(order=tuple(order), counts=counts, places=places)
 
 
+def check_tensor_parallel_stages(model: nn.Module) -> None:
+    """Refuse, naming ``parallel.tp``, a model whose stages a tensor-parallel plan cannot
+    split: a traced stage's layers are nodes of a graph, not the modules a plan names."""
+    if is_traced(model):
+        raise ValueError(
+            f"parallel.tp: {type(model).__name__}'s pipeline stages are traced, and a traced "
+            "stage's layers are graph nodes that a tensor-parallel plan cannot split; set "
+            "parallel.tp = 1, or make the model an nn.Sequential or name its blocks "
+            "(pipeline_blocks, as workers.models.GPT does)"
+        )
+
+
 def cut_points(model: nn.Module, sample: torch.Tensor, *, depth: int = 2) -> list[str]:
     """Where a stage of ``model`` may begin, in the order its forward runs; the first entry
     names where the model itself begins (no cut goes there). What the planner profiles.
 
-    An ``nn.Sequential``: its top-level children. Any other model: the module paths up to
+    An ``nn.Sequential``: its top-level children. A model that names its blocks: each block
+    (``layers.0``, ``layers.1``, …). Any other model: the module paths up to
     ``depth`` levels deep (resnet: ``layer1`` … ``layer4`` and ``layer1.1`` …) that run once per
     forward, one per place (``layer1`` and ``layer1.0`` begin at the same place: ``layer1``),
     except in-place activations.
     """
+    blocks_name = blocks_of(model)
+    if blocks_name is not None:
+        return [f"{blocks_name}.{key}" for key in getattr(model, blocks_name)]
     if not is_traced(model):
         return [name for name, _ in model.named_children()]
     return _candidates(model, _module_calls(model, sample), depth=depth)

@@ -16,15 +16,17 @@ def gpt(model: nn.Module, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
     first layer by columns (each rank a share of the heads and hidden units), the attention's
     output and the feed-forward's second layer by rows (their partial sums all-reduced). The
     embeddings, norms and head stay whole on every rank."""
-    heads = model.layers[0].attention.n_heads if len(model.layers) else 0
+    # A pipeline stage holds some of the blocks (keeping their names): the plan is for those.
+    blocks = list(model.layers.items())
+    heads = blocks[0][1].attention.n_heads if blocks else 0
     if heads % mesh.size():
         raise ModelError(
             f"model.kwargs: n_heads = {heads} does not split over parallel.tp = {mesh.size()}; "
             "choose n_heads a multiple of tp"
         )
     plan: dict[str, ParallelStyle] = {}
-    for index in range(len(model.layers)):
-        block = f"layers.{index}"
+    for key, _ in blocks:
+        block = f"layers.{key}"
         plan |= {f"{block}.attention.{name}": ColwiseParallel() for name in ("wq", "wk", "wv")}
         plan[f"{block}.attention.wo"] = RowwiseParallel()
         plan[f"{block}.feed_forward.w1"] = ColwiseParallel()

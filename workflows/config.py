@@ -22,6 +22,7 @@ from workers.config_models import (
     ParallelConfig,
     PipelineConfig,
     ShardingSettings,
+    StagingSettings,
     TrainingConfig,
 )
 from workers.layout import Layout, given_stage_replicas
@@ -102,7 +103,7 @@ class RunConfig(BaseModel):
             self._check_sharded(ranks)
         else:
             self.layout(ranks or 1)
-        if self.parallel.tp > 1 and self.training.strategy not in SHARDED:
+        if self.parallel.tp > 1 and self.training.strategy not in SHARDED + STAGED:
             self.layout(self.parallel.tp)  # says which strategies tensor parallelism composes with
         return self
 
@@ -112,12 +113,7 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
             )
-        if parallel.tp > 1 and self.model.resolved_tp_plan is None:
-            raise ValueError(
-                f"model.tp_plan: parallel.tp = {parallel.tp} splits the model's layers by its "
-                "tensor-parallel plan; set model.tp_plan = 'package.module:plan' (plan(model, "
-                "mesh) returns it), or parallel.tp = 1"
-            )
+        self._check_tp_plan()
         if self.fsdp.cpu_offload and self.cluster.kind == "cpu":
             raise ValueError(
                 "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
@@ -129,6 +125,15 @@ class RunConfig(BaseModel):
             self.layout(world_size)
         elif strategy == "hsdp" and not parallel.given:
             self.layout(1)  # says which degree hsdp needs, whatever the world size
+
+    def _check_tp_plan(self) -> None:
+        tp = self.parallel.tp
+        if tp > 1 and self.model.resolved_tp_plan is None:
+            raise ValueError(
+                f"model.tp_plan: parallel.tp = {tp} splits the model's layers by its "
+                "tensor-parallel plan; set model.tp_plan = 'package.module:plan' (plan(model, "
+                "mesh) returns it), or parallel.tp = 1"
+            )
 
     def _check_staged(self, world_size: int | None) -> None:
         t, p, strategy = self.training, self.pipeline, self.training.strategy
@@ -147,6 +152,7 @@ class RunConfig(BaseModel):
                 f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
             )
         replicas = given_stage_replicas(p, self.parallel)
+        self._check_tp_plan()
         if strategy == "model_parallel" and ((replicas or 1) > 1 or p.stages_per_rank > 1):
             field = "pipeline.dp" if p.dp > 1 or p.stages_per_rank > 1 else "parallel"
             raise ValueError(
@@ -188,20 +194,31 @@ class RunConfig(BaseModel):
 
     def _checked_cut(self) -> list[str]:
         """The cut points of a model whose layers are not written out in MODEL_LAYERS: it is
-        built and traced here (this imports torch), so that a model that does not trace, or a
-        split point where no stage can begin, is a config error before anything launches."""
-        import torch
-
+        built (and, unless it names its blocks, traced) here, which imports torch, so that a
+        model that does not trace, or a split point where no stage can begin, is a config error
+        before anything launches."""
+        from workers.data import zero_samples
         from workers.models import build_model
-        from workers.stage_cuts import check_cut
+        from workers.stage_cuts import check_cut, check_tensor_parallel_stages
 
-        p, size = self.pipeline, self.data.image_size
+        p, data = self.pipeline, self.data
         m = p.n_microbatches if self.training.strategy == "pipeline" else 1
         replicas = given_stage_replicas(p, self.parallel) or 1  # whatever the world
         micro_batch = max(1, self.training.batch_size // replicas // m)
         # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
-        model = build_model(self.model, num_classes=10, seed=self.training.seed, image_size=size)
-        return check_cut(model, torch.zeros(micro_batch, 3, size, size), p.split_points)
+        model = build_model(
+            self.model, num_classes=10, seed=self.training.seed, input_shape=data.sample_shape
+        )
+        if self.parallel.tp > 1:
+            check_tensor_parallel_stages(model)
+        sample = zero_samples(micro_batch, data.sample_shape, tokens=data.tokens)
+        return check_cut(model, sample, p.split_points)
+
+    @property
+    def staging(self) -> StagingSettings:
+        """What ``pipeline`` and ``model_parallel`` are given: ``[pipeline]`` and the model's
+        TP plan."""
+        return StagingSettings(pipeline=self.pipeline, tp_plan=self.model.resolved_tp_plan)
 
     @property
     def sharding(self) -> ShardingSettings:

@@ -312,7 +312,8 @@ def _train_prepared(
             num_classes=manifest.num_classes,
             build=None if factory is None else model_builder(config, manifest.num_classes, factory),
         )
-        settings = config.pipeline.model_copy(update={"split_points": points})
+        cut = config.pipeline.model_copy(update={"split_points": points})
+        settings = config.staging.model_copy(update={"pipeline": cut})
     # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
     checkpoints = config.checkpoint.directory
     if checkpoints:

@@ -19,7 +19,12 @@ from workers.config_models import MODEL_LAYERS
 from workers.data import zero_samples
 from workers.layout import Layout
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
-from workers.stage_cuts import check_cut, cut_points, even_split
+from workers.stage_cuts import (
+    check_cut,
+    check_tensor_parallel_stages,
+    cut_points,
+    even_split,
+)
 from workers.strategies import STAGED
 from workflows.cluster import live_workers
 from workflows.config import ConfigError, RunConfig
@@ -421,7 +426,10 @@ def resolve_split_points(
     if build is not None:
         # The config checked the cut of model.name's model when it loaded, not this one's.
         try:
-            check_cut(build(), _sample(config, layout.micro_batch), p.split_points)
+            model = build()
+            if layout.tp > 1:
+                check_tensor_parallel_stages(model)
+            check_cut(model, _sample(config, layout.micro_batch), p.split_points)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if p.split_points is not None:

@@ -4,7 +4,7 @@ This file imports nothing, so that a config validates without torch: it only nam
 strategies. Adding one means adding its module ``workers/strategies/<name>.py`` (the registry
 imports a strategy's module by its name) and its name below; a test checks they agree. A
 parallelism that composes into strategies rather than being one (``tensor_parallel``, which
-``fsdp`` and ``hsdp`` apply) registers nothing.
+``fsdp``, ``hsdp`` and the staged strategies apply) registers nothing.
 """
 
 STRATEGIES = ("ddp", "data_parallel", "model_parallel", "pipeline", "fsdp", "hsdp")
@@ -14,8 +14,8 @@ STAGED = ("model_parallel", "pipeline")
 SHARDED = ("fsdp", "hsdp")
 # The RunConfig attribute whose settings a strategy's prepare() is given (none: it takes none).
 SETTINGS_SECTION = {
-    "model_parallel": "pipeline",
-    "pipeline": "pipeline",
+    "model_parallel": "staging",
+    "pipeline": "staging",
     "fsdp": "sharding",
     "hsdp": "sharding",
 }

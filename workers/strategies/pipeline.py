@@ -1,10 +1,12 @@
 """Model and pipeline parallelism with ``torch.distributed.pipelining``, optionally x data parallel.
 
 The model is cut into stages as ``workers/stage_cuts.py`` says (named children of an
-``nn.Sequential``, or traced at module paths). Ranks form a ``(pp, dp)`` mesh: the ``pp`` ranks
-of a row hold one stage each (or several, interleaved) and pass activations forward and
-gradients back; the ``dp`` replicas of a stage are FSDP2 shards (the mesh's ``dp_shard``) or DDP
-replicas (``dp_replicate``), as the layout says. Model
+``nn.Sequential``, between the blocks of a model that names them, or traced at module paths).
+Ranks form a ``(pp, dp, tp)`` mesh: the ``pp`` ranks of a row hold one stage each (or several,
+interleaved) and pass activations forward and gradients back; the ``dp`` replicas of a stage are
+FSDP2 shards (the mesh's ``dp_shard``) or DDP replicas (``dp_replicate``), as the layout says;
+the ``tp`` ranks of a replica split each stage's layers by the model's tensor-parallel plan
+(stages cut without tracing: a traced stage's layers are graph nodes no plan can name). Model
 parallelism is the degenerate pipeline: one micro-batch, so only one stage works at a time,
 exactly the seed article's ModelPart1 → ModelPart2.
 """
@@ -28,13 +30,19 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.config_models import PipelineConfig
+from workers.config_models import PipelineConfig, StagingSettings
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.layout import Layout
 from workers.precision import Precision
-from workers.stage_cuts import cut_into_stages, is_traced, trace_stages
+from workers.stage_cuts import (
+    check_tensor_parallel_stages,
+    cut_into_stages,
+    is_traced,
+    trace_stages,
+)
 from workers.strategies.base import EpochSums, Strategy, register
+from workers.strategies.tensor_parallel import apply_plan_part, tensor_parallel_plan
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -55,6 +63,7 @@ class Pipeline:
     pp_size: int
     dp_rank: int
     dp_size: int
+    tp_rank: int  # the tp ranks of a replica compute the same losses: the first counts them
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup | None
     mesh: DeviceMesh
@@ -81,14 +90,16 @@ def apply_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     sample: torch.Tensor | None = None,
+    tp_plan: str | None = None,
 ) -> Pipeline:
     """Keep this rank's stages of ``model`` and build the schedule that runs them.
 
     The default process group must be initialized with ``layout.world_size`` ranks, which form
-    the layout's ``(pp, dp)`` mesh. ``config.split_points`` must be resolved. One micro-batch is
-    plain model parallelism. A model that is not an ``nn.Sequential`` is traced on ``sample``,
-    one micro-batch of inputs on the CPU, once as it trains and, unless FSDP shards its stages,
-    once in eval mode for validation.
+    the layout's ``(pp, dp, tp)`` mesh. ``config.split_points`` must be resolved. One
+    micro-batch is plain model parallelism. A model that is traced (``stage_cuts.is_traced``)
+    is traced on ``sample``, one micro-batch of inputs on the CPU, once as it trains and,
+    unless FSDP shards its stages, once in eval mode for validation. ``tp_plan`` (the model's,
+    ``model.tp_plan``) splits each stage's layers where ``layout.tp > 1``.
     """
     if dist.get_world_size() != layout.world_size:
         raise ValueError(
@@ -97,8 +108,13 @@ def apply_pipeline(
         )
     if config.split_points is None:
         raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
-    pp, dp, n_stages = layout.pp, layout.dp, layout.n_stages
+    pp, dp, tp, n_stages = layout.pp, layout.dp, layout.tp, layout.n_stages
     sharded = layout.dp_shard > 1
+    # The replicas' dimension: FSDP2's shards, or DDP's copies (one of them: the layout
+    # refuses both); a pipeline of one copy keeps dp_shard, of size 1, to index.
+    replicas = "dp_shard" if sharded or dp == 1 else "dp_replicate"
+    mesh = build_device_mesh(layout, device, keep=("pp", replicas))
+    plan = _tensor_parallel_plan(model, mesh=mesh, tp_plan=tp_plan) if tp > 1 else None
     pipe = eval_pipe = None
     if is_traced(model):
         if sample is None:
@@ -116,14 +132,11 @@ def apply_pipeline(
             f"stages, but {pp} pipeline ranks x {layout.stages_per_rank} stages per rank need "
             f"{n_stages}"
         )
-    # The replicas' dimension: FSDP2's shards, or DDP's copies (one of them: the layout
-    # refuses both); a pipeline of one copy keeps dp_shard, of size 1, to index.
-    replicas = "dp_shard" if sharded or dp == 1 else "dp_replicate"
-    mesh = build_device_mesh(layout, device, keep=("pp", replicas))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank(replicas)
+    tp_rank = mesh.get_local_rank("tp") if tp > 1 else 0
     pp_group = mesh.get_group("pp")
     dp_group = mesh.get_group(replicas) if dp > 1 else None
-    assert dist.get_rank() == pp_rank * dp + dp_rank
+    assert dist.get_rank() == (pp_rank * dp + dp_rank) * tp + tp_rank
 
     # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
     mine = list(range(pp_rank, n_stages, pp))
@@ -134,6 +147,8 @@ def apply_pipeline(
             # The tracer burns the trace's device into ops that make tensors (torch.zeros …);
             # Pipe.build_stage moves them the same way, but builds on the unwrapped module.
             _modify_graph_op_device(stage, device)
+        if plan is not None:
+            stage = apply_plan_part(stage, mesh=mesh["tp"], plan=plan)
         module = _replicate(stage, mesh=mesh, device=device, traced=pipe is not None)
         modules.append(module)
         if pipe is None:
@@ -163,11 +178,20 @@ def apply_pipeline(
         pp_size=pp,
         dp_rank=dp_rank,
         dp_size=dp,
+        tp_rank=tp_rank,
         pp_group=pp_group,
         dp_group=dp_group,
         mesh=mesh,
         traced=pipe is not None,
     )
+
+
+def _tensor_parallel_plan(model: nn.Module, *, mesh: DeviceMesh, tp_plan: str | None) -> dict:
+    """The whole model's plan, for its stages to split their part of it by."""
+    if tp_plan is None:
+        raise ValueError("model.tp_plan: parallel.tp > 1 needs the model's plan")
+    check_tensor_parallel_stages(model)
+    return tensor_parallel_plan(model, mesh=mesh["tp"], plan_path=tp_plan)
 
 
 def _schedule(
@@ -296,16 +320,21 @@ class PipelineStrategy(Strategy):
         precision: Precision,
         sample: torch.Tensor | None = None,
     ) -> "PipelineStrategy":
-        if not isinstance(settings, PipelineConfig):
+        if not isinstance(settings, StagingSettings):
             raise ValueError(f"{cls.name}: needs the [pipeline] section, split points resolved")
-        pipeline = settings
 
         def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             # The trainer sets the criterion after prepare: read it when the schedule calls.
             return strategy.criterion(output, target)
 
         pipe = apply_pipeline(
-            model, config=pipeline, layout=layout, loss_fn=loss, device=device, sample=sample
+            model,
+            config=settings.pipeline,
+            layout=layout,
+            loss_fn=loss,
+            device=device,
+            sample=sample,
+            tp_plan=settings.tp_plan,
         )
         strategy = cls(pipe, layout=layout, device=device)
         return strategy
@@ -331,7 +360,8 @@ class PipelineStrategy(Strategy):
             return None
         # Micro-batches are equal in size, so their mean loss is the batch's.
         loss = torch.stack(losses).detach().mean()
-        sums.add(loss, logits, y)
+        if pipe.tp_rank == 0:
+            sums.add(loss, logits, y)
         return loss
 
     def clip_grad_norm(self, max_norm: float) -> None:
@@ -370,7 +400,7 @@ class PipelineStrategy(Strategy):
                     # The eval-mode stages' schedule computes no loss, so it takes no target.
                     target=y.to(device) if pipe.is_last and pipe.eval_schedule is None else None,
                 )
-            if pipe.is_last and real:
+            if pipe.is_last and real and pipe.tp_rank == 0:
                 # Scored as the whole-model strategies score (Strategy.criterion, EpochSums).
                 logits, y = logits[:real].float(), y[:real].to(device)
                 sums.add(self.criterion(logits, y), logits, y)
@@ -380,5 +410,6 @@ class PipelineStrategy(Strategy):
         return self.criterion.metrics(sums.all_reduced())
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        state = full_state_dict(self.pipe)  # gathers FSDP shards: every replica takes part
-        return state if self.pipe.dp_rank == 0 else None
+        # Gathers FSDP shards and tp slices: every rank takes part.
+        state = full_state_dict(self.pipe)
+        return state if self.pipe.dp_rank == 0 and self.pipe.tp_rank == 0 else None

@@ -1,8 +1,9 @@
 """Tensor parallelism: the ranks of a ``tp`` mesh each hold a slice of the layers the model's
 plan names, and run every batch together (``torch.distributed.tensor.parallel``).
 
-Not a strategy of its own: ``fsdp`` and ``hsdp`` apply it first, on the ``tp`` dimension of
-their mesh, when ``parallel.tp > 1``. The plan is the model's to give (``model.tp_plan``): which
+Not a strategy of its own: ``fsdp``, ``hsdp`` and the staged strategies (``pipeline``,
+``model_parallel``, on each stage) apply it first, on the ``tp`` dimension of their mesh, when
+``parallel.tp > 1``. The plan is the model's to give (``model.tp_plan``): which
 layers are split by columns, which by rows, is a fact of the architecture.
 """
 
@@ -16,6 +17,16 @@ from workers.model_sources import ModelError, import_object
 def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan_path: str) -> nn.Module:
     """Split ``model``'s layers over ``mesh`` as the plan at ``plan_path`` says:
     ``plan(model, mesh)`` returns ``{module name: ParallelStyle}`` for ``parallelize_module``."""
+    plan = tensor_parallel_plan(model, mesh=mesh, plan_path=plan_path)
+    return parallelize_module(model, mesh, plan)
+
+
+def tensor_parallel_plan(
+    model: nn.Module, *, mesh: DeviceMesh, plan_path: str
+) -> dict[str, ParallelStyle]:
+    """The plan at ``plan_path`` for the whole ``model``, checked: every name one of its
+    modules, every value a ``ParallelStyle``. A pipeline's stage applies the part of it that
+    names its own modules (:func:`apply_plan_part`)."""
     plan = import_object(plan_path, field="model.tp_plan")(model, mesh)
     if not isinstance(plan, dict) or not plan:
         raise ModelError(
@@ -31,4 +42,13 @@ def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan_path: str)
                 f"model.tp_plan: {plan_path} gives {name!r} a {type(style).__name__}, not a "
                 "ParallelStyle"
             )
-    return parallelize_module(model, mesh, plan)
+    return plan
+
+
+def apply_plan_part(
+    stage: nn.Module, *, mesh: DeviceMesh, plan: dict[str, ParallelStyle]
+) -> nn.Module:
+    """Split a pipeline stage's layers by the whole model's ``plan``: the stage keeps the
+    model's module names, and the entries naming other stages' modules are theirs."""
+    named = dict(stage.named_modules())
+    return parallelize_module(stage, mesh, {k: v for k, v in plan.items() if k in named})

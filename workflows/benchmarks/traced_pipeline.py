@@ -26,7 +26,7 @@ import torch
 import torchvision
 from torch import nn
 
-from workers.config_models import PipelineConfig, TrainingConfig
+from workers.config_models import PipelineConfig, StagingSettings, TrainingConfig
 from workers.layout import Layout
 from workers.precision import Precision
 from workers.strategies.base import EpochSums, get_strategy
@@ -59,7 +59,7 @@ def steady_samples_per_s(
         layout=layout,
         rank=ctx.rank,
         device=ctx.device,
-        settings=config,
+        settings=StagingSettings(pipeline=config),
         precision=precision,
         sample=torch.zeros(layout.micro_batch, *IMAGE),
     )
