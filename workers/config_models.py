@@ -78,6 +78,12 @@ class CheckpointConfig(BaseModel):
         # Absolute, so workers started elsewhere read the same path.
         return str(path)
 
+    def resolved(self) -> "CheckpointConfig":
+        """A copy with the folder made absolute on the client (workers may run elsewhere)."""
+        if self.directory is None or "://" in self.directory:
+            return self
+        return self.model_copy(update={"directory": str(Path(self.directory).absolute())})
+
 
 # Files of the user's own, read as Dask collections rather than built into a store.
 USER_DATASETS = ("parquet", "zarr")

@@ -360,8 +360,8 @@ def plan(
     """Profile CONFIG's model on a worker; print the stage split and the strategy that fits."""
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
     _start_worker_imports(resolved)
-    from workflows.cluster import live_workers, start_cluster
-    from workflows.launcher import select_workers
+    from workflows.cluster import start_cluster
+    from workflows.launcher import ranks_for
     from workflows.planner import plan as plan_stages
     from workflows.stores import read_manifest
 
@@ -371,8 +371,7 @@ def plan(
     num_classes = len(manifest["classes"]) if manifest else 10
     # A ValueError here is the planner's: the model does not fit the stages it is given.
     with _exit_codes("planning", ValueError), start_cluster(resolved.cluster) as cluster:
-        chosen = select_workers(live_workers(cluster.client), resolved.launch.workers)
-        world_size = resolved.world_size or len(chosen)
+        world_size = resolved.world_size or ranks_for(cluster.client, resolved.launch)
         resolved.check_batch(world_size)
         result = plan_stages(
             cluster.client, resolved, world_size=world_size, num_classes=num_classes

@@ -22,14 +22,14 @@ from workers.model_sources import source_of
 from workers.strategies import STAGED
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
-from workflows.cluster import TrainingCluster, live_workers, start_cluster
+from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.collections import check_trainer_data, trainer_data
 from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, TrainingFailed, launch_on
-from workflows.launcher import select_workers
+from workflows.launcher import ranks_for
 from workflows.preprocess import prepare_store
 from workflows.stores import StoreManifest, read_manifest
 from workflows.tracking import Tracker
@@ -199,11 +199,20 @@ def _train_on(
     factory: Callable[..., torch.nn.Module] | None = None,
     stop: threading.Event | None = None,
 ) -> TrainResult:
+    # Resolved once, before anything starts, so that a batch that does not split is a config
+    # error rather than a failed job.
+    world_size = config.world_size or ranks_for(client, config.launch)
     if data is None and config.data.dataset in USER_DATASETS:
         data = read_user_dataset(config.data.resolved(), seed=config.training.seed)
     if data is None:
         return _train_prepared(
-            client, config, on_event, called_at=called_at, factory=factory, stop=stop
+            client,
+            config,
+            on_event,
+            called_at=called_at,
+            world_size=world_size,
+            factory=factory,
+            stop=stop,
         )
     classification = config.training.resolved_task == "classification"
     if config.data.collections == "store":
@@ -218,11 +227,12 @@ def _train_on(
             config.model_copy(update={"data": stored}),
             on_event,
             called_at=called_at,
+            world_size=world_size,
             factory=factory,
             manifest=manifest,
             stop=stop,
         )
-    settings = config.launch.model_copy(update={"world_size": _world_size(client, config)})
+    settings = config.launch.model_copy(update={"world_size": world_size})
     # The collections go where the ranks will run: the job holds its workers first.
     hold = JobHold(client, settings, name=config.name, on_event=on_event, stop=stop)
     with (
@@ -241,17 +251,12 @@ def _train_on(
             config,
             on_event,
             called_at=called_at,
+            world_size=world_size,
             collections=prepared.plan,
             factory=factory,
             stop=stop,
             hold=hold,
         )
-
-
-def _world_size(client: Client, config: RunConfig) -> int:
-    return config.world_size or max(
-        1, len(select_workers(live_workers(client), config.launch.workers))
-    )
 
 
 def _known_classes(
@@ -273,17 +278,16 @@ def _train_prepared(
     on_event: EventHandler | None,
     *,
     called_at: float,
+    world_size: int,
     collections: CollectionPlan | None = None,
     factory: Callable[..., torch.nn.Module] | None = None,
     manifest: StoreManifest | None = None,
     stop: threading.Event | None = None,
     hold: JobHold | None = None,
 ) -> TrainResult:
-    """Train from ``collections``, or from the store ``manifest`` describes, or else from the
-    store that preprocessing ``config.data`` builds (or finds complete)."""
-    # Resolve the world size before anything starts, so a batch that does not split is a
-    # config error rather than a failed job.
-    world_size = _world_size(client, config)
+    """Train ``world_size`` ranks from ``collections``, or from the store ``manifest``
+    describes, or else from the store that preprocessing ``config.data`` builds (or finds
+    complete)."""
     layout = config.layout(world_size)
     data = config.data.resolved()
     if factory is not None or not config.model.builtin or config.training.loss not in LOSSES:
@@ -314,19 +318,15 @@ def _train_prepared(
         )
         cut = config.pipeline.model_copy(update={"split_points": points})
         settings = config.staging.model_copy(update={"pipeline": cut})
-    # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
-    checkpoints = config.checkpoint.directory
-    if checkpoints:
-        checkpoints = str(Path(checkpoints).absolute())
+    checkpoint = config.checkpoint.resolved()
+    checkpoints = checkpoint.directory
     job = TrainJob(
         data=data,
         model=config.model,
         training=config.training,
         layout=layout,
         settings=settings,
-        checkpoint=config.checkpoint.model_copy(update={"directory": checkpoints})
-        if checkpoints
-        else None,
+        checkpoint=checkpoint if checkpoints else None,
         collections=collections,
         factory=factory,
     )

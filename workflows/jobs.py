@@ -53,7 +53,7 @@ from workflows.launcher import (
     hold_workers,
     run_bounded,
 )
-from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, TrainingMetrics
+from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, keep_training_metrics
 from workflows.tracking import Tracker, TrackingConfig
 
 logger = logging.getLogger(__name__)
@@ -364,8 +364,7 @@ def launch_on(
     """
     # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
     directory = str(Path(checkpoint_dir).absolute()) if checkpoint_dir is not None else None
-    # The scheduler keeps the latest figures of every job for /metrics and the Training page.
-    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    keep_training_metrics(client)
     hold = hold or JobHold(client, settings, name=name, on_event=on_event, stop=stop)
     job_id, admission = hold.job_id, hold.admission
     events = EventRelay(client, hold.topic, on_event)

@@ -642,6 +642,14 @@ def hold_workers(client: Client, admission: Admission, selection: WorkerSelectio
     return select_workers({a: info[a] for a in granted if a in info}, selection)
 
 
+def ranks_for(client: Client, config: LaunchConfig) -> int:
+    """How many ranks a job of ``config`` has: ``config.world_size``, or every worker of its
+    selection the cluster has now (at least one). The one place a job's size is resolved."""
+    if config.world_size:
+        return config.world_size
+    return max(1, len(select_workers(live_workers(client), config.workers)))
+
+
 def admit(
     client: Client,
     config: LaunchConfig,
@@ -653,7 +661,7 @@ def admit(
 ) -> Admission:
     """A job's place in the scheduler's queue: ``config.world_size`` workers of its selection
     (none: every eligible worker the cluster has now)."""
-    wanted = config.world_size or max(1, len(select_workers(live_workers(client), config.workers)))
+    wanted = ranks_for(client, config)
     request = Request(
         job_id=job_id,
         name=name,

@@ -214,9 +214,15 @@ class _Exporter:
 _exporter = _Exporter()
 
 
+def keep_training_metrics(client: Any) -> None:
+    """Make ``client``'s scheduler keep the latest figures of every job, for ``/metrics`` and
+    the Training page; a scheduler that keeps them already goes on as it was."""
+    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+
+
 def serve_training_page(client: Any) -> str | None:
     """Serve the Training page on ``client``'s scheduler from now on (otherwise the first
     training job does) and return its URL, or None when the scheduler has no dashboard."""
-    client.register_plugin(TrainingMetrics(), name=TrainingMetrics.name)
+    keep_training_metrics(client)
     link = client.dashboard_link
     return training_page_url(link) if link else None
