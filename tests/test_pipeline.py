@@ -138,7 +138,10 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
         ({"launch": {"world_size": 12}, "cluster": {"n_workers": 12}}, "need at least 12 layers"),
         ({"parallel": {"pp": 3}}, "parallel.pp: 3 does not divide the world size 2"),
         ({"parallel": {"pp": 2, "dp_shard": 2}}, "pp x replicas = 2 x 2 must equal the world size"),
-        ({"parallel": {"dp_shard": 2, "dp_replicate": 2}}, "sharded (dp_shard, FSDP2) or"),
+        (
+            {"parallel": {"dp_shard": 2, "dp_replicate": 2}},
+            "parallel.dp_shard: 2 workers do not split into replicas of 4",
+        ),
         ({"parallel": {"dp_shard": 2}, "pipeline": {"dp": 2}}, "replaces pipeline.dp"),
         (
             {"parallel": {"dp_replicate": 2}, "pipeline": {"schedule": "gpipe"}},

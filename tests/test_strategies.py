@@ -58,6 +58,24 @@ def test_a_pipeline_times_data_parallel_is_a_pp_by_dp_mesh():
     assert [layout.dp_rank(rank) for rank in range(4)] == [0, 1, 0, 1]
 
 
+def test_a_pipeline_takes_every_other_degree_on_one_mesh():
+    # PP x HSDP x TP: 2 stages, each held by 2 copies of 2 shards, each shard split over 2.
+    layout = _layout(
+        16,
+        data={"dataset": "text", "root": "python:json", "sequence_length": 8},
+        model={"name": "gpt", "kwargs": {"dim": 16, "n_heads": 2}},
+        training={"strategy": "pipeline", "batch_size": 32},
+        parallel={"pp": 2, "dp_replicate": 2, "dp_shard": 2, "tp": 2},
+        pipeline={"n_microbatches": 2},
+    )
+    degrees = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    assert degrees == (2, 2, 2, 2)
+    # Rank (pp, copy, shard, tp) = ((pp * 2 + copy) * 2 + shard) * 2 + tp: the 4 replicas read
+    # 8 rows each, the tp ranks of one the same rows; the first of the last stage reports.
+    assert [layout.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (layout.per_rank_batch, layout.micro_batch, layout.reporting_rank) == (8, 4, 8)
+
+
 def test_model_parallel_is_a_pipeline_of_one_micro_batch():
     layout = _layout(2, training={"strategy": "model_parallel", "batch_size": 32})
     assert (layout.pp, layout.dp, layout.n_microbatches, layout.micro_batch) == (2, 1, 1, 32)

@@ -112,7 +112,7 @@ class Layout:
         strategy, batch = training.strategy, training.batch_size
         # The tp ranks of each stage's replica split its layers: the stages and their
         # replicas share what is left.
-        pp, dp, sharded = _stage_degrees(pipeline, parallel, world_size=world_size, tp=tp)
+        pp, dp, shard = _stage_degrees(pipeline, parallel, world_size=world_size, tp=tp)
         if strategy == "model_parallel" and pp < 2:
             raise ValueError(
                 "launch.world_size: model_parallel needs at least 2 workers to hold 2 stages"
@@ -139,7 +139,7 @@ class Layout:
             batch_size=batch,
             n_microbatches=m,
             stages_per_rank=pipeline.stages_per_rank,
-            dp_shard=dp if sharded else 1,
+            dp_shard=shard,
             tp=tp,
         )
 
@@ -177,10 +177,12 @@ class Layout:
 
 def _stage_degrees(
     pipeline: "PipelineConfig", parallel: "ParallelConfig | None", *, world_size: int, tp: int = 1
-) -> tuple[int, int, bool]:
-    """A staged run's ranks per row of stages (``pp``), its replicas of each stage, and whether
-    FSDP2 shards the replicas (rather than DDP averaging them), on the ``world_size / tp``
-    ranks that ``tp`` leaves (each of them ``tp`` ranks splitting its stages' layers)."""
+) -> tuple[int, int, int]:
+    """A staged run's ranks per row of stages (``pp``), its replicas of each stage, and how many
+    of those FSDP2 shards each copy over (``dp_shard``: 1 where DDP averages whole copies; the
+    replicas itself where they are all shards of one; between, HSDP's replicas of shards), on
+    the ``world_size / tp`` ranks that ``tp`` leaves (each of them ``tp`` ranks splitting its
+    stages' layers)."""
     whole = f"the world size {world_size}"
     if tp > 1:
         whole = f"world size / tp = {world_size} / {tp}"
@@ -188,11 +190,6 @@ def _stage_degrees(
     given_pp = parallel.pp if parallel is not None else None
     shard = parallel.dp_shard if parallel is not None else None
     replicate = parallel.dp_replicate if parallel is not None else None
-    if (shard or 1) > 1 and (replicate or 1) > 1:
-        raise ValueError(
-            "parallel: a pipeline's stages are sharded (dp_shard, FSDP2) or replicated "
-            "(dp_replicate, DDP), not both; set one of them"
-        )
     given = given_stage_replicas(pipeline, parallel)
     if parallel is not None and parallel.given:
         if pipeline.dp > 1:
@@ -200,7 +197,8 @@ def _stage_degrees(
                 "pipeline.dp: the stages' replicas are given once; parallel.dp_shard (FSDP2) "
                 "or parallel.dp_replicate (DDP) replaces pipeline.dp and pipeline.dp_mode"
             )
-        sharded = replicate in (None, 1)
+        # Shards (FSDP2), copies of shards (HSDP) or whole copies (DDP, dp_shard unset).
+        sharded = replicate in (None, 1) or (shard or 1) > 1
         dp, field = given, "parallel.dp_shard" if sharded else "parallel.dp_replicate"
     elif given is None:  # parallel.pp alone: the replicas are what the world leaves
         if world_size % given_pp:
@@ -223,18 +221,19 @@ def _stage_degrees(
                 "the replicas as parallel.dp_shard (FSDP2)"
             )
         pipeline.check_ddp_stages(field, "use parallel.dp_shard")
-    return world_size // dp, dp, sharded
+    if not sharded:
+        return world_size // dp, dp, 1
+    return world_size // dp, dp, dp // (replicate or 1)
 
 
 def given_stage_replicas(
     pipeline: "PipelineConfig", parallel: "ParallelConfig | None"
 ) -> int | None:
     """A staged run's replicas of each stage as its config gives them, before any world size:
-    ``parallel.dp_shard`` or ``dp_replicate``, else ``pipeline.dp``; None where ``parallel.pp``
+    ``parallel.dp_replicate x dp_shard``, else ``pipeline.dp``; None where ``parallel.pp``
     alone leaves them to the world size."""
     if parallel is not None and parallel.given:
-        replicate = parallel.dp_replicate or 1
-        return replicate if replicate > 1 else parallel.dp_shard or 1
+        return (parallel.dp_replicate or 1) * (parallel.dp_shard or 1)
     if parallel is not None and parallel.pp is not None:
         return None
     return pipeline.dp

@@ -4,7 +4,8 @@ The model is cut into stages as ``workers/stage_cuts.py`` says (named children o
 ``nn.Sequential``, between the blocks of a model that names them, or traced at module paths).
 Ranks form a ``(pp, dp, tp)`` mesh: the ``pp`` ranks of a row hold one stage each (or several,
 interleaved) and pass activations forward and gradients back; the ``dp`` replicas of a stage are
-FSDP2 shards (the mesh's ``dp_shard``) or DDP replicas (``dp_replicate``), as the layout says;
+FSDP2 shards (the mesh's ``dp_shard``), DDP replicas (``dp_replicate``) or both (HSDP), as the
+layout says;
 the ``tp`` ranks of a replica split each stage's layers by the model's tensor-parallel plan
 (stages cut without tracing: a traced stage's layers are graph nodes no plan can name). Model
 parallelism is the degenerate pipeline: one micro-batch, so only one stage works at a time,
@@ -110,10 +111,10 @@ def apply_pipeline(
         raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
     pp, dp, tp, n_stages = layout.pp, layout.dp, layout.tp, layout.n_stages
     sharded = layout.dp_shard > 1
-    # The replicas' dimension: FSDP2's shards, or DDP's copies (one of them: the layout
-    # refuses both); a pipeline of one copy keeps dp_shard, of size 1, to index.
-    replicas = "dp_shard" if sharded or dp == 1 else "dp_replicate"
-    mesh = build_device_mesh(layout, device, keep=("pp", replicas))
+    # The replicas' dimensions: FSDP2's shards, DDP's copies, or HSDP's copies of shards; a
+    # pipeline of one copy keeps dp_shard, of size 1, to index.
+    replicas = _replica_dimensions(layout)
+    mesh = build_device_mesh(layout, device, keep=("pp", *replicas))
     plan = _tensor_parallel_plan(model, mesh=mesh, tp_plan=tp_plan) if tp > 1 else None
     pipe = eval_pipe = None
     if is_traced(model):
@@ -132,10 +133,11 @@ def apply_pipeline(
             f"stages, but {pp} pipeline ranks x {layout.stages_per_rank} stages per rank need "
             f"{n_stages}"
         )
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank(replicas)
+    replica_mesh = mesh[replicas] if len(replicas) == 1 else mesh[replicas]._flatten("dp")
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), replica_mesh.get_local_rank()
     tp_rank = mesh.get_local_rank("tp") if tp > 1 else 0
     pp_group = mesh.get_group("pp")
-    dp_group = mesh.get_group(replicas) if dp > 1 else None
+    dp_group = replica_mesh.get_group() if dp > 1 else None
     assert dist.get_rank() == (pp_rank * dp + dp_rank) * tp + tp_rank
 
     # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
@@ -184,6 +186,15 @@ def apply_pipeline(
         mesh=mesh,
         traced=pipe is not None,
     )
+
+
+def _replica_dimensions(layout: Layout) -> tuple[str, ...]:
+    """The mesh dimensions over which a stage's replicas run, outermost first."""
+    if layout.dp_shard > 1 and layout.dp_replicate > 1:
+        return ("dp_replicate", "dp_shard")  # HSDP: copies of shards
+    if layout.dp_shard > 1 or layout.dp == 1:
+        return ("dp_shard",)
+    return ("dp_replicate",)
 
 
 def _tensor_parallel_plan(model: nn.Module, *, mesh: DeviceMesh, tp_plan: str | None) -> dict:
@@ -249,8 +260,12 @@ def _replicate(
     module: nn.Module, *, mesh: DeviceMesh, device: torch.device, traced: bool = False
 ) -> nn.Module:
     """Make the dp replicas of one stage average their gradients: DDP over the mesh's
-    ``dp_replicate`` dimension, or FSDP2 over its ``dp_shard`` one."""
+    ``dp_replicate`` dimension, FSDP2 over its ``dp_shard`` one, or HSDP over both."""
     names = mesh.mesh_dim_names or ()
+    from torch.distributed.fsdp import fully_shard
+
+    if "dp_replicate" in names and "dp_shard" in names and mesh["dp_shard"].size() > 1:
+        return fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"])
     if "dp_replicate" in names:
         wrapper = _TracedStageDDP if traced else DistributedDataParallel
         # static_graph=True looks tempting for a fixed pipeline but gives silently wrong
@@ -262,8 +277,6 @@ def _replicate(
         )
     if mesh["dp_shard"].size() == 1:
         return module
-    from torch.distributed.fsdp import fully_shard
-
     return fully_shard(module, mesh=mesh["dp_shard"])
 
 
