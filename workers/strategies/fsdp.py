@@ -104,8 +104,6 @@ class FSDP(WholeModel):
         # Left where it was built (the CPU): parallelize_module and fully_shard move each
         # rank's slices and shards to the mesh's device, so the whole model never lands on it.
         if layout.tp > 1:
-            if settings.tp_plan is None:
-                raise ValueError("model.tp_plan: parallel.tp > 1 needs the model's plan")
             model = apply_tensor_parallel(model, mesh=mesh["tp"], plan_path=settings.tp_plan)
         if layout.dp == 1:  # tensor parallelism alone: nothing to shard over
             return cls(model.to(device), layout=layout, rank=rank, device=device)

@@ -115,7 +115,10 @@ def apply_pipeline(
     # pipeline of one copy keeps dp_shard, of size 1, to index.
     replicas = _replica_dimensions(layout)
     mesh = build_device_mesh(layout, device, keep=("pp", *replicas))
-    plan = _tensor_parallel_plan(model, mesh=mesh, tp_plan=tp_plan) if tp > 1 else None
+    plan = None
+    if tp > 1:  # the whole model's plan, for each stage to split its part by
+        check_tensor_parallel_stages(model)
+        plan = tensor_parallel_plan(model, mesh=mesh["tp"], plan_path=tp_plan)
     pipe = eval_pipe = None
     if is_traced(model):
         if sample is None:
@@ -151,7 +154,9 @@ def apply_pipeline(
             _modify_graph_op_device(stage, device)
         if plan is not None:
             stage = apply_plan_part(stage, mesh=mesh["tp"], plan=plan)
-        module = _replicate(stage, mesh=mesh, device=device, traced=pipe is not None)
+        module = _replicate(
+            stage, mesh=mesh, replicas=replicas, device=device, traced=pipe is not None
+        )
         modules.append(module)
         if pipe is None:
             pipeline_stages.append(PipelineStage(module, index, n_stages, device, group=pp_group))
@@ -195,14 +200,6 @@ def _replica_dimensions(layout: Layout) -> tuple[str, ...]:
     if layout.dp_shard > 1 or layout.dp == 1:
         return ("dp_shard",)
     return ("dp_replicate",)
-
-
-def _tensor_parallel_plan(model: nn.Module, *, mesh: DeviceMesh, tp_plan: str | None) -> dict:
-    """The whole model's plan, for its stages to split their part of it by."""
-    if tp_plan is None:
-        raise ValueError("model.tp_plan: parallel.tp > 1 needs the model's plan")
-    check_tensor_parallel_stages(model)
-    return tensor_parallel_plan(model, mesh=mesh["tp"], plan_path=tp_plan)
 
 
 def _schedule(
@@ -257,16 +254,17 @@ class _TracedStageDDP(DistributedDataParallel):
 
 
 def _replicate(
-    module: nn.Module, *, mesh: DeviceMesh, device: torch.device, traced: bool = False
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    replicas: tuple[str, ...],
+    device: torch.device,
+    traced: bool = False,
 ) -> nn.Module:
-    """Make the dp replicas of one stage average their gradients: DDP over the mesh's
-    ``dp_replicate`` dimension, FSDP2 over its ``dp_shard`` one, or HSDP over both."""
-    names = mesh.mesh_dim_names or ()
-    from torch.distributed.fsdp import fully_shard
-
-    if "dp_replicate" in names and "dp_shard" in names and mesh["dp_shard"].size() > 1:
-        return fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"])
-    if "dp_replicate" in names:
+    """Make the replicas of one stage average their gradients over the mesh's ``replicas``
+    dimensions (:func:`_replica_dimensions`): DDP over ``dp_replicate`` alone, FSDP2 over
+    ``dp_shard``, HSDP over both."""
+    if replicas == ("dp_replicate",):
         wrapper = _TracedStageDDP if traced else DistributedDataParallel
         # static_graph=True looks tempting for a fixed pipeline but gives silently wrong
         # parameters with torch 2.14 (measured), so the dynamic reducer stays.
@@ -275,9 +273,11 @@ def _replicate(
             process_group=mesh.get_group("dp_replicate"),
             device_ids=[device.index] if device.type == "cuda" else None,
         )
-    if mesh["dp_shard"].size() == 1:
+    if mesh[replicas].size() == 1:  # one copy of each stage: nothing to average
         return module
-    return fully_shard(module, mesh=mesh["dp_shard"])
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(module, mesh=mesh[replicas])
 
 
 def full_state_dict(pipeline: Pipeline) -> dict[str, torch.Tensor]:

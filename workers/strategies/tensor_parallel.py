@@ -14,7 +14,9 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from workers.model_sources import ModelError, import_object
 
 
-def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan_path: str) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, *, mesh: DeviceMesh, plan_path: str | None
+) -> nn.Module:
     """Split ``model``'s layers over ``mesh`` as the plan at ``plan_path`` says:
     ``plan(model, mesh)`` returns ``{module name: ParallelStyle}`` for ``parallelize_module``."""
     plan = tensor_parallel_plan(model, mesh=mesh, plan_path=plan_path)
@@ -22,11 +24,13 @@ def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan_path: str)
 
 
 def tensor_parallel_plan(
-    model: nn.Module, *, mesh: DeviceMesh, plan_path: str
+    model: nn.Module, *, mesh: DeviceMesh, plan_path: str | None
 ) -> dict[str, ParallelStyle]:
     """The plan at ``plan_path`` for the whole ``model``, checked: every name one of its
     modules, every value a ``ParallelStyle``. A pipeline's stage applies the part of it that
     names its own modules (:func:`apply_plan_part`)."""
+    if plan_path is None:  # the config refuses it first; a strategy prepared by hand here
+        raise ModelError("model.tp_plan: parallel.tp > 1 needs the model's plan")
     plan = import_object(plan_path, field="model.tp_plan")(model, mesh)
     if not isinstance(plan, dict) or not plan:
         raise ModelError(
