@@ -21,7 +21,7 @@ import click
 
 from workers.config_models import LOSSES
 from workers.sources import SourceError, check_root
-from workflows.config import ConfigError, RunConfig, load_config
+from workflows.config import ConfigError, RunConfig, load_config, read_raw_config
 from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError
 from workflows.sweep_space import PRUNERS, SAMPLERS
@@ -195,19 +195,37 @@ def _load(
     scheduler: str | None = None,
     scheduler_file: str | None = None,
 ) -> RunConfig:
+    """CONFIG with its ``--set`` overrides and the command's cluster options, validated once."""
+    return _validated(_read(config, overrides, scheduler, scheduler_file))
+
+
+def _read(
+    config: Path,
+    overrides: tuple[str, ...],
+    scheduler: str | None = None,
+    scheduler_file: str | None = None,
+) -> dict[str, Any]:
+    """CONFIG's sections with the overrides applied, not yet validated."""
     try:
-        resolved = load_config(config, overrides)
-        if scheduler or scheduler_file:
-            # An existing cluster replaces the config's cluster, sizing included; both options
-            # at once are refused by the config's own check.
-            raw = resolved.model_dump()
-            raw["cluster"] |= {
-                "scheduler": scheduler,
-                "scheduler_file": scheduler_file,
-                "n_workers": None,
-            }
-            resolved = load_config(raw)
-        return resolved
+        raw = read_raw_config(config, overrides)
+    except ConfigError as error:
+        _fail(EXIT_INVALID, f"invalid config: {error}")
+    cluster = raw.get("cluster", {})
+    if (scheduler or scheduler_file) and isinstance(cluster, dict):
+        # An existing cluster replaces the config's cluster, sizing included; both options
+        # at once are refused by the config's own check. (A cluster that is no table is
+        # refused by validation, naming it.)
+        raw["cluster"] = cluster | {
+            "scheduler": scheduler,
+            "scheduler_file": scheduler_file,
+            "n_workers": None,
+        }
+    return raw
+
+
+def _validated(raw: dict[str, Any]) -> RunConfig:
+    try:
+        return load_config(raw)
     except ConfigError as error:
         _fail(EXIT_INVALID, f"invalid config: {error}")
 
@@ -408,11 +426,26 @@ def run(
 ) -> None:
     """Train as CONFIG says: one line per epoch, results in the run directory."""
     # The config first: a mistyped path or field is told at once, not after importing torch.
-    resolved = _load(config, overrides, scheduler, scheduler_file)
+    # It is validated once, with the run directory's folders filled in (a staged model's cut
+    # is traced to be checked: seconds, for a torchvision model).
+    raw = _read(config, overrides, scheduler, scheduler_file)
     from workflows.run_directory import RunDirectory
 
+    progress = None
+    if sys.stdout.isatty():
+        from workflows.progress import EpochProgress
+
+        progress = EpochProgress(file=sys.stdout)
+        training = raw.get("training", {})
+        if isinstance(training, dict) and not training.get("log_every_steps"):
+            # Step records feed the bar; under cron (no terminal) only epoch lines are written.
+            raw["training"] = {**training, "log_every_steps": 5}
     try:
-        run_directory = RunDirectory.create(resolved, output, resume=resume)
+        path = RunDirectory.path_of(
+            output, raw.get("name", RunConfig.model_fields["name"].default), resume=resume
+        )
+        resolved = _validated(RunDirectory.with_its_folders(raw, path))
+        run_directory = RunDirectory.create(resolved, path, resume=resume)
     except (ConfigError, OSError) as error:
         _fail(EXIT_INVALID, str(error))
     if run_directory.finished is not None:
@@ -428,25 +461,7 @@ def run(
     _check_data_root(resolved)
     _start_worker_imports(resolved)
     from workflows.driver import print_progress, train
-    from workflows.progress import EpochProgress
     from workflows.tracking import TrackingError
-
-    raw = resolved.model_dump()
-    if resolved.checkpoint.directory is None:
-        # Checkpoints live with the run, so --resume (or a restart after a failure) finds them.
-        raw["checkpoint"]["directory"] = str(run_directory.checkpoints)
-    if resolved.tracking.tensorboard is None:
-        # Every run keeps its TensorBoard events: `tensorboard --logdir runs/` shows them all.
-        raw["tracking"]["tensorboard"] = str(run_directory.tensorboard)
-    resolved = load_config(raw)
-    run_directory.config = resolved
-
-    progress = EpochProgress(file=sys.stdout) if sys.stdout.isatty() else None
-    if progress and not resolved.training.log_every_steps:
-        # Step records feed the bar; under cron (no terminal) only epoch lines are written.
-        raw = resolved.model_dump()
-        raw["training"]["log_every_steps"] = 5
-        resolved = load_config(raw)
 
     def on_event(record: dict) -> None:
         run_directory.record(record)
@@ -531,11 +546,7 @@ def predict(
 
     # Everything about the request is checked before a cluster starts.
     try:
-        run_config, settings = load_predict_config(config, overrides)
-        if scheduler:
-            raw = run_config.model_dump()
-            raw["cluster"] |= {"scheduler": scheduler, "n_workers": None}
-            run_config = load_config(raw)
+        run_config, settings = load_predict_config(_read(config, overrides, scheduler))
         prepared = prepare(
             model=model, input=input_path, output=output, config=run_config, settings=settings
         )

@@ -65,10 +65,7 @@ class RunDirectory:
         never overwritten, unless ``resume`` continues that same run from its checkpoints.
         Resuming a run that finished leaves ``finished`` set: nothing is to be written then.
         """
-        if resume and output is None:
-            raise ConfigError("--resume: name the run directory to continue with --output DIR")
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        path = Path(output) if output is not None else Path("runs") / f"{config.name}-{stamp}"
+        path = cls.path_of(output, config.name, resume=resume)
         if path.exists() and not path.is_dir():
             raise ConfigError(f"--output: {path} exists and is not a directory")
         directory = cls(path, config)
@@ -92,6 +89,30 @@ class RunDirectory:
         elif resume:
             raise ConfigError(f"--resume: {path} holds no run to continue")
         return directory
+
+    @staticmethod
+    def path_of(output: str | Path | None, name: str, *, resume: bool = False) -> Path:
+        """Where run ``name``'s directory is: ``output``, or ``runs/<name>-<UTC time>``."""
+        if resume and output is None:
+            raise ConfigError("--resume: name the run directory to continue with --output DIR")
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        return Path(output) if output is not None else Path("runs") / f"{name}-{stamp}"
+
+    @staticmethod
+    def with_its_folders(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+        """A config's sections (before validation) with what a run keeps in its directory
+        ``path`` where the config leaves it unset: checkpoints, so that ``--resume`` (or a
+        restart after a failure) finds them, and TensorBoard events, so that ``tensorboard
+        --logdir runs/`` shows every run. A section that is no table is left for validation
+        to refuse."""
+        folders = {"checkpoint": ("directory", path / "checkpoints")}
+        folders["tracking"] = ("tensorboard", path / "tensorboard")
+        raw = dict(raw)
+        for section, (key, folder) in folders.items():
+            given = raw.get(section, {})
+            if isinstance(given, dict) and given.get(key) is None:
+                raw[section] = {**given, key: str(folder)}
+        return raw
 
     def _finished_summary(self) -> dict[str, Any] | None:
         """The summary, if the run finished and trained at least as far as ``config`` asks.

@@ -30,6 +30,7 @@ Training page.
 """
 
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -205,15 +206,20 @@ class ConfigTrials:
     metric: str
     checkpoint_dir: Path | None
 
+    @functools.cached_property
+    def base_config(self) -> RunConfig:
+        """The base, validated once (a staged model's cut is traced to be checked)."""
+        return load_config(self.base)
+
     @property
     def workers(self) -> WorkerSelection:
-        return load_config(self.base).launch.workers
+        return self.base_config.launch.workers
 
     def config_for(self, number: int, name: str, params: Mapping[str, Any]) -> RunConfig:
         """The trial's config: ``params`` set by path, its own name, ranks and folders."""
         overrides = [config_override(key, value) for key, value in params.items()]
         overrides += [config_override("name", name), f"launch.world_size={self.world_size}"]
-        base = load_config(self.base)
+        base = self.base_config
         checkpoints = self.checkpoint_dir or base.checkpoint.directory
         if checkpoints:
             overrides.append(config_override("checkpoint.directory", f"{checkpoints}/{name}"))
@@ -259,7 +265,7 @@ class ConfigTrials:
         from workflows.preprocess import prepare_store
         from workflows.user_datasets import USER_DATASETS
 
-        config = load_config(self.base)
+        config = self.base_config
         changes_store = any(k.startswith("data.") or k == "training.seed" for k in space)
         if changes_store or config.data.dataset in USER_DATASETS:
             return
