@@ -213,6 +213,12 @@ def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
     assert re.search(r"loss=\d+\.\d{4}", screen), screen
     assert "Epoch [1/1]" in screen
     assert "training page: http://127.0.0.1:" in screen
+    # The run directory records the config as it ran: the bar's step logging, the run's
+    # own folders.
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["training"]["log_every_steps"] == 5
+    assert recorded["checkpoint"]["directory"] == str(tmp_path / "run" / "checkpoints")
+    assert recorded["tracking"]["tensorboard"] == str(tmp_path / "run" / "tensorboard")
 
 
 def _unreadable(path: Path) -> list[str]:
