@@ -181,6 +181,24 @@ def test_a_resumed_run_continues_exactly_where_its_checkpoint_left_off(cluster, 
     ]
 
 
+def test_a_run_continued_with_a_larger_max_steps_trains_the_rest_of_its_epoch(
+    cluster, checkpointed
+):
+    # 23 steps an epoch: stopped at step 5, then continued to step 10, it is the same as 10
+    # steps straight. Its final checkpoint once said the epoch had ended, and the continued
+    # run began the next one, skipping 18 batches.
+    straight = train(checkpointed("straight", max_steps=10), cluster=cluster, on_event=None)
+    stopped = train(checkpointed("continued", max_steps=5), cluster=cluster, on_event=None)
+    assert [(r["epoch"], r["step"]) for r in stopped.history] == [(1, 5)]
+    continued = train(checkpointed("continued", max_steps=10), cluster=cluster, on_event=None)
+    _assert_same_parameters(continued.state_dict, straight.state_dict)
+    # One record for the epoch, the whole of what was trained in it: steps 1 to 10.
+    assert continued.history == [
+        {**r, "samples_per_s": continued.history[i]["samples_per_s"]}
+        for i, r in enumerate(straight.history)
+    ]
+
+
 def test_a_ddp_checkpoint_loads_into_another_world_size(cluster, checkpointed, tmp_path):
     two = train(checkpointed("resize", epochs=1), cluster=cluster, on_event=None)
     # The same run on one rank finds the final checkpoint and has nothing left to train.

@@ -487,6 +487,9 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     trainer.strategy.train()
     epoch_started = time.perf_counter()
     batches = trainer.batches.epoch(epoch, start_batch=start_batch)
+    # Where a run that ends before the epoch does (max_steps) stands: its final checkpoint is
+    # this, so that one continued with a larger max_steps trains the epoch's remaining batches.
+    stopped: Progress | None = None
     for batch, (x, y) in enumerate(batches, start_batch):
         loss = train_step(trainer, x, y, sums=sums)
         if hooks.step_done:
@@ -498,10 +501,12 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
             assert loss is not None  # the reporting rank holds the last stage
             at_step = {"kind": "step", "epoch": epoch + 1, "step": trainer.step}
             hooks.report(at_step | {"loss": loss.item()})
+        last_of_epoch = batch == len(trainer.batches) - 1
         if trainer.step >= trainer.total_steps:
+            if not last_of_epoch:
+                stopped = Progress(epoch, batch + 1, trainer.step, sums.tolist(), trainer.history)
             break
         # Every N steps, except at an epoch's end: that checkpoint follows in a moment.
-        last_of_epoch = batch == len(trainer.batches) - 1
         every = checkpoints.every_steps if checkpoints else 0
         if every and trainer.step % every == 0 and not last_of_epoch:
             at = Progress(epoch, batch + 1, trainer.step, sums.tolist(), trainer.history)
@@ -524,18 +529,24 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         "samples_per_s": samples_per_s,  # the job's, as TrainResult's
         "lr": trainer.schedule.get_last_lr()[0],
     }
-    trainer.history.append(record)
+    if trainer.history and trainer.history[-1]["epoch"] == epoch + 1:
+        # The epoch's record from a run that stopped in it (max_steps): this one is the
+        # whole epoch's.
+        trainer.history[-1] = record
+    else:
+        trainer.history.append(record)
     if hooks.step_done:
         empty = EpochSums(device=trainer.device, criterion=trainer.criterion)
         hooks.step_done(Position(epoch + 1, 0, trainer.step, empty, trainer.history))
     if hooks.report:
         hooks.report(record)
     if checkpoints and (checkpoints.at_epoch_end or trainer.step >= trainer.total_steps):
-        _save(
-            trainer,
-            Progress(epoch + 1, 0, trainer.step, _zeros(trainer), trainer.history),
-            hooks=hooks,
-        )
+        if stopped is not None:
+            # The history kept with it holds the record of the part trained, which the
+            # epoch's own replaces once it is trained to its end.
+            stopped.history = trainer.history
+        ended = Progress(epoch + 1, 0, trainer.step, _zeros(trainer), trainer.history)
+        _save(trainer, stopped or ended, hooks=hooks)
     return record
 
 
