@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the driver imports torch: a refused or finished run never n
     from workflows.driver import TrainResult
 
 CONFIG, SUMMARY, ATTEMPTS = "config.json", "summary.json", "attempts.jsonl"
+CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,12 @@ class RunDirectory:
         restart after a failure) finds them, and TensorBoard events, so that ``tensorboard
         --logdir runs/`` shows every run. A section that is no table is left for validation
         to refuse."""
-        folders = {"checkpoint": ("directory", path / "checkpoints")}
-        folders["tracking"] = ("tensorboard", path / "tensorboard")
+        folders = {
+            ("checkpoint", "directory"): path / CHECKPOINTS,
+            ("tracking", "tensorboard"): path / TENSORBOARD,
+        }
         raw = dict(raw)
-        for section, (key, folder) in folders.items():
+        for (section, key), folder in folders.items():
             given = raw.get(section, {})
             if isinstance(given, dict) and given.get(key) is None:
                 raw[section] = {**given, key: str(folder)}
@@ -141,11 +144,11 @@ class RunDirectory:
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS
 
     @property
     def tensorboard(self) -> Path:
-        return self.path / "tensorboard"
+        return self.path / TENSORBOARD
 
     @property
     def mlflow_run_id(self) -> str | None:
