@@ -1,5 +1,6 @@
 """The strategy registry and the layout every rank receives (no cluster needed)."""
 
+import ast
 import importlib
 import pkgutil
 import subprocess
@@ -8,26 +9,71 @@ import sys
 import pytest
 
 import workers.strategies
+from tests.conftest import REPO
 from workers.layout import Layout
-from workers.strategies import STAGED, STRATEGIES
+from workers.strategies import STRATEGIES, get_plan, registered_plans
 from workers.strategies.base import get_strategy, registered
-from workers.strategies.pipeline import PipelineStrategy
-from workflows.config import load_config
+from workers.strategies.pipeline.schedule import PipelineStrategy
+from workflows.config import RunConfig, load_config
 
 
 def test_the_registry_and_the_torch_free_names_agree():
-    for module in pkgutil.iter_modules(workers.strategies.__path__):
-        importlib.import_module(f"workers.strategies.{module.name}")
-    assert sorted(registered()) == sorted(STRATEGIES)
+    # Every module of every family, so that whatever registers anything is counted.
+    for family in pkgutil.iter_modules(workers.strategies.__path__):
+        package = importlib.import_module(f"workers.strategies.{family.name}")
+        for module in pkgutil.iter_modules(getattr(package, "__path__", [])):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    # Every name has a plan and a runtime, and nothing else registers either.
+    assert sorted(registered_plans()) == sorted(registered()) == sorted(STRATEGIES)
     for name in STRATEGIES:
-        assert get_strategy(name).name == name
-    assert {n for n in STRATEGIES if issubclass(get_strategy(n), PipelineStrategy)} == set(STAGED)
+        plan, runtime = get_plan(name), get_strategy(name)
+        assert plan.name == runtime.name == name
+        assert runtime.__module__ == plan.runtime
+        assert plan.staged == issubclass(runtime, PipelineStrategy)
+    with pytest.raises(ValueError, match="unknown strategy 'zero3'"):
+        get_plan("zero3")
     with pytest.raises(ValueError, match="unknown strategy 'zero3'"):
         get_strategy("zero3")
 
 
+# Modules that only compose the plans: naming a strategy there is knowledge its plan should own.
+_PLAN_USERS = (
+    "workers/layout.py",
+    "workflows/config.py",
+    "workflows/driver.py",
+    "workflows/collections.py",
+)
+
+
+@pytest.mark.parametrize("path", _PLAN_USERS)
+def test_only_a_strategy_s_plan_names_it(path):
+    tree = ast.parse((REPO / path).read_text())
+    # A string that is exactly a name: a comparison, a table key, an argument. Messages and
+    # docstrings mention strategies inside longer text, which is fine; "pipeline" is also a
+    # section's name, which these modules do use.
+    names = set(STRATEGIES) - set(RunConfig.model_fields)
+    named = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    }
+    assert named == set(), f"{path} names {sorted(named)}: ask the strategy's plan instead"
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "workers.strategies"
+        for alias in node.names
+    }
+    assert imported <= {"STRATEGIES", "StrategyPlan", "get_plan"}
+
+
 def test_the_names_and_the_layout_import_without_torch():
-    code = "import sys, workers.layout, workers.strategies; print('torch' in sys.modules)"
+    code = (
+        "import sys, workers.layout, workers.strategies\n"
+        "from workers.strategies import STRATEGIES, get_plan\n"
+        "[get_plan(name) for name in STRATEGIES]\n"
+        "print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

@@ -19,15 +19,16 @@ from torch import nn
 
 from tests.reference import assert_same_parameters, train_in_one_process
 from tests.traced_models import DataDependent, ResidualNet, build
-from workers.config_models import PipelineConfig, StagingSettings, TrainingConfig
+from workers.config_models import TrainingConfig
 from workers.data import StoreSplit, open_store
-from workers.layout import Layout
 from workers.losses import Criterion
 from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
 from workers.stage_cuts import check_cut, cut_points, trace_stages
+from workers.strategies import get_plan
 from workers.strategies.base import EpochSums, Strategy, get_strategy
+from workers.strategies.pipeline import PipelineConfig, StagingSettings
 from workflows import launch
 from workflows.config import ConfigError
 from workflows.driver import train
@@ -98,7 +99,7 @@ def _trained(ctx, model_name: str, strategy: str, pipeline: dict, steps: int) ->
     config = PipelineConfig(**pipeline)
     training = TrainingConfig(strategy=strategy, batch_size=BATCH)
     precision = Precision("fp32", ctx.device)
-    layout = Layout.of(training, config, world_size=ctx.world_size)
+    layout = get_plan(training.strategy).degrees(training, config, world_size=ctx.world_size)
     prepared = get_strategy(strategy).prepare(
         build(model_name, seed=0),
         layout=layout,

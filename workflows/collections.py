@@ -114,9 +114,9 @@ def trainer_data(
 def check_trainer_data(data: Any, strategy: str) -> None:
     """What the built-in trainer needs of ``train(config, data=...)``, whether the collections
     are persisted or written into a store: a flat strategy, and both splits."""
-    from workers.strategies import STAGED
+    from workers.strategies import get_plan
 
-    if strategy in STAGED:
+    if get_plan(strategy).staged:
         raise DataError(
             f"training.strategy: {strategy} exchanges fixed-shape batches, which exactly-once "
             "epochs of Dask collections do not have; use 'ddp' with train(data=...)"

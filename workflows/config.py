@@ -1,8 +1,9 @@
 """A run's configuration: TOML in, one validated, frozen :class:`RunConfig` out.
 
-Each component owns its section's model (cluster, launch, data, model, training); this module
-only composes them, checks what spans sections, and turns pydantic's errors into one line that
-names the field.
+Each component owns its section's model (cluster, launch, data, model, training) and each
+strategy's plan its own sections and checks (``workers/strategies/<family>/``); this module only
+composes them, checks what spans sections, and turns pydantic's errors into one line that names
+the field.
 """
 
 import tomllib
@@ -14,19 +15,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from workers.config_models import (
-    MODEL_LAYERS,
     CheckpointConfig,
     DataConfig,
-    FSDPConfig,
     ModelConfig,
     ParallelConfig,
-    PipelineConfig,
-    ShardingSettings,
-    StagingSettings,
     TrainingConfig,
 )
-from workers.layout import Layout, given_stage_replicas
-from workers.strategies import SETTINGS_SECTION, SHARDED, STAGED
+from workers.layout import Layout
+from workers.strategies import STRATEGIES, StrategyPlan, get_plan
+from workers.strategies.fsdp import FSDPConfig
+from workers.strategies.pipeline import PipelineConfig
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 from workflows.tracking import TrackingConfig
@@ -63,17 +61,17 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _staged_batches_have_one_shape(cls, raw: Any) -> Any:
-        # Stages exchange fixed-shape buffers: staged strategies drop the last partial batch
-        # unless the user says otherwise (which _sections_agree then refuses, by name).
+    def _strategy_defaults(cls, raw: Any) -> Any:
+        # What the strategy assumes unless told (a staged one drops the last partial batch);
+        # an unknown strategy is left to its field's own error.
         if not isinstance(raw, dict):
             return raw
-        training, data = raw.get("training") or {}, raw.get("data") or {}
+        training = raw.get("training") or {}
         strategy = getattr(training, "strategy", None) or (
             training.get("strategy") if isinstance(training, dict) else None
         )
-        if strategy in STAGED and isinstance(data, dict) and "drop_last" not in data:
-            raw = {**raw, "data": {**data, "drop_last": True}}
+        if isinstance(strategy, str) and strategy in STRATEGIES:
+            return get_plan(strategy).defaults(raw)
         return raw
 
     @model_validator(mode="after")
@@ -85,177 +83,36 @@ class RunConfig(BaseModel):
                 f"launch.world_size: {world} ranks need {world} workers, but cluster.n_workers "
                 f"is {workers}"
             )
-        if self.training.strategy == "data_parallel" and world not in (None, 1):
-            raise ValueError(
-                "launch.world_size: data_parallel runs in one worker (over the GPUs it sees); "
-                "set world_size = 1, or use strategy = 'ddp'"
-            )
         if self.model.builtin and self.data.image_size % 4:
             raise ValueError(
                 f"data.image_size: {self.model.name} pools twice, so the size must be a "
                 f"multiple of 4 (got {self.data.image_size})"
             )
-        ranks = 1 if self.training.strategy == "data_parallel" else (world or workers)
-        if self.training.strategy in STAGED:
-            # An unknown world is checked again by the driver, once the cluster's size is known.
-            self._check_staged(ranks)
-        elif self.training.strategy in SHARDED:
-            self._check_sharded(ranks)
-        else:
-            self.layout(ranks or 1)
-        if self.parallel.tp > 1 and self.training.strategy not in SHARDED + STAGED:
-            self.layout(self.parallel.tp)  # says which strategies tensor parallelism composes with
+        # An unknown world is checked again by the driver, once the cluster's size is known.
+        self.strategy_plan.check(self, self.strategy_plan.world_size(world or workers))
         return self
 
-    def _check_sharded(self, world_size: int | None) -> None:
-        strategy, parallel = self.training.strategy, self.parallel
-        if self.training.precision == "fp16":
-            raise ValueError(
-                f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
-            )
-        self._check_tp_plan()
-        if self.fsdp.cpu_offload and self.cluster.kind == "cpu":
-            raise ValueError(
-                "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
-                "cpu_offload = false (it moves a GPU's shards to the host)"
-            )
-        if world_size is None and parallel.dp_replicate and parallel.dp_shard:
-            world_size = parallel.dp_replicate * parallel.dp_shard * parallel.tp
-        if world_size is not None:
-            self.layout(world_size)
-        elif strategy == "hsdp" and not parallel.given:
-            self.layout(1)  # says which degree hsdp needs, whatever the world size
-
-    def _check_tp_plan(self) -> None:
-        tp = self.parallel.tp
-        if tp > 1 and self.model.resolved_tp_plan is None:
-            raise ValueError(
-                f"model.tp_plan: parallel.tp = {tp} splits the model's layers by its "
-                "tensor-parallel plan; set model.tp_plan = 'package.module:plan' (plan(model, "
-                "mesh) returns it), or parallel.tp = 1"
-            )
-
-    def _check_staged(self, world_size: int | None) -> None:
-        t, p, strategy = self.training, self.pipeline, self.training.strategy
-        if not self.data.drop_last:
-            raise ValueError(
-                f"data.drop_last: {strategy} needs every batch the same shape; set "
-                "drop_last = true (the last partial batch of an epoch is left out)"
-            )
-        if t.grad_accum_steps > 1:
-            raise ValueError(
-                f"training.grad_accum_steps: {strategy} accumulates over "
-                "pipeline.n_microbatches already; set grad_accum_steps = 1"
-            )
-        if t.precision == "fp16":
-            raise ValueError(
-                f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
-            )
-        replicas = given_stage_replicas(p, self.parallel)
-        self._check_tp_plan()
-        if strategy == "model_parallel" and ((replicas or 1) > 1 or p.stages_per_rank > 1):
-            field = "pipeline.dp" if p.dp > 1 or p.stages_per_rank > 1 else "parallel"
-            raise ValueError(
-                f"{field}: model_parallel runs one copy of the model, one stage per rank; "
-                "for replicas or interleaving use strategy = 'pipeline'"
-            )
-        layers = MODEL_LAYERS.get(self.model.name)
-        names = self._checked_cut() if layers is None else list(layers)
-        if layers is not None and p.split_points is not None:
-            unknown = [point for point in p.split_points if point not in names]
-            if unknown:
-                # The config cannot know of a model given to train(model=...): say so where
-                # the model is the default one, which such a config leaves as it is.
-                given = "name" in self.model.model_fields_set
-                raise ValueError(
-                    f"pipeline.split_points: {unknown} name no top-level module of "
-                    f"{self.model.name}; its modules are {names}"
-                    + (
-                        ""
-                        if given
-                        else " (a model given as train(model=...) is checked when it is cut: "
-                        "leave split_points to the planner)"
-                    )
-                )
-        if world_size is None:
-            return
-        layout = self.layout(world_size)
-        if layout.n_stages > len(names):
-            field, fewer = (
-                ("parallel.pp", "lower parallel.pp")
-                if self.parallel.pp is not None
-                else ("pipeline", "use fewer workers")
-            )
-            raise ValueError(
-                f"{field}: {layout.pp} ranks x {layout.stages_per_rank} stages per rank need "
-                f"at least {layout.n_stages} layers, and {self.model.name} has {len(names)}; "
-                f"{fewer} or stages_per_rank"
-            )
-
-    def _checked_cut(self) -> list[str]:
-        """The cut points of a model whose layers are not written out in MODEL_LAYERS: it is
-        built (and, unless it names its blocks, traced) here, which imports torch, so that a
-        model that does not trace, or a split point where no stage can begin, is a config error
-        before anything launches."""
-        from workers.data import zero_samples
-        from workers.models import build_model
-        from workers.stage_cuts import check_cut, check_tensor_parallel_stages
-
-        p, data = self.pipeline, self.data
-        m = p.n_microbatches if self.training.strategy == "pipeline" else 1
-        replicas = given_stage_replicas(p, self.parallel) or 1  # whatever the world
-        micro_batch = max(1, self.training.batch_size // replicas // m)
-        # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
-        model = build_model(
-            self.model, num_classes=10, seed=self.training.seed, input_shape=data.sample_shape
-        )
-        if self.parallel.tp > 1:
-            check_tensor_parallel_stages(model)
-        sample = zero_samples(micro_batch, data.sample_shape, tokens=data.tokens)
-        return check_cut(model, sample, p.split_points)
-
     @property
-    def staging(self) -> StagingSettings:
-        """What ``pipeline`` and ``model_parallel`` are given: ``[pipeline]`` and the model's
-        TP plan."""
-        return StagingSettings(pipeline=self.pipeline, tp_plan=self.model.resolved_tp_plan)
-
-    @property
-    def sharding(self) -> ShardingSettings:
-        """What ``fsdp`` and ``hsdp`` are given: ``[fsdp]`` and the model's TP plan."""
-        return ShardingSettings(fsdp=self.fsdp, tp_plan=self.model.resolved_tp_plan)
+    def strategy_plan(self) -> StrategyPlan:
+        """The plan of ``training.strategy``: its settings, checks and degrees."""
+        return get_plan(self.training.strategy)
 
     @property
     def strategy_settings(self) -> BaseModel | None:
-        """The section ``training.strategy``'s ``prepare`` is given (None: it takes none)."""
-        section = SETTINGS_SECTION.get(self.training.strategy)
-        return None if section is None else getattr(self, section)
+        """What ``training.strategy``'s ``prepare`` is given (None: it takes nothing)."""
+        return self.strategy_plan.settings(self)
 
     @property
     def world_size(self) -> int | None:
-        if self.training.strategy == "data_parallel":
-            return 1
-        return self.launch.world_size
+        return self.strategy_plan.world_size(self.launch.world_size)
 
     def layout(self, world_size: int) -> Layout:
         """How ``world_size`` ranks share this run's model and batch; a :class:`ConfigError`
         naming the field where they cannot."""
         try:
-            layout = Layout.of(
-                self.training, self.pipeline, world_size=world_size, parallel=self.parallel
-            )
+            return self.strategy_plan.layout(self, world_size)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        points = self.pipeline.split_points
-        staged = self.training.strategy in STAGED
-        if staged and points is not None and len(points) + 1 != layout.n_stages:
-            raise ConfigError(
-                f"pipeline.split_points: {len(points)} points make {len(points) + 1} stages, "
-                f"but {world_size} workers as pp={layout.pp} x dp={layout.dp} with "
-                f"{layout.stages_per_rank} stage(s) per rank hold {layout.n_stages}; "
-                "change split_points or launch.world_size"
-            )
-        return layout
 
     def check_batch(self, world_size: int) -> None:
         """The global batch must split evenly into ranks and accumulation micro-batches."""

@@ -19,7 +19,6 @@ from distributed import Client
 from workers.collection_shard import CollectionPlan
 from workers.config_models import LOSSES, DataConfig
 from workers.model_sources import source_of
-from workers.strategies import STAGED
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, start_cluster
@@ -302,7 +301,7 @@ def _train_prepared(
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, data, seed=config.training.seed)
     settings, points = config.strategy_settings, None
-    if config.training.strategy in STAGED:
+    if config.strategy_plan.staged:
         # torch.distributed.pipelining costs ~0.8 s to import: only staged runs pay it.
         from workflows.planner import resolve_split_points
 
@@ -317,7 +316,7 @@ def _train_prepared(
             build=None if factory is None else model_builder(config, manifest.num_classes, factory),
         )
         cut = config.pipeline.model_copy(update={"split_points": points})
-        settings = config.staging.model_copy(update={"pipeline": cut})
+        settings = settings.model_copy(update={"pipeline": cut})
     checkpoint = config.checkpoint.resolved()
     checkpoints = checkpoint.directory
     job = TrainJob(

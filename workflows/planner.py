@@ -25,7 +25,8 @@ from workers.stage_cuts import (
     cut_points,
     even_split,
 )
-from workers.strategies import STAGED
+from workers.strategies import get_plan
+from workers.strategies.pipeline import PipelinePlan
 from workflows.cluster import live_workers
 from workflows.config import ConfigError, RunConfig
 
@@ -318,11 +319,18 @@ def planned_layout(config: RunConfig, world_size: int) -> Layout:
     """The layout a plan is for: the run's own for a staged strategy. Any other config is
     planned as the pipeline its [pipeline] section describes, on at least 2 stages, to compare.
     """
-    if config.training.strategy in STAGED:
+    if config.strategy_plan.staged:
         return config.layout(world_size)
     dp = config.pipeline.dp
-    as_pipeline = config.training.model_copy(update={"strategy": "pipeline"})
-    return Layout.of(as_pipeline, config.pipeline, world_size=dp * max(2, world_size // dp))
+    world_size = dp * max(2, world_size // dp)
+    return _staged_plan(config).degrees(config.training, config.pipeline, world_size=world_size)
+
+
+def _staged_plan(config: RunConfig) -> PipelinePlan:
+    """The staged strategy a cut is planned for: the run's own, else the pipeline its
+    [pipeline] section describes."""
+    plan = config.strategy_plan
+    return plan if isinstance(plan, PipelinePlan) else get_plan("pipeline")
 
 
 def _recommend(
@@ -394,9 +402,7 @@ def _recommend(
         )
     return Plan(
         strategy=config.training.strategy,
-        schedule="gpipe"
-        if config.training.strategy == "model_parallel"
-        else config.pipeline.schedule,
+        schedule=_staged_plan(config).schedule(config.pipeline),
         n_stages=p,
         n_microbatches=m,
         dp=dp,

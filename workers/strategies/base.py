@@ -2,8 +2,9 @@
 
 The training loop (``workers/train.py``) only talks to a :class:`Strategy`: it prepares the
 model, runs one step's forward and backward, clips, evaluates, and names the modules a
-checkpoint holds. A strategy's module registers its class with :func:`register`;
-:func:`get_strategy` imports ``workers.strategies.<name>`` on first use.
+checkpoint holds. A strategy family's runtime module registers its classes with
+:func:`register`; :func:`get_strategy` imports the module that the strategy's plan names
+(``StrategyPlan.runtime``) on first use.
 """
 
 import importlib
@@ -20,7 +21,7 @@ from workers.data import StoreSplit, eval_batches
 from workers.layout import Layout
 from workers.losses import CROSS_ENTROPY, TERMS, Criterion
 from workers.precision import Precision
-from workers.strategies import STRATEGIES
+from workers.strategies import STRATEGIES, get_plan
 
 
 class EpochSums:
@@ -81,9 +82,9 @@ class Strategy(ABC):
         sample: torch.Tensor | None = None,
     ) -> "Strategy":
         """Wrap or cut ``model`` for this rank; every rank of the job calls it. ``settings`` is
-        the strategy's own config section (``SETTINGS_SECTION`` in ``workers/strategies``),
-        ``precision`` the run's. ``sample`` is one micro-batch of inputs on the CPU, for
-        strategies that trace the model."""
+        what the strategy's plan gives it (``StrategyPlan.settings``), ``precision`` the run's.
+        ``sample`` is one micro-batch of inputs on the CPU, for strategies that trace the
+        model."""
 
     @property
     @abstractmethod
@@ -135,12 +136,10 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 
 def get_strategy(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise ValueError(
-            f"training.strategy: unknown strategy {name!r}; choose one of {STRATEGIES}"
-        )
+    """The runtime of the strategy called ``name`` (imports torch)."""
+    plan = get_plan(name)  # refuses an unknown name
     if name not in _REGISTRY:
-        importlib.import_module(f"{__package__}.{name}")
+        importlib.import_module(plan.runtime)
     return _REGISTRY[name]
 
 

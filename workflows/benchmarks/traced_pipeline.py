@@ -26,10 +26,11 @@ import torch
 import torchvision
 from torch import nn
 
-from workers.config_models import PipelineConfig, StagingSettings, TrainingConfig
-from workers.layout import Layout
+from workers.config_models import TrainingConfig
 from workers.precision import Precision
+from workers.strategies import get_plan
 from workers.strategies.base import EpochSums, get_strategy
+from workers.strategies.pipeline import PipelineConfig, StagingSettings
 from workflows.cluster import start_cluster
 from workflows.config import load_config
 from workflows.jobs import launch
@@ -53,7 +54,7 @@ def steady_samples_per_s(
     )
     training = TrainingConfig(strategy="pipeline", batch_size=batch)
     precision = Precision("fp32", ctx.device)
-    layout = Layout.of(training, config, world_size=ctx.world_size)
+    layout = get_plan(training.strategy).degrees(training, config, world_size=ctx.world_size)
     strategy = get_strategy("pipeline").prepare(
         resnet18(),
         layout=layout,

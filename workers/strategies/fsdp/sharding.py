@@ -22,12 +22,12 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from workers.config_models import ShardingSettings
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.layout import Layout
 from workers.precision import Precision
 from workers.strategies.base import EpochSums, WholeModel, register
+from workers.strategies.fsdp import ShardingSettings
 from workers.strategies.tensor_parallel import apply_tensor_parallel
 
 
@@ -177,3 +177,12 @@ class FSDP(WholeModel):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.wrapped, options=options)
         return state if self.rank == 0 else None
+
+
+@register
+class HSDP(FSDP):
+    """FSDP2 within groups of ``parallel.dp_shard`` ranks (a host's GPUs), replicated across the
+    ``parallel.dp_replicate`` groups: the layout gives the degrees and :class:`FSDP` builds the
+    2-D mesh from them."""
+
+    name = "hsdp"

@@ -31,7 +31,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.config_models import PipelineConfig, StagingSettings
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.layout import Layout
@@ -43,6 +42,7 @@ from workers.stage_cuts import (
     trace_stages,
 )
 from workers.strategies.base import EpochSums, Strategy, register
+from workers.strategies.pipeline import PipelineConfig, StagingSettings
 from workers.strategies.tensor_parallel import apply_plan_part, tensor_parallel_plan
 
 SCHEDULES = {
@@ -426,3 +426,11 @@ class PipelineStrategy(Strategy):
         # Gathers FSDP shards and tp slices: every rank takes part.
         state = full_state_dict(self.pipe)
         return state if self.pipe.dp_rank == 0 and self.pipe.tp_rank == 0 else None
+
+
+@register
+class ModelParallel(PipelineStrategy):
+    """The seed article's ModelPart1 -> ModelPart2: the degenerate pipeline, whose layout has
+    one micro-batch, so only one stage works at a time and the schedule is plain GPipe."""
+
+    name = "model_parallel"

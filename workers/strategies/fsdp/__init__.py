@@ -1,0 +1,124 @@
+"""``fsdp`` and ``hsdp``: sharded data parallelism with FSDP2 (the runtime: :mod:`.sharding`).
+
+``fsdp`` shards one copy of the model over every data-parallel rank; ``hsdp``, its preset,
+shards within groups of ``parallel.dp_shard`` ranks (a host's GPUs) and replicates across the
+``parallel.dp_replicate`` groups. Both apply tensor parallelism first where ``parallel.tp > 1``.
+"""
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.strategies import StrategyPlan, register_plan
+
+if TYPE_CHECKING:
+    from workers.config_models import ParallelConfig
+    from workflows.config import RunConfig
+
+
+class FSDPConfig(BaseModel):
+    """How ``fsdp`` and ``hsdp`` shard (FSDP2's ``fully_shard``): each top-level module that
+    holds parameters is one unit, gathered for its forward and backward, then the root."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="free a unit's gathered parameters after its forward and gather them "
+        "again for the backward (false: keep them, more memory, one all-gather less)",
+    )
+    cpu_offload: bool = Field(
+        default=False,
+        description="keep the sharded parameters, gradients and optimizer state in host memory "
+        "(GPU: the optimizer steps on the CPU)",
+    )
+
+
+class ShardingSettings(BaseModel):
+    """What ``fsdp`` and ``hsdp`` are given (their plan's ``settings``): the ``[fsdp]`` section
+    and the model's tensor-parallel plan."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fsdp: FSDPConfig = FSDPConfig()
+    tp_plan: str | None = None
+
+
+@register_plan
+class FSDPPlan(StrategyPlan):
+    """One copy of the model, sharded over all the data-parallel ranks."""
+
+    name = "fsdp"
+    runtime = f"{__name__}.sharding"
+    sharded = True
+    splits_layers = True
+
+    def settings(self, config: "RunConfig") -> ShardingSettings:
+        return ShardingSettings(fsdp=config.fsdp, tp_plan=config.model.resolved_tp_plan)
+
+    def check(self, config: "RunConfig", world_size: int | None) -> None:
+        parallel = config.parallel
+        if config.training.precision == "fp16":
+            raise ValueError(
+                f"training.precision: {self.name} has no loss scaling for fp16; use 'bf16'"
+            )
+        self.check_tp_plan(config)
+        if config.fsdp.cpu_offload and config.cluster.kind == "cpu":
+            raise ValueError(
+                "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
+                "cpu_offload = false (it moves a GPU's shards to the host)"
+            )
+        if world_size is None and parallel.dp_replicate and parallel.dp_shard:
+            world_size = parallel.dp_replicate * parallel.dp_shard * parallel.tp
+        if world_size is not None:
+            config.layout(world_size)
+        else:
+            self.check_without_world(config)
+
+    def check_without_world(self, config: "RunConfig") -> None:
+        """What can be refused before the world size is known (fsdp shards over whatever
+        it is)."""
+
+    def shard_degree(self, parallel: "ParallelConfig | None", *, world_size: int) -> int:
+        replicate = parallel.dp_replicate if parallel is not None else None
+        shard = parallel.dp_shard if parallel is not None else None
+        if (replicate or 1) != 1 or shard not in (None, world_size):
+            raise ValueError(
+                f"parallel: fsdp shards over all {world_size} ranks (dp_replicate = 1, "
+                f"dp_shard = {world_size}); for replicas of shards use strategy = 'hsdp'"
+            )
+        return world_size
+
+
+@register_plan
+class HSDPPlan(FSDPPlan):
+    """Copies of the model (``parallel.dp_replicate``), each sharded over ``parallel.dp_shard``
+    ranks; one of the two given, the other what the world size leaves."""
+
+    name = "hsdp"
+
+    def check_without_world(self, config: "RunConfig") -> None:
+        if not config.parallel.given:
+            config.layout(1)  # says which degree hsdp needs, whatever the world size
+
+    def shard_degree(self, parallel: "ParallelConfig | None", *, world_size: int) -> int:
+        replicate = parallel.dp_replicate if parallel is not None else None
+        shard = parallel.dp_shard if parallel is not None else None
+        if replicate is None and shard is None:
+            raise ValueError(
+                "parallel.dp_shard: hsdp needs the ranks one copy is sharded over (e.g. the "
+                "GPUs of one host), or parallel.dp_replicate"
+            )
+        for name, degree in (("dp_replicate", replicate), ("dp_shard", shard)):
+            if degree is not None and world_size % degree:
+                raise ValueError(
+                    f"parallel.{name}: {degree} does not divide the world size {world_size}"
+                )
+        replicate = replicate if replicate is not None else world_size // shard
+        shard = shard if shard is not None else world_size // replicate
+        if replicate * shard != world_size:
+            raise ValueError(
+                f"parallel: dp_replicate x dp_shard = {replicate} x {shard} must equal the "
+                f"world size {world_size}"
+            )
+        return shard
