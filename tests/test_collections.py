@@ -5,7 +5,6 @@ where they lie (Dask's own transfer accounting shows what moved), the same numbe
 process, and a worker SIGKILLed mid-epoch.
 """
 
-import importlib
 import itertools
 import os
 import signal
@@ -449,8 +448,9 @@ def ids_of_both_splits(ctx) -> list[int]:
     ]
 
 
-def test_parquet_files_train_and_validate_on_every_row_once(cluster, tmp_path):
-    from workflows.user_datasets import read_user_dataset
+def test_parquet_files_train_and_validate_on_every_row_once(cluster, make_config, tmp_path):
+    from workers.sources import SourceError, get_source
+    from workflows.driver import train
 
     n = sum(UNEVEN)
     frame = pd.DataFrame({"id": np.arange(n, dtype=np.float64), "b": np.arange(n) % 7})
@@ -460,27 +460,25 @@ def test_parquet_files_train_and_validate_on_every_row_once(cluster, tmp_path):
     config = DataConfig(
         dataset="parquet", root=str(tmp_path / "table"), features=("id", "b"), target="label"
     )
-    data = read_user_dataset(config, seed=0)
+    data = get_source("parquet").collections(config, seed=0)
     result = launch(ids_of_both_splits, cluster=cluster, world_size=2, data=data)
     assert sorted(i for r in result.results for i in r) == list(range(n))
     wrong = config.model_copy(update={"target": "labels"})
+    with pytest.raises(SourceError, match=r"data.target: no column 'labels'"):
+        get_source("parquet").collections(wrong, seed=0)
+    # train() refuses it as it refuses any collection it cannot train on, before a task runs.
     with pytest.raises(DataError, match=r"data.target: no column 'labels'"):
-        read_user_dataset(wrong, seed=0)
+        raw = {"dataset": "parquet", "root": config.root, "features": ["id"], "target": "labels"}
+        train(make_config({"data": raw}), cluster=cluster, on_event=None)
 
 
-def test_every_user_dataset_is_one_module_read_by_its_name():
-    import pkgutil
+def test_a_source_not_read_as_collections_says_which_are():
+    from workers.sources import get_source
 
-    import workflows.user_datasets
-    from workflows.user_datasets import USER_DATASETS, read_user_dataset
-
-    # Adding a dataset is one module: its name in USER_DATASETS, its read() inside.
-    modules = {m.name for m in pkgutil.iter_modules(workflows.user_datasets.__path__)}
-    assert modules == set(USER_DATASETS)
-    for name in USER_DATASETS:
-        assert callable(importlib.import_module(f"workflows.user_datasets.{name}").read)
+    # Which sources are read as collections, and that each module agrees, is checked with the
+    # whole registry (tests/test_preprocess.py).
     with pytest.raises(ValueError, match=r"data\.dataset: 'digits' is not one of"):
-        read_user_dataset(DataConfig(dataset="digits"), seed=0)
+        get_source("digits").collections(DataConfig(dataset="digits"), seed=0)
 
 
 def test_train_from_zarr_arrays_by_config(cluster, make_config, tmp_path):

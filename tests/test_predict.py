@@ -412,6 +412,38 @@ def test_input_of_another_shape_or_channel_count_is_refused(trained_run, tmp_pat
         prepare(model=trained_run, input=tmp_path / "small", output=tmp_path / "o")
 
 
+def test_an_input_is_listed_as_its_kind_or_refused_naming_it(tmp_path):
+    from workers.sources import InputRequest
+    from workflows.prediction_input import plan_input
+
+    request = InputRequest(image_size=32, channels=3, split="val", partition_size=4)
+    write_tiny_cifar10(tmp_path / "cifar", per_batch=6)
+    for found in (tmp_path / "cifar", tmp_path / "cifar" / "cifar-10-batches-py" / "test_batch"):
+        plan = plan_input(found, request)
+        assert (plan.kind, plan.count, len(plan.partitions)) == ("cifar10", 6, 2)
+    write_image_folder(tmp_path / "tree", per_class=2)
+    plan = plan_input(tmp_path / "tree", request)
+    assert (plan.kind, plan.count, plan.classes) == ("imagefolder", 6, ["cat", "dog", "eel"])
+
+    # What each kind cannot read reaches the caller as a ConfigError naming the path.
+    broken = tmp_path / "broken" / "test_batch"
+    broken.parent.mkdir()
+    broken.write_bytes(b"not a pickle")
+    with pytest.raises(ConfigError, match=r"--input: .*broken/test_batch: not a readable CIFAR"):
+        plan_input(broken, request)
+    (tmp_path / "tree" / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"--input: class folder .*tree/empty holds no images"):
+        plan_input(tmp_path / "tree", request)
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(ConfigError, match=r"--input: .*nothing holds no images \(.png"):
+        plan_input(tmp_path / "nothing", request)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ConfigError, match=r"notes\.txt is neither a dataset store, a CIFAR-10"):
+        plan_input(tmp_path / "notes.txt", request)
+    with pytest.raises(ConfigError, match=r"--input: .*absent does not exist"):
+        plan_input(tmp_path / "absent", request)
+
+
 def test_an_existing_output_path_is_refused(trained_run, tmp_path):
     (tmp_path / "taken").mkdir()
     with pytest.raises(ConfigError, match=r"--output: .*taken exists"):

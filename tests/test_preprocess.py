@@ -268,17 +268,46 @@ def test_the_digits_listing_counts_what_load_digits_returns_without_importing_it
 def test_every_source_module_registers_the_source_its_name_says():
     import importlib
     import pkgutil
+    import typing
 
     import workers.sources
-    from workers.sources import SOURCES, get_source
+    from workers.sources import (
+        COLLECTION_SOURCES,
+        PREDICTION_INPUTS,
+        SOURCES,
+        Source,
+        StoreKind,
+        get_source,
+    )
 
-    # Adding a source is one module: its name in SOURCES, its class registered under it.
+    # Adding a source is one module: its name in SOURCES (and in its kind's table), its class
+    # registered under it. The tables are what a config validates with, torch-free.
     modules = {m.name for m in pkgutil.iter_modules(workers.sources.__path__)}
     assert set(SOURCES) <= modules
-    for name in modules - set(SOURCES):  # what the sources share, registering nothing
+    for name in modules:
         importlib.import_module(f"workers.sources.{name}")
+    # Each source's module defines its one Source; the others (what the sources share) none.
+    defined = [cls for cls in Source.__subclasses__() if cls.__module__.startswith("workers.")]
+    assert sorted(cls.__module__ for cls in defined) == sorted(
+        f"workers.sources.{name}" for name in SOURCES
+    )
+    assert {name: get_source(name).__module__ for name in SOURCES} == {
+        n: f"workers.sources.{n}" for n in SOURCES
+    }
     assert {name: get_source(name).name for name in SOURCES} == {n: n for n in SOURCES}
-    assert {n for n in SOURCES if get_source(n).store == "text"} == {"text"}
+    kinds = {name: get_source(name).store for name in SOURCES}
+    assert set(kinds.values()) <= set(typing.get_args(StoreKind))
+    assert {n for n, kind in kinds.items() if kind == "text"} == {"text"}
+    assert {n for n, kind in kinds.items() if kind == "collections"} == set(COLLECTION_SOURCES)
+    for name in COLLECTION_SOURCES:
+        assert get_source(name).collections.__func__ is not Source.collections.__func__, name
+    # The sources predict scores are those that list inputs, the folder of images last.
+    scoring = {
+        name
+        for name in SOURCES
+        if get_source(name).prediction_input.__func__ is not Source.prediction_input.__func__
+    }
+    assert scoring == set(PREDICTION_INPUTS) and PREDICTION_INPUTS[-1] == "imagefolder"
     with pytest.raises(SourceError, match="unknown dataset 'mnist'"):
         get_source("mnist")
 

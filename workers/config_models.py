@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.model_sources import IMPORT_PATH, check_name
-from workers.sources import SOURCES
+from workers.sources import COLLECTION_SOURCES, SOURCES
 from workers.strategies import STRATEGIES
 
 # The built-in models (workers/models.py), named here so that a config validates without torch.
@@ -85,22 +85,17 @@ class CheckpointConfig(BaseModel):
         return self.model_copy(update={"directory": str(Path(self.directory).absolute())})
 
 
-# Files of the user's own, read as Dask collections rather than built into a store.
-USER_DATASETS = ("parquet", "zarr")
-
-
 class DataConfig(BaseModel):
     """Where the images come from, where the preprocessed store lives, how ranks read it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dataset: Literal[SOURCES + USER_DATASETS] = Field(  # type: ignore[valid-type]
+    dataset: Literal[SOURCES] = Field(  # type: ignore[valid-type]
         default="digits",
         description="digits: scikit-learn's, no download; cifar10: the pickled batches; "
         "imagefolder: a class-per-folder tree of images; synthetic: a learnable set of any "
-        "size; text: files of text, windows of tokens for a language model "
-        "(workers/sources/, one module each); parquet, zarr: your own files, read as Dask "
-        "collections",
+        "size; text: files of text, windows of tokens for a language model; parquet, zarr: "
+        "your own files, read as Dask collections (workers/sources/, one module each)",
     )
     root: str | None = Field(
         default=None,
@@ -169,7 +164,7 @@ class DataConfig(BaseModel):
             raise ValueError("data.augment: crops and flips are for images; the text has none")
         if self.dataset in ("cifar10", "imagefolder", "text", "parquet", "zarr") and not self.root:
             raise ValueError(f"data.root: the {self.dataset} dataset needs a root folder or URL")
-        if self.dataset in USER_DATASETS and self.target is None:
+        if self.dataset in COLLECTION_SOURCES and self.target is None:
             raise ValueError(f"data.target: name the {self.dataset} labels (a column or array)")
         if self.dataset == "zarr" and (self.features is None or len(self.features) != 1):
             raise ValueError("data.features: name the one zarr array of samples, e.g. ['images']")

@@ -28,12 +28,11 @@ from torch import nn
 
 from workers.models import ModelConfig, build_model
 from workers.preprocessing import normalize_images
-from workers.sources import Decoding, decode
+from workers.sources import Decoding, InputKind, decode
 
 PLUGIN_PREFIX = "dask-train-model"
 Precision = Literal["fp32", "bf16", "fp16"]
 Outputs = Literal["class", "probabilities", "top_k"]
-InputKind = Literal["store", "cifar10", "imagefolder"]
 
 
 class CheckpointError(ValueError):

@@ -33,7 +33,7 @@ _HOMES = {
     "ProcessGroup": "workflows.launcher",
     "RankFailed": "workflows.launcher",
     "WorkerSelection": "workflows.launcher",
-    "PredictConfig": "workflows.batch_predict",
+    "PredictConfig": "workflows.prediction_request",
     "PredictResult": "workflows.batch_predict",
     "predict": "workflows.batch_predict",
     "SecurityConfig": "workflows.security",

@@ -19,11 +19,12 @@ from distributed import Client
 from workers.collection_shard import CollectionPlan
 from workers.config_models import LOSSES, DataConfig
 from workers.model_sources import source_of
+from workers.sources import COLLECTION_SOURCES, SourceError, get_source
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_modules
-from workflows.collections import check_trainer_data, trainer_data
+from workflows.collections import DataError, check_trainer_data, trainer_data
 from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
@@ -32,7 +33,6 @@ from workflows.launcher import ranks_for
 from workflows.preprocess import prepare_store
 from workflows.stores import StoreManifest, read_manifest
 from workflows.tracking import Tracker
-from workflows.user_datasets import USER_DATASETS, read_user_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ def _train_on(
     # Resolved once, before anything starts, so that a batch that does not split is a config
     # error rather than a failed job.
     world_size = config.world_size or ranks_for(client, config.launch)
-    if data is None and config.data.dataset in USER_DATASETS:
-        data = read_user_dataset(config.data.resolved(), seed=config.training.seed)
+    if data is None and config.data.dataset in COLLECTION_SOURCES:
+        data = _read_collections(config)
     if data is None:
         return _train_prepared(
             client,
@@ -256,6 +256,16 @@ def _train_on(
             stop=stop,
             hold=hold,
         )
+
+
+def _read_collections(config: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """The Dask collections of a source read as collections (parquet, zarr). Their refusals are
+    a DataError, as those of collections passed in ``data`` are."""
+    data = config.data.resolved()
+    try:
+        return get_source(data.dataset).collections(data, seed=config.training.seed)
+    except SourceError as error:
+        raise DataError(str(error)) from None
 
 
 def _known_classes(

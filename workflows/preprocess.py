@@ -39,7 +39,13 @@ def prepare_store(
     client: Client, config: DataConfig, *, seed: int, force: bool = False
 ) -> StoreManifest:
     """Build the dataset store for ``config`` on the cluster, or reuse a complete one."""
-    if get_source(config.dataset).store == "text":
+    kind = get_source(config.dataset).store
+    if kind == "collections":
+        raise SourceError(
+            f"data.dataset: {config.dataset} is read as Dask collections when training "
+            "(data.collections says how); there is no store to preprocess"
+        )
+    if kind == "text":
         from workflows.text_store import prepare_text_store
 
         return prepare_text_store(client, config, seed=seed, force=force)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from distributed import Client
 
+from workers.sources import COLLECTION_SOURCES
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import JobStopped, WorkerSelection, select_workers
@@ -263,11 +264,10 @@ class ConfigTrials:
         Keys that change the store (``data.*``, ``training.seed``) make each trial build its
         own: run those one at a time."""
         from workflows.preprocess import prepare_store
-        from workflows.user_datasets import USER_DATASETS
 
         config = self.base_config
         changes_store = any(k.startswith("data.") or k == "training.seed" for k in space)
-        if changes_store or config.data.dataset in USER_DATASETS:
+        if changes_store or config.data.dataset in COLLECTION_SOURCES:
             return
         prepare_store(client, config.data.resolved(), seed=config.training.seed)
 

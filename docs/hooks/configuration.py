@@ -2,8 +2,9 @@
 
 ``docs/reference/configuration.md`` holds the marker ``<!-- configuration-tables -->``; this hook
 replaces it with one table per section of :class:`workflows.config.RunConfig` (nested sections
-included) and one for the ``[predict]`` section (:class:`workflows.batch_predict.PredictConfig`):
-key, type, default and the field's ``description``. A field without a description takes its
+included) and one for the ``[predict]`` section
+(:class:`workflows.prediction_request.PredictConfig`): key, type, default and the field's
+``description``. A field without a description takes its
 entry in its model's docstring ``Attributes:`` section. Nothing here is written by hand, so a
 renamed or added key shows up on the next build.
 """
@@ -31,8 +32,8 @@ MARKER = "<!-- configuration-tables -->"
 
 def sections() -> list[tuple[str, type[BaseModel]]]:
     """Every section as (dotted name, model), in the order of the models' fields."""
-    from workflows.batch_predict import PredictConfig
     from workflows.config import RunConfig
+    from workflows.prediction_request import PredictConfig
 
     found: list[tuple[str, type[BaseModel]]] = [("", RunConfig)]
 

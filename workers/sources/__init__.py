@@ -1,15 +1,31 @@
-"""The raw sources of a training store, behind one registry: one module per source.
+"""The data sources, behind one registry: one module per source says everything about it.
 
-A source lists its records on the client, before any graph is built (bad paths, empty class
-folders and unreadable URLs fail there), and decodes a partition of them inside a Dask task.
-The images' store (``workflows/preprocess.py``) holds ``uint8`` images of shape
-``(n, 3, size, size)`` and ``int64`` labels; the text store (``workflows/text_store.py``)
-windows of tokens.
+``data.dataset`` names a source, and its module ``workers/sources/<name>.py`` registers a
+:class:`Source` subclass under that name. What the source's records become is its ``store``:
 
-Adding a source means adding its module ``workers/sources/<name>.py``, which registers a
-:class:`Source` under its name, and the name in ``SOURCES`` below (``data.dataset`` takes
-these names; a test checks they agree). This file imports nothing heavy: a config validates
-with the names alone, and no source module is imported before a config names it.
+- ``"images"`` (``digits``, ``synthetic``, ``cifar10``, ``imagefolder``): the records are listed
+  on the client before any graph is built (bad paths, empty class folders and unreadable URLs
+  fail there), and each partition of them is decoded inside a Dask task into the images' store
+  (``workflows/preprocess.py``): ``uint8`` images of shape ``(n, 3, size, size)`` and
+  ``int64`` labels.
+- ``"text"`` (``text``): listed the same way, then tokenized into windows of tokens by the
+  text store (``workflows/text_store.py``) with the source module's tokenizers.
+- ``"collections"`` (``parquet``, ``zarr``): files a user already has, read as Dask collections
+  and trained on the way of ``train(config, data=...)`` (``workflows/collections.py``):
+  nothing is copied into a store by ``preprocess``.
+
+Adding a source means adding its module and its name in ``SOURCES`` below (``data.dataset``
+takes these names). An images source implements :meth:`Source.listing` and
+:meth:`Source.decode`, and :meth:`Source.check_root` when its root can be missing; a text
+source sets ``store = "text"`` and implements :meth:`Source.listing` (the text store reads its
+module's tokenizers); a collections source sets ``store = "collections"``, implements
+:meth:`Source.collections` and puts its name in ``COLLECTION_SOURCES`` too. A source whose
+inputs ``predict`` scores implements :meth:`Source.prediction_input` and puts its name in
+``PREDICTION_INPUTS``, in the order it is asked (``workflows/prediction_input.py`` asks a
+dataset store first). A test checks that these names and the modules agree.
+
+This file imports nothing heavy: a config validates with the names alone, and no source module
+is imported before a config names it.
 """
 
 import hashlib
@@ -21,9 +37,18 @@ if TYPE_CHECKING:
     import numpy as np
 
     from workers.config_models import DataConfig
+    from workers.inference import Partition
 
-SOURCES = ("digits", "synthetic", "cifar10", "imagefolder", "text")
+SOURCES = ("digits", "synthetic", "cifar10", "imagefolder", "text", "parquet", "zarr")
+# The sources read as Dask collections (store = "collections"): their configs name a target
+# and skip the store, which the config and the driver know from the names alone.
+COLLECTION_SOURCES = ("parquet", "zarr")
+# The sources that predict scores, asked in this order after a dataset store: the folder of
+# images last, since any folder of images is one.
+PREDICTION_INPUTS = ("cifar10", "imagefolder")
 OnBad = Literal["fail", "skip"]
+StoreKind = Literal["images", "text", "collections"]
+InputKind = Literal["store", "cifar10", "imagefolder"]
 
 
 class SourceError(ValueError):
@@ -58,13 +83,47 @@ class Decoding:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class InputRequest:
+    """What the model and ``[predict]`` ask of an input, whatever its kind."""
+
+    image_size: int  # the model's
+    channels: int  # the model's first layer's
+    split: str  # predict.split
+    partition_size: int  # predict.partition_size
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def ranges(self, n: int) -> list[tuple[int, int]]:
+        """The partitions' (start, stop) of ``n`` samples."""
+        return [(lo, min(n, lo + self.partition_size)) for lo in range(0, n, self.partition_size)]
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """An input of ``predict`` listed on the client: its partitions, and its classes when it
+    has labels."""
+
+    kind: InputKind
+    url: str
+    partitions: list["Partition"]
+    classes: list[str] | None
+    mean: list[float] | None = None  # a store's own statistics
+    std: list[float] | None = None
+
+    @property
+    def count(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+
 class Source:
-    """One raw source: how its records are listed, checked and decoded."""
+    """One data source: how its records are listed, checked and decoded (or read as Dask
+    collections), and how an input of its kind is listed for ``predict``."""
 
     name: ClassVar[str]
-    # Which store its records become: "images" (workflows/preprocess.py) or "text"
-    # (workflows/text_store.py, which tokenizes with the source's module).
-    store: ClassVar[Literal["images", "text"]] = "images"
+    # What its records become: "images" (workflows/preprocess.py), "text"
+    # (workflows/text_store.py, which tokenizes with the source's module) or "collections"
+    # (read by collections(), never built into a store by preprocess).
+    store: ClassVar[StoreKind] = "images"
 
     @classmethod
     def listing(cls, data: "DataConfig", *, seed: int) -> Listing:
@@ -80,6 +139,24 @@ class Source:
     def decode(cls, records: list[Any], how: Decoding) -> Decoded:
         """Decode and resize one partition of records (a Dask task of the images' store)."""
         raise NotImplementedError(f"{cls.name} records are not decoded into images")
+
+    @classmethod
+    def collections(cls, data: "DataConfig", *, seed: int) -> dict[str, tuple[Any, Any]]:
+        """``{"train": (X, y), "val": (X_val, y_val)}`` as Dask collections (on the client),
+        for a source of the "collections" kind."""
+        raise SourceError(
+            f"data.dataset: {cls.name!r} is not one of {COLLECTION_SOURCES}, the datasets read "
+            "as Dask collections"
+        )
+
+    @classmethod
+    def prediction_input(
+        cls, fs: Any, path: str, url: str, request: InputRequest
+    ) -> InputPlan | None:
+        """``url`` (``path`` on the filesystem ``fs``) listed into partitions for ``predict``,
+        or None when it is not an input of this source's kind; a SourceError naming the path
+        when it is, but cannot be read. None by default: ``predict`` scores few sources."""
+        return None
 
 
 _REGISTRY: dict[str, type[Source]] = {}

@@ -1,5 +1,8 @@
 """cifar10: CIFAR-10 in torchvision's on-disk format (pickled batches), under ``data.root``,
-local or any fsspec URL. One record a batch file: a partition reads its file once."""
+local or any fsspec URL. One record a batch file: a partition reads its file once.
+
+``predict`` scores its test batch: the file itself, or the CIFAR-10 folder (or the folder
+above it) that holds it."""
 
 import pickle
 from typing import TYPE_CHECKING, Any
@@ -11,6 +14,8 @@ from PIL import Image
 from workers.sources import (
     Decoded,
     Decoding,
+    InputPlan,
+    InputRequest,
     Listing,
     Source,
     SourceError,
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST = ("test_batch",)
+(TEST_BATCH,) = CIFAR_TEST
 
 
 def cifar10_folder(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
@@ -93,3 +99,45 @@ class Cifar10(Source):
                 images.append(image)
             labels.extend(batch_labels)
         return Decoded(*stack(images, labels, how.image_size), bad=bad)
+
+    @classmethod
+    def prediction_input(
+        cls, fs: Any, path: str, url: str, request: InputRequest
+    ) -> InputPlan | None:
+        # Partition is the inference task's, which imports torch: only predict needs it.
+        from workers.inference import Partition
+
+        batch = _test_batch(fs, path)
+        if batch is None:
+            return None
+        batch_url = fs.unstrip_protocol(batch)
+        parts = [
+            Partition(i, lo, hi, "cifar10", batch_url, rows=(lo, hi))
+            for i, (lo, hi) in enumerate(request.ranges(_batch_size(fs, batch)))
+        ]
+        return InputPlan("cifar10", batch_url, parts, [f"class{i}" for i in range(10)])
+
+
+def _test_batch(fs: Any, path: str) -> str | None:
+    if fs.isfile(path):
+        return path if path.rstrip("/").endswith(TEST_BATCH) else None
+    for candidate in (f"{path}/{TEST_BATCH}", f"{path}/{CIFAR_FOLDER}/{TEST_BATCH}"):
+        if fs.isfile(candidate):
+            return candidate
+    return None
+
+
+def _batch_size(fs: Any, batch: str) -> int:
+    """How many images the batch file holds, checked against its labels."""
+    try:
+        with fs.open(batch, "rb") as f:
+            content = pickle.load(f, encoding="latin1")
+        count = len(content["labels"])
+        if len(content["data"]) != count or np.asarray(content["data"]).shape[1:] != (3072,):
+            raise ValueError("images and labels do not match, or images are not 3x32x32")
+    except (EOFError, OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as error:
+        raise SourceError(
+            f"--input: {fs.unstrip_protocol(batch)}: not a readable CIFAR-10 batch "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    return count

@@ -1,5 +1,8 @@
 """imagefolder: a class-per-folder tree of images under ``data.root``, local or any fsspec URL;
-``train/`` and ``val/`` subfolders when the split is given, else a seeded split."""
+``train/`` and ``val/`` subfolders when the split is given, else a seeded split.
+
+``predict`` scores any folder of images: class folders (or ``train/`` and ``val/`` of them,
+``predict.split`` chosen) give labels; a plain folder of images is scored without."""
 
 import io
 from typing import TYPE_CHECKING, Any
@@ -11,6 +14,8 @@ from PIL import Image, UnidentifiedImageError
 from workers.sources import (
     Decoded,
     Decoding,
+    InputPlan,
+    InputRequest,
     Listing,
     Source,
     SourceError,
@@ -115,3 +120,47 @@ class ImageFolder(Source):
                 continue
             labels.append(label)
         return Decoded(*stack(images, labels, how.image_size), bad=bad)
+
+    @classmethod
+    def prediction_input(
+        cls, fs: Any, path: str, url: str, request: InputRequest
+    ) -> InputPlan | None:
+        # Partition is the inference task's, which imports torch: only predict needs it.
+        from workers.inference import Partition
+
+        if not fs.isdir(path):
+            return None
+        base, shown = path, url
+        if fs.isdir(f"{path}/train") and fs.isdir(f"{path}/val"):
+            base, shown = f"{path}/{request.split}", f"{url}/{request.split}"
+        classes: list[str] | None
+        try:
+            items, classes = scan_classes(fs, base, shown)
+            index = {name: i for i, name in enumerate(classes)}
+            records = [(file, index[name]) for file, name, _ in items]
+        except SourceError as error:
+            if "has no class folders" not in str(error):
+                raise SourceError(str(error).replace("data.root:", "--input:")) from None
+            # A plain folder of images: scored without labels.
+            found = sorted(p for p in fs.find(base) if p.lower().endswith(IMAGE_SUFFIXES))
+            if not found:
+                raise SourceError(
+                    f"--input: {url} holds no images ({', '.join(IMAGE_SUFFIXES)}), no dataset "
+                    "store and no CIFAR-10 test batch"
+                ) from None
+            records, classes = [(fs.unstrip_protocol(p), -1) for p in found], None
+        prefix = fs.unstrip_protocol(base).rstrip("/") + "/"
+        ids = [file.removeprefix(prefix) for file, _ in records]
+        parts = [
+            Partition(
+                i,
+                lo,
+                hi,
+                "imagefolder",
+                shown,
+                records=tuple(records[lo:hi]),
+                ids=tuple(ids[lo:hi]),
+            )
+            for i, (lo, hi) in enumerate(request.ranges(len(records)))
+        ]
+        return InputPlan("imagefolder", shown, parts, classes)

@@ -1,0 +1,307 @@
+"""A prediction request checked on the client, before a cluster starts or a task runs.
+
+``prepare`` resolves the trained model (a run directory brings its config and the statistics
+of its store; a bare checkpoint takes them from a config), builds it once on the CPU to check
+the checkpoint, lists the input into partitions (``workflows/prediction_input.py``), matches
+the input's classes to the model's and refuses an output path that exists. What it hands back,
+a :class:`PreparedPrediction`, leaves nothing to fail but the cluster; ``run_prepared``
+(``workflows/batch_predict.py``) scores it.
+"""
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import fsspec
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from workers.inference import ModelSpec, ScoreJob, input_shape
+from workers.model_sources import ModelError
+from workers.sources import InputPlan, InputRequest
+from workflows.cluster import ClusterConfig
+from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
+from workflows.prediction_input import plan_input
+from workflows.stores import read_manifest
+from workflows.tracking import TrackingConfig
+
+
+class PredictConfig(BaseModel):
+    """How to score: the ``[predict]`` section of a config file, or ``--set predict.KEY=V``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: int = Field(default=256, ge=1, description="images per forward pass per device")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="autocast dtype for the forward pass"
+    )
+    outputs: Literal["class", "probabilities", "top_k"] = Field(
+        default="probabilities",
+        description="class and confidence only; or every class's probability; or the top k",
+    )
+    top_k: int = Field(default=3, ge=1, description="outputs = 'top_k': how many classes")
+    format: Literal["parquet", "zarr"] = Field(
+        default="parquet", description="predictions.parquet, or predictions.zarr arrays"
+    )
+    partition_size: int = Field(default=1024, ge=1, description="samples per predict task")
+    split: Literal["val", "train"] = Field(
+        default="val", description="which split of a dataset store (or of train/ and val/)"
+    )
+    evaluate: bool | None = Field(
+        default=None,
+        description="metrics from the labels: None when the input's labels name the model's "
+        "classes, True to insist, False never",
+    )
+    threads_per_worker: int | None = Field(
+        default=None, ge=1, description="torch threads per worker while scoring"
+    )
+    timeout_s: float = Field(default=3600.0, gt=0, description="bound on the whole scoring")
+    queue_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="on a shared cluster, how long the job may wait for a free worker",
+    )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "PredictConfig":
+        """Validate, with errors as one line naming ``predict.<field>``."""
+
+        class _Section(BaseModel):
+            model_config = ConfigDict(extra="forbid")
+            predict: PredictConfig = PredictConfig()
+
+        try:
+            return _Section.model_validate({"predict": raw or {}}).predict
+        except ValidationError as error:
+            raise ConfigError(_one_line(error)) from None
+
+
+def load_predict_config(
+    source: str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[RunConfig, PredictConfig]:
+    """A config file with an optional ``[predict]`` section → (run config, predict settings)."""
+    raw = read_raw_config(source, overrides)
+    section = raw.pop("predict", {})
+    return load_config(raw), PredictConfig.from_dict(section)
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A checkpoint and what it was trained with: model, image size, statistics, classes."""
+
+    checkpoint: str
+    config: RunConfig
+    classes: list[str]
+    mean: list[float]
+    std: list[float]
+    image_size: int
+
+
+def resolve_model(model: str | Path, config: RunConfig | None = None) -> TrainedModel:
+    """A run directory (or its ``model.pt``) brings its own config and statistics; a bare
+    checkpoint takes model and data from ``config``, statistics from that config's store."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"--model: {path} does not exist; give a run directory (dask-train run) or a checkpoint"
+        )
+    run_dir = path if path.is_dir() else path.parent
+    checkpoint = run_dir / "model.pt" if path.is_dir() else path
+    summary: dict[str, Any] = {}
+    if (run_dir / "config.json").is_file():
+        try:
+            config = load_config(json.loads((run_dir / "config.json").read_text()))
+        except (json.JSONDecodeError, ConfigError) as error:
+            raise ConfigError(
+                f"--model: {run_dir / 'config.json'} is not a run config: {error}"
+            ) from None
+        if (run_dir / "summary.json").is_file():
+            summary = json.loads((run_dir / "summary.json").read_text()).get("store", {})
+    elif path.is_dir():
+        raise ConfigError(f"--model: {path} holds no config.json; is it a run directory?")
+    elif config is None:
+        raise ConfigError(
+            f"--model: {path} is a bare checkpoint; give the config it was trained with "
+            "(model.name, data.store, data.image_size)"
+        )
+    if not checkpoint.is_file():
+        raise ConfigError(f"--model: {checkpoint} does not exist (the run did not finish?)")
+    if all(key in summary for key in ("mean", "std", "classes")):
+        mean, std, classes = summary["mean"], summary["std"], summary["classes"]
+        image_size = int(summary.get("image_size", config.data.image_size))
+    else:
+        # Run directories from before statistics were recorded, and bare checkpoints: the
+        # store the model was trained on still knows them.
+        url = config.data.store_url
+        manifest = read_manifest(url, storage_options=config.data.storage_options)
+        if manifest is None:
+            raise ConfigError(
+                f"data.store: {url} holds no complete dataset store, so the normalization the "
+                f"model {checkpoint} was trained with is unknown; point data.store at its store"
+            )
+        mean, std, classes = manifest["mean"], manifest["std"], manifest["classes"]
+        image_size = int(manifest.get("image_size", config.data.image_size))
+    return TrainedModel(
+        checkpoint=str(checkpoint),
+        config=config,
+        classes=list(classes),
+        mean=[float(v) for v in mean],
+        std=[float(v) for v in std],
+        image_size=image_size,
+    )
+
+
+@dataclass(frozen=True)
+class PreparedPrediction:
+    """A request checked on the client: nothing left to fail before scoring but the cluster."""
+
+    name: str
+    trained: TrainedModel
+    settings: PredictConfig
+    plan: InputPlan
+    spec: ModelSpec
+    job: ScoreJob
+    output: str
+    storage_options: dict[str, Any]
+    cluster: ClusterConfig
+    notes: tuple[str, ...] = ()
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def prepare(
+    *,
+    model: str | Path,
+    input: str | Path,
+    output: str | Path,
+    config: RunConfig | str | Path | dict[str, Any] | None = None,
+    settings: PredictConfig | dict[str, Any] | None = None,
+) -> PreparedPrediction:
+    """Check everything about a request without starting anything; errors name the field or
+    file (ConfigError, CheckpointError)."""
+    if config is not None and not isinstance(config, RunConfig):
+        config = load_config(config)
+    if not isinstance(settings, PredictConfig):
+        settings = PredictConfig.from_dict(settings)
+    trained = resolve_model(model, config)
+    if trained.config.training.resolved_task != "classification":
+        raise ConfigError(
+            f"--model: {trained.checkpoint} was trained for {trained.config.training.resolved_task}"
+            f" (training.loss = {trained.config.training.loss}); batch prediction scores "
+            "classifiers only"
+        )
+    token = uuid.uuid4().hex
+    spec = ModelSpec(
+        name=trained.config.model.name,
+        kwargs=dict(trained.config.model.kwargs),
+        num_classes=len(trained.classes),
+        image_size=trained.image_size,
+        checkpoint=Path(trained.checkpoint).read_bytes(),
+        source=trained.checkpoint,
+        precision=settings.precision,
+        threads=settings.threads_per_worker,
+        token=token,
+    )
+    import torch
+
+    try:
+        shape = input_shape(spec.build(torch.device("cpu")), spec.image_size)  # checks the file
+    except ModelError as error:  # the run's model cannot be built here (its code is missing)
+        raise ConfigError(f"--model: {trained.checkpoint}: {error}") from None
+    if settings.outputs == "top_k" and settings.top_k > len(trained.classes):
+        raise ConfigError(
+            f"predict.top_k: {settings.top_k} is more than the model's {len(trained.classes)} "
+            "classes"
+        )
+    options = dict(trained.config.data.storage_options)
+    request = InputRequest(
+        image_size=trained.image_size,
+        channels=shape[0],
+        split=settings.split,
+        partition_size=settings.partition_size,
+        storage_options=options,
+    )
+    plan = plan_input(input, request)
+    if not plan.count:
+        raise ConfigError(f"--input: {plan.url} holds no samples")
+    label_map, notes = _label_map(plan, trained, settings)
+    same_statistics = plan.mean is None or (
+        np.allclose(plan.mean, trained.mean, rtol=0, atol=0)
+        and np.allclose(plan.std, trained.std, rtol=0, atol=0)
+    )
+    if not same_statistics:
+        notes.append(
+            f"the input store was normalized with other statistics; re-normalized with the "
+            f"model's (mean {_short(trained.mean)}, std {_short(trained.std)})"
+        )
+    output_url = _check_output(output, options)
+    job = ScoreJob(
+        token=token,
+        batch_size=settings.batch_size,
+        outputs=settings.outputs,
+        top_k=settings.top_k,
+        classes=tuple(trained.classes),
+        image_size=trained.image_size,
+        mean=tuple(trained.mean),
+        std=tuple(trained.std),
+        input_mean=None if same_statistics else tuple(plan.mean or ()),
+        input_std=None if same_statistics else tuple(plan.std or ()),
+        label_map=label_map,
+        storage_options=options,
+    )
+    cluster_config = config.cluster if isinstance(config, RunConfig) else trained.config.cluster
+    return PreparedPrediction(
+        name=trained.config.name,
+        trained=trained,
+        settings=settings,
+        plan=plan,
+        spec=spec,
+        job=job,
+        output=output_url,
+        storage_options=options,
+        cluster=cluster_config,
+        notes=tuple(notes),
+        # MLflow: the store this request names, else the one the model's run logged to.
+        tracking=config.tracking
+        if config is not None and config.tracking.mlflow_uri
+        else trained.config.tracking,
+    )
+
+
+def _short(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
+
+
+def _label_map(
+    plan: InputPlan, trained: TrainedModel, settings: PredictConfig
+) -> tuple[tuple[int, ...] | None, list[str]]:
+    """Input class → model class by name, when the input has labels and they can be used."""
+    if settings.evaluate is False:
+        return None, []
+    if plan.classes is None:
+        if settings.evaluate:
+            raise ConfigError(f"predict.evaluate: the input {plan.url} has no labels")
+        return None, ["the input has no labels: no metrics"]
+    unknown = [c for c in plan.classes if c not in trained.classes]
+    if unknown:
+        message = (
+            f"the input's classes {', '.join(unknown[:5])} are not among the model's "
+            f"({', '.join(trained.classes[:10])})"
+        )
+        if settings.evaluate:
+            raise ConfigError(f"predict.evaluate: {message}; set predict.evaluate = false")
+        return None, [f"{message}: labels left out, no metrics"]
+    return tuple(trained.classes.index(c) for c in plan.classes), []
+
+
+def _check_output(output: str | Path, options: dict[str, Any]) -> str:
+    url = str(output)
+    if "://" not in url:
+        url = str(Path(url).expanduser().resolve())
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    if fs.exists(path):
+        raise ConfigError(
+            f"--output: {url} exists; choose a new path (predictions are never overwritten)"
+        )
+    return url
