@@ -301,13 +301,16 @@ def test_every_source_module_registers_the_source_its_name_says():
     assert {n for n, kind in kinds.items() if kind == "collections"} == set(COLLECTION_SOURCES)
     for name in COLLECTION_SOURCES:
         assert get_source(name).collections.__func__ is not Source.collections.__func__, name
-    # The sources predict scores are those that list inputs, the folder of images last.
-    scoring = {
-        name
-        for name in SOURCES
-        if get_source(name).prediction_input.__func__ is not Source.prediction_input.__func__
-    }
-    assert scoring == set(PREDICTION_INPUTS) and PREDICTION_INPUTS[-1] == "imagefolder"
+    # The sources predict scores are those that list inputs and read them, the folder of
+    # images last.
+    for method in ("prediction_input", "prediction_images"):
+        scoring = {
+            name
+            for name in SOURCES
+            if getattr(get_source(name), method).__func__ is not getattr(Source, method).__func__
+        }
+        assert scoring == set(PREDICTION_INPUTS), method
+    assert PREDICTION_INPUTS[-1] == "imagefolder"
     with pytest.raises(SourceError, match="unknown dataset 'mnist'"):
         get_source("mnist")
 

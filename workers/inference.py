@@ -9,9 +9,7 @@ with a task, and are never reloaded per batch.
 
 import asyncio
 import contextlib
-import functools
 import io
-import json
 import os
 import pickle
 from collections import OrderedDict
@@ -28,7 +26,7 @@ from torch import nn
 
 from workers.models import ModelConfig, build_model
 from workers.preprocessing import normalize_images
-from workers.sources import Decoding, InputKind, decode
+from workers.sources import Decoding, Partition, get_source
 
 PLUGIN_PREFIX = "dask-train-model"
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -176,24 +174,6 @@ class ModelPlugin(WorkerPlugin):
 
 
 @dataclass(frozen=True)
-class Partition:
-    """One task's share of the input: samples ``start:stop`` of the input order."""
-
-    index: int
-    start: int
-    stop: int
-    kind: InputKind
-    url: str  # the store, the CIFAR-10 batch file, or the image folder
-    split: str | None = None  # store: which split
-    rows: tuple[int, int] | None = None  # store and CIFAR-10: rows of the split or batch
-    records: tuple[tuple[str, int], ...] = ()  # imagefolder: (url, input class or -1)
-    ids: tuple[str, ...] = ()  # imagefolder: the files' paths below the input folder
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
 class ScoreJob:
     """What every ``predict-…`` task of one job shares (small: no parameters in here)."""
 
@@ -257,19 +237,10 @@ def read_partition(partition: Partition, job: ScoreJob) -> tuple[np.ndarray, np.
         labels = np.asarray(group[f"{partition.split}/labels"][lo:hi], dtype=np.int64)
         if job.input_mean is not None and job.input_std is not None:
             images = _renormalize(images, job)
-    elif partition.kind == "cifar10":
-        assert partition.rows is not None
-        raw, batch_labels = _cifar_batch(
-            partition.url, job.image_size, json.dumps(job.storage_options, sort_keys=True)
-        )
-        lo, hi = partition.rows
-        images = normalize_images(raw[lo:hi], job.mean, job.std)
-        labels = batch_labels[lo:hi]
     else:
         how = Decoding(job.image_size, storage_options=job.storage_options)
-        decoded = decode("imagefolder", list(partition.records), how)
-        images = normalize_images(decoded.images, job.mean, job.std)
-        labels = decoded.labels
+        raw, labels = get_source(partition.kind).prediction_images(partition, how)
+        images = normalize_images(raw, job.mean, job.std)
     if job.label_map is None:
         return images, np.full(len(images), -1, dtype=np.int64)
     mapping = np.asarray(job.label_map, dtype=np.int64)
@@ -283,13 +254,6 @@ def _renormalize(images: np.ndarray, job: ScoreJob) -> np.ndarray:
     m_in = np.asarray(job.input_mean, dtype=np.float32)[:, None, None]
     m_model = np.asarray(job.mean, dtype=np.float32)[:, None, None]
     return ((images * s_in + m_in) - m_model) * to_model
-
-
-@functools.lru_cache(maxsize=2)
-def _cifar_batch(url: str, image_size: int, options: str) -> tuple[np.ndarray, np.ndarray]:
-    # One pickled batch holds 10,000 images: its partitions on this worker decode it once.
-    decoded = decode("cifar10", [url], Decoding(image_size, storage_options=json.loads(options)))
-    return decoded.images, decoded.labels
 
 
 def _probabilities(
@@ -344,13 +308,11 @@ def prediction_frame(
 
 
 def sample_ids(partition: Partition) -> list[str]:
-    """Stable ids: ``<split>/<row>`` in a store, ``test_batch/<row>`` in CIFAR-10, the file's
-    path below the input folder for images."""
-    if partition.kind == "imagefolder":
+    """Stable ids: ``<split>/<row>`` of rows (a store's split, CIFAR-10's ``test_batch``), the
+    file's path below the input folder for files read one by one."""
+    if partition.rows is None:
         return list(partition.ids)
-    assert partition.rows is not None
-    prefix = partition.split if partition.kind == "store" else "test_batch"
-    return [f"{prefix}/{row}" for row in range(*partition.rows)]
+    return [f"{partition.split}/{row}" for row in range(*partition.rows)]
 
 
 def empty_frame(job: ScoreJob) -> pd.DataFrame:

@@ -13,8 +13,14 @@ from typing import Any
 import fsspec
 import zarr
 
-from workers.inference import Partition
-from workers.sources import PREDICTION_INPUTS, InputPlan, InputRequest, SourceError, get_source
+from workers.sources import (
+    PREDICTION_INPUTS,
+    InputPlan,
+    InputRequest,
+    Partition,
+    SourceError,
+    get_source,
+)
 from workflows.config import ConfigError
 from workflows.stores import read_manifest
 

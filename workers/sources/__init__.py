@@ -20,7 +20,9 @@ takes these names). An images source implements :meth:`Source.listing` and
 source sets ``store = "text"`` and implements :meth:`Source.listing` (the text store reads its
 module's tokenizers); a collections source sets ``store = "collections"``, implements
 :meth:`Source.collections` and puts its name in ``COLLECTION_SOURCES`` too. A source whose
-inputs ``predict`` scores implements :meth:`Source.prediction_input` and puts its name in
+inputs ``predict`` scores implements :meth:`Source.prediction_input` (list an input into
+partitions, on the client) and :meth:`Source.prediction_images` (read one, in a task), and puts
+its name in
 ``PREDICTION_INPUTS``, in the order it is asked (``workflows/prediction_input.py`` asks a
 dataset store first). A test checks that these names and the modules agree.
 
@@ -37,7 +39,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from workers.config_models import DataConfig
-    from workers.inference import Partition
 
 SOURCES = ("digits", "synthetic", "cifar10", "imagefolder", "text", "parquet", "zarr")
 # The sources read as Dask collections (store = "collections"): their configs name a target
@@ -48,7 +49,6 @@ COLLECTION_SOURCES = ("parquet", "zarr")
 PREDICTION_INPUTS = ("cifar10", "imagefolder")
 OnBad = Literal["fail", "skip"]
 StoreKind = Literal["images", "text", "collections"]
-InputKind = Literal["store", "cifar10", "imagefolder"]
 
 
 class SourceError(ValueError):
@@ -84,6 +84,26 @@ class Decoding:
 
 
 @dataclass(frozen=True)
+class Partition:
+    """One ``predict`` task's share of an input: samples ``start:stop`` of the input order.
+    ``kind`` is ``"store"`` (a dataset store) or the name of the source that listed it, which
+    also reads it (:meth:`Source.prediction_images`)."""
+
+    index: int
+    start: int
+    stop: int
+    kind: str
+    url: str  # the store, or the source's file or folder (a CIFAR-10 batch, an image folder)
+    split: str | None = None  # what its rows are of, in sample ids: the store's split, a file
+    rows: tuple[int, int] | None = None  # rows of that split or file; None: files one by one
+    records: tuple[tuple[str, int], ...] = ()  # (url, input class or -1) of files read one by one
+    ids: tuple[str, ...] = ()  # those files' paths below the input folder
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
 class InputRequest:
     """What the model and ``[predict]`` ask of an input, whatever its kind."""
 
@@ -103,9 +123,9 @@ class InputPlan:
     """An input of ``predict`` listed on the client: its partitions, and its classes when it
     has labels."""
 
-    kind: InputKind
+    kind: str  # "store", or the source's name
     url: str
-    partitions: list["Partition"]
+    partitions: list[Partition]
     classes: list[str] | None
     mean: list[float] | None = None  # a store's own statistics
     std: list[float] | None = None
@@ -157,6 +177,15 @@ class Source:
         or None when it is not an input of this source's kind; a SourceError naming the path
         when it is, but cannot be read. None by default: ``predict`` scores few sources."""
         return None
+
+    @classmethod
+    def prediction_images(
+        cls, partition: Partition, how: Decoding
+    ) -> tuple["np.ndarray", "np.ndarray"]:
+        """One partition that :meth:`prediction_input` listed, as ``uint8`` images of
+        ``how.image_size`` and their input classes (-1 where unknown), inside a ``predict``
+        task."""
+        raise NotImplementedError(f"{cls.name} inputs are not scored by predict")
 
 
 _REGISTRY: dict[str, type[Source]] = {}

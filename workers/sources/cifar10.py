@@ -4,6 +4,8 @@ local or any fsspec URL. One record a batch file: a partition reads its file onc
 ``predict`` scores its test batch: the file itself, or the CIFAR-10 folder (or the folder
 above it) that holds it."""
 
+import functools
+import json
 import pickle
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,7 @@ from workers.sources import (
     InputPlan,
     InputRequest,
     Listing,
+    Partition,
     Source,
     SourceError,
     digest,
@@ -104,18 +107,33 @@ class Cifar10(Source):
     def prediction_input(
         cls, fs: Any, path: str, url: str, request: InputRequest
     ) -> InputPlan | None:
-        # Partition is the inference task's, which imports torch: only predict needs it.
-        from workers.inference import Partition
-
         batch = _test_batch(fs, path)
         if batch is None:
             return None
         batch_url = fs.unstrip_protocol(batch)
         parts = [
-            Partition(i, lo, hi, "cifar10", batch_url, rows=(lo, hi))
+            Partition(i, lo, hi, "cifar10", batch_url, split=TEST_BATCH, rows=(lo, hi))
             for i, (lo, hi) in enumerate(request.ranges(_batch_size(fs, batch)))
         ]
         return InputPlan("cifar10", batch_url, parts, [f"class{i}" for i in range(10)])
+
+    @classmethod
+    def prediction_images(
+        cls, partition: Partition, how: Decoding
+    ) -> tuple[np.ndarray, np.ndarray]:
+        assert partition.rows is not None
+        images, labels = _decoded_batch(
+            partition.url, how.image_size, json.dumps(how.storage_options, sort_keys=True)
+        )
+        lo, hi = partition.rows
+        return images[lo:hi], labels[lo:hi]
+
+
+@functools.lru_cache(maxsize=2)
+def _decoded_batch(url: str, image_size: int, options: str) -> tuple[np.ndarray, np.ndarray]:
+    # One pickled batch holds 10,000 images: its partitions on this worker decode it once.
+    decoded = Cifar10.decode([url], Decoding(image_size, storage_options=json.loads(options)))
+    return decoded.images, decoded.labels
 
 
 def _test_batch(fs: Any, path: str) -> str | None:

@@ -17,6 +17,7 @@ from workers.sources import (
     InputPlan,
     InputRequest,
     Listing,
+    Partition,
     Source,
     SourceError,
     digest,
@@ -125,9 +126,6 @@ class ImageFolder(Source):
     def prediction_input(
         cls, fs: Any, path: str, url: str, request: InputRequest
     ) -> InputPlan | None:
-        # Partition is the inference task's, which imports torch: only predict needs it.
-        from workers.inference import Partition
-
         if not fs.isdir(path):
             return None
         base, shown = path, url
@@ -164,3 +162,10 @@ class ImageFolder(Source):
             for i, (lo, hi) in enumerate(request.ranges(len(records)))
         ]
         return InputPlan("imagefolder", shown, parts, classes)
+
+    @classmethod
+    def prediction_images(
+        cls, partition: Partition, how: Decoding
+    ) -> tuple[np.ndarray, np.ndarray]:
+        decoded = cls.decode(list(partition.records), how)
+        return decoded.images, decoded.labels
