@@ -379,7 +379,7 @@ def plan(
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
     _start_worker_imports(resolved)
     from workflows.cluster import start_cluster
-    from workflows.launcher import ranks_for
+    from workflows.driver import resolve_run
     from workflows.planner import plan as plan_stages
     from workflows.stores import read_manifest
 
@@ -389,8 +389,7 @@ def plan(
     num_classes = len(manifest["classes"]) if manifest else 10
     # A ValueError here is the planner's: the model does not fit the stages it is given.
     with _exit_codes("planning", ValueError), start_cluster(resolved.cluster) as cluster:
-        world_size = resolved.world_size or ranks_for(cluster.client, resolved.launch)
-        resolved.check_batch(world_size)
+        world_size = resolve_run(cluster.client, resolved).layout.world_size
         result = plan_stages(
             cluster.client, resolved, world_size=world_size, num_classes=num_classes
         )

@@ -114,10 +114,6 @@ class RunConfig(BaseModel):
         except ValueError as error:
             raise ConfigError(str(error)) from None
 
-    def check_batch(self, world_size: int) -> None:
-        """The global batch must split evenly into ranks and accumulation micro-batches."""
-        self.layout(world_size)
-
 
 def check_model(
     config: RunConfig,

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from distributed import Client
 
 from workers.collection_shard import CollectionPlan
 from workers.config_models import LOSSES, DataConfig
+from workers.layout import Layout
 from workers.model_sources import source_of
 from workers.sources import COLLECTION_SOURCES, SourceError, get_source
 from workers.train import RankResult, TrainJob, run_rank
@@ -29,7 +30,7 @@ from workflows.config import ConfigError, RunConfig, check_model, load_config, m
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, TrainingFailed, launch_on
-from workflows.launcher import ranks_for
+from workflows.launcher import LaunchConfig, ranks_for
 from workflows.preprocess import prepare_store
 from workflows.stores import StoreManifest, read_manifest
 from workflows.tracking import Tracker
@@ -177,8 +178,9 @@ def train(
             cluster = start_cluster(config.cluster)
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
+            run = resolve_run(client, config)
             result = _train_on(
-                client, config, handler, called_at=called_at, data=data, factory=model, stop=stop
+                client, run, handler, called_at=called_at, data=data, factory=model, stop=stop
             )
         finally:
             if owned:
@@ -188,9 +190,36 @@ def train(
         return result
 
 
+@dataclass(frozen=True)
+class ResolvedRun:
+    """One run's facts, worked out once on the client before anything starts; every step after
+    reads them here rather than working them out again."""
+
+    config: RunConfig  # its data and checkpoint paths absolute
+    layout: Layout  # its world size among the rest
+    launch: LaunchConfig  # [launch] with the world size
+
+    def with_data(self, data: DataConfig) -> "ResolvedRun":
+        """This run reading ``data`` instead (collections written into a store)."""
+        return replace(self, config=self.config.model_copy(update={"data": data}))
+
+
+def resolve_run(client: Client, config: RunConfig) -> ResolvedRun:
+    """``config`` on the cluster of ``client``: its world size (the workers it may hold), the
+    layout of its ranks, its paths made absolute. A batch that does not split is a
+    :class:`ConfigError` here, before any data is read or any rank starts."""
+    world_size = config.world_size or ranks_for(client, config.launch)
+    layout = config.layout(world_size)
+    absolute = config.model_copy(
+        update={"data": config.data.resolved(), "checkpoint": config.checkpoint.resolved()}
+    )
+    launch = config.launch.model_copy(update={"world_size": world_size})
+    return ResolvedRun(config=absolute, layout=layout, launch=launch)
+
+
 def _train_on(
     client: Client,
-    config: RunConfig,
+    run: ResolvedRun,
     on_event: EventHandler | None,
     *,
     called_at: float,
@@ -198,59 +227,45 @@ def _train_on(
     factory: Callable[..., torch.nn.Module] | None = None,
     stop: threading.Event | None = None,
 ) -> TrainResult:
-    # Resolved once, before anything starts, so that a batch that does not split is a config
-    # error rather than a failed job.
-    world_size = config.world_size or ranks_for(client, config.launch)
+    config = run.config
     if data is None and config.data.dataset in COLLECTION_SOURCES:
         data = _read_collections(config)
     if data is None:
         return _train_prepared(
-            client,
-            config,
-            on_event,
-            called_at=called_at,
-            world_size=world_size,
-            factory=factory,
-            stop=stop,
+            client, run, on_event, called_at=called_at, factory=factory, stop=stop
         )
     classification = config.training.resolved_task == "classification"
     if config.data.collections == "store":
         # Written into a store by Dask tasks, then read chunk by chunk: larger than memory.
         check_trainer_data(data, config.training.strategy)
-        manifest = write_array_store(
-            client, data, config.data.resolved(), classification=classification
-        )
-        stored = config.data.model_copy(update={"store": manifest.url})
+        manifest = write_array_store(client, data, config.data, classification=classification)
         return _train_prepared(
             client,
-            config.model_copy(update={"data": stored}),
+            run.with_data(config.data.model_copy(update={"store": manifest.url})),
             on_event,
             called_at=called_at,
-            world_size=world_size,
             factory=factory,
             manifest=manifest,
             stop=stop,
         )
-    settings = config.launch.model_copy(update={"world_size": world_size})
     # The collections go where the ranks will run: the job holds its workers first.
-    hold = JobHold(client, settings, name=config.name, on_event=on_event, stop=stop)
+    hold = JobHold(client, run.launch, name=config.name, on_event=on_event, stop=stop)
     with (
         hold,
         trainer_data(
             client,
             data,
             config.training.strategy,
-            settings,
+            run.launch,
             classification=classification,
             workers=hold.workers(),
         ) as prepared,
     ):
         return _train_prepared(
             client,
-            config,
+            run,
             on_event,
             called_at=called_at,
-            world_size=world_size,
             collections=prepared.plan,
             factory=factory,
             stop=stop,
@@ -261,7 +276,7 @@ def _train_on(
 def _read_collections(config: RunConfig) -> dict[str, tuple[Any, Any]]:
     """The Dask collections of a source read as collections (parquet, zarr). Their refusals are
     a DataError, as those of collections passed in ``data`` are."""
-    data = config.data.resolved()
+    data = config.data
     try:
         return get_source(data.dataset).collections(data, seed=config.training.seed)
     except SourceError as error:
@@ -283,22 +298,19 @@ def _known_classes(
 
 def _train_prepared(
     client: Client,
-    config: RunConfig,
+    run: ResolvedRun,
     on_event: EventHandler | None,
     *,
     called_at: float,
-    world_size: int,
     collections: CollectionPlan | None = None,
     factory: Callable[..., torch.nn.Module] | None = None,
     manifest: StoreManifest | None = None,
     stop: threading.Event | None = None,
     hold: JobHold | None = None,
 ) -> TrainResult:
-    """Train ``world_size`` ranks from ``collections``, or from the store ``manifest``
-    describes, or else from the store that preprocessing ``config.data`` builds (or finds
-    complete)."""
-    layout = config.layout(world_size)
-    data = config.data.resolved()
+    """Train ``run``'s ranks from ``collections``, or from the store ``manifest`` describes, or
+    else from the store that preprocessing its data builds (or finds complete)."""
+    config, layout, data = run.config, run.layout, run.config.data
     if factory is not None or not config.model.builtin or config.training.loss not in LOSSES:
         # The model's and the loss's code, checked before the store is built or a rank starts.
         check_model(
@@ -327,7 +339,7 @@ def _train_prepared(
         )
         cut = config.pipeline.model_copy(update={"split_points": points})
         settings = settings.model_copy(update={"pipeline": cut})
-    checkpoint = config.checkpoint.resolved()
+    checkpoint = config.checkpoint
     checkpoints = checkpoint.directory
     job = TrainJob(
         data=data,
@@ -345,7 +357,7 @@ def _train_prepared(
         run_rank,
         (job,),
         {},
-        settings=config.launch.model_copy(update={"world_size": world_size}),
+        settings=run.launch,
         name=config.name,
         checkpoint_dir=checkpoints if config.checkpoint.resume == "auto" else None,
         keep_checkpoints=config.checkpoint.keep,
