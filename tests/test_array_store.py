@@ -1,6 +1,8 @@
 """Dask collections written into the zarr store as Dask tasks (data.collections = "store"), on
 real clusters: what the store holds, who wrote it, equivalence with one process, bad data."""
 
+from pathlib import Path
+
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
@@ -83,6 +85,21 @@ def test_collections_are_written_by_tasks_keeping_dtype_and_ddp_matches_one_proc
         again = train(config, cluster=cluster, data=_image_data(), on_event=None)
     assert again.store is not None and again.store.reused
     assert not [t for t in stream.data if str(t["key"]).startswith("('store-map")]
+
+
+def test_collections_without_a_store_named_get_a_store_of_their_own(cluster):
+    # The config's dataset (digits, by default) keeps its store: one named by the collections'
+    # fingerprint is written instead, in the client's folder (this test's own).
+    from workflows.config import load_config
+
+    raw = {"name": "arrays", "data": {"collections": "store", "chunk_size": 64}}
+    config = load_config(raw | {"training": SGD_FEW_STEPS | {"batch_size": 32, "max_steps": 1}})
+    result = train(config, cluster=cluster, data=_image_data(), on_event=None)
+    assert result.store is not None
+    url = Path(result.store.url)
+    assert url.parent == Path("data/stores").resolve(), url
+    assert url.name == f"collections-{result.store.fingerprint[:16]}"
+    assert not Path("data/stores/digits").exists()
 
 
 def test_a_regressor_trains_from_a_float64_dataframe_through_the_store(

@@ -8,6 +8,7 @@ process, and a worker SIGKILLed mid-epoch.
 import itertools
 import os
 import signal
+import subprocess
 
 import dask.array as da
 import dask.dataframe as dd
@@ -481,7 +482,7 @@ def test_a_source_not_read_as_collections_says_which_are():
         get_source("digits").collections(DataConfig(dataset="digits"), seed=0)
 
 
-def test_dask_train_run_trains_from_zarr_arrays_by_config(cluster, tmp_path):
+def test_dask_train_run_trains_from_zarr_arrays_by_config_and_refuses_bad_ones(cluster, tmp_path):
     # Through the CLI: its data-root check before anything starts once refused "zarr" as an
     # unknown dataset, though train() took it.
     import json
@@ -505,11 +506,28 @@ def test_dask_train_run_trains_from_zarr_arrays_by_config(cluster, tmp_path):
         "epochs = 1\n"
         "batch_size = 64\n"
     )
-    address = cluster.client.scheduler.address
+    on_cluster = ("--scheduler", cluster.client.scheduler.address)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return run_dask_train(*args, *on_cluster, timeout=180)
+
     output = tmp_path / "run"
-    done = run_dask_train(
-        "run", str(config), "--scheduler", address, "--output", str(output), timeout=180
-    )
+    done = run("run", str(config), "--output", str(output))
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((output / "summary.json").read_text())
     assert summary["epochs"] == 1 and summary["samples"] > 0, summary
+
+    # Bad input is exit 2 and one line naming the field: an array the group lacks (found once
+    # the run reads it), a root that does not exist (before a cluster is asked for anything),
+    # and a store to preprocess, which collections do not have.
+    cases = {
+        ("run", "--set", "data.target='labelz'"): "data.target: no zarr array 'labelz'",
+        ("run", "--set", f"data.root='{tmp_path / 'gone.zarr'}'"): "data.root: ",
+        ("preprocess",): "data.dataset: zarr is read as Dask collections",
+    }
+    for i, ((command, *overrides), message) in enumerate(cases.items()):
+        extra = ("--output", str(tmp_path / f"refused-{i}")) if command == "run" else ()
+        refused = run(command, str(config), *overrides, *extra)
+        assert refused.returncode == 2, (command, overrides, refused.stderr[-3000:])
+        (line,) = refused.stderr.strip().splitlines()
+        assert message in line, line

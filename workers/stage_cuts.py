@@ -1,5 +1,6 @@
 """Where a model can be cut into pipeline stages, and the cut itself: what the client checks
-and plans with (``workflows/config.py``, ``workflows/planner.py``) and what the pipeline
+and plans with (the pipeline's plan, ``workers/strategies/pipeline/__init__.py``, and
+``workflows/planner.py``) and what the pipeline
 strategy (``workers/strategies/pipeline/schedule.py``) runs.
 
 Three kinds of cut, each keeping the full model's parameter names in every stage:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from workers.config_models import LOSSES
-from workers.sources import SourceError, check_root
+from workers.sources import SourceError, check_root, store_to_build
 from workflows.config import ConfigError, RunConfig, load_config, read_raw_config
 from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError
@@ -350,6 +350,10 @@ def preprocess(
 ) -> None:
     """Build CONFIG's dataset store as Dask tasks (or confirm it is up to date)."""
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
+    try:
+        store_to_build(resolved.data.dataset)
+    except SourceError as error:
+        _fail(EXIT_INVALID, str(error))
     _check_data_root(resolved)
     _start_worker_imports(resolved)
     from workflows.cluster import start_cluster
@@ -389,9 +393,10 @@ def plan(
     num_classes = len(manifest["classes"]) if manifest else 10
     # A ValueError here is the planner's: the model does not fit the stages it is given.
     with _exit_codes("planning", ValueError), start_cluster(resolved.cluster) as cluster:
-        world_size = resolve_run(cluster.client, resolved).layout.world_size
+        run = resolve_run(cluster.client, resolved)
+        world_size = run.layout.world_size
         result = plan_stages(
-            cluster.client, resolved, world_size=world_size, num_classes=num_classes
+            cluster.client, run.config, world_size=world_size, num_classes=num_classes
         )
     click.echo(
         f"{resolved.model.name} on {world_size} workers, global batch "
@@ -459,6 +464,7 @@ def run(
         return
     _check_data_root(resolved)
     _start_worker_imports(resolved)
+    from workflows.collections import DataError
     from workflows.driver import print_progress, train
     from workflows.tracking import TrackingError
 
@@ -479,7 +485,7 @@ def run(
     # The directory is written before the cluster starts, and named only once written: a run
     # stopped from then on, even while its cluster starts, is one that --resume continues.
     with (
-        _exit_codes("training", LaunchError, TrackingError, interrupted=interrupted),
+        _exit_codes("training", LaunchError, TrackingError, DataError, interrupted=interrupted),
         run_directory,
     ):
         click.echo(f"run directory: {run_directory.path}")

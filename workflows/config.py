@@ -88,7 +88,8 @@ class RunConfig(BaseModel):
                 f"data.image_size: {self.model.name} pools twice, so the size must be a "
                 f"multiple of 4 (got {self.data.image_size})"
             )
-        # An unknown world is checked again by the driver, once the cluster's size is known.
+        # An unknown world: the driver's resolve_run checks the layout once the cluster's
+        # size is known.
         self.strategy_plan.check(self, self.strategy_plan.world_size(world or workers))
         return self
 

@@ -198,6 +198,7 @@ class ResolvedRun:
     config: RunConfig  # its data and checkpoint paths absolute
     layout: Layout  # its world size among the rest
     launch: LaunchConfig  # [launch] with the world size
+    store_named: bool  # whether the config names data.store (else it is the dataset's default)
 
     def with_data(self, data: DataConfig) -> "ResolvedRun":
         """This run reading ``data`` instead (collections written into a store)."""
@@ -214,7 +215,9 @@ def resolve_run(client: Client, config: RunConfig) -> ResolvedRun:
         update={"data": config.data.resolved(), "checkpoint": config.checkpoint.resolved()}
     )
     launch = config.launch.model_copy(update={"world_size": world_size})
-    return ResolvedRun(config=absolute, layout=layout, launch=launch)
+    return ResolvedRun(
+        config=absolute, layout=layout, launch=launch, store_named=config.data.store is not None
+    )
 
 
 def _train_on(
@@ -238,7 +241,10 @@ def _train_on(
     if config.data.collections == "store":
         # Written into a store by Dask tasks, then read chunk by chunk: larger than memory.
         check_trainer_data(data, config.training.strategy)
-        manifest = write_array_store(client, data, config.data, classification=classification)
+        # Unless data.store names one, collections go to a store of their own (named by their
+        # fingerprint), never over the store of the dataset the config leaves as its default.
+        target = config.data if run.store_named else config.data.model_copy(update={"store": None})
+        manifest = write_array_store(client, data, target, classification=classification)
         return _train_prepared(
             client,
             run.with_data(config.data.model_copy(update={"store": manifest.url})),

@@ -23,7 +23,7 @@ from distributed import Client, Future
 
 from workers.data import DataConfig
 from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
-from workers.sources import Decoding, Listing, SourceError, digest, get_source, list_records
+from workers.sources import Decoding, Listing, SourceError, digest, list_records, store_to_build
 from workflows.stores import (
     STORE_FORMAT,
     StoreManifest,
@@ -39,13 +39,7 @@ def prepare_store(
     client: Client, config: DataConfig, *, seed: int, force: bool = False
 ) -> StoreManifest:
     """Build the dataset store for ``config`` on the cluster, or reuse a complete one."""
-    kind = get_source(config.dataset).store
-    if kind == "collections":
-        raise SourceError(
-            f"data.dataset: {config.dataset} is read as Dask collections when training "
-            "(data.collections says how); there is no store to preprocess"
-        )
-    if kind == "text":
+    if store_to_build(config.dataset) == "text":
         from workflows.text_store import prepare_text_store
 
         return prepare_text_store(client, config, seed=seed, force=force)

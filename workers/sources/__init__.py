@@ -216,6 +216,17 @@ def check_root(data: "DataConfig") -> None:
     return get_source(data.dataset).check_root(data)
 
 
+def store_to_build(dataset: str) -> StoreKind:
+    """The store ``preprocess`` builds of ``dataset``: "images" or "text"; a SourceError for a
+    source read as collections, which has none."""
+    if dataset in COLLECTION_SOURCES:
+        raise SourceError(
+            f"data.dataset: {dataset} is read as Dask collections when training "
+            "(data.collections says how); there is no store to preprocess"
+        )
+    return get_source(dataset).store
+
+
 def decode(dataset: str, records: list[Any], how: Decoding) -> Decoded:
     """Decode and resize one partition of ``dataset``'s records (a Dask task)."""
     return get_source(dataset).decode(records, how)
@@ -239,6 +250,23 @@ def required_root(data: "DataConfig") -> str:
     if data.root is None:
         raise SourceError(f"data.root: the {data.dataset} dataset needs a root")
     return data.root
+
+
+def check_files_exist(data: "DataConfig") -> None:
+    """A SourceError naming ``data.root`` unless it (a path, a glob or an fsspec URL) names at
+    least one file or folder: one look, before anything is read."""
+    import fsspec
+
+    root = required_root(data)
+    try:
+        fs, path = fsspec.core.url_to_fs(root, **data.storage_options)
+        found = bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)
+    except Exception as error:  # any backend's own error for a bad URL or credentials
+        raise SourceError(
+            f"data.root: cannot read {root}: {type(error).__name__}: {error}"
+        ) from error
+    if not found:
+        raise SourceError(f"data.root: {root} does not exist")
 
 
 def digest(*parts: object) -> str:

@@ -5,7 +5,7 @@ is held out."""
 
 from typing import TYPE_CHECKING, Any
 
-from workers.sources import Source, SourceError, register
+from workers.sources import Source, SourceError, check_files_exist, register
 
 if TYPE_CHECKING:
     from workers.config_models import DataConfig
@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 class Parquet(Source):
     name = "parquet"
     store = "collections"
+
+    @classmethod
+    def check_root(cls, data: "DataConfig") -> None:
+        check_files_exist(data)
 
     @classmethod
     def collections(cls, data: "DataConfig", *, seed: int) -> dict[str, tuple[Any, Any]]:

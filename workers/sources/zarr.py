@@ -4,7 +4,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from workers.sources import Source, SourceError, register
+from workers.sources import Source, SourceError, check_files_exist, register
 
 if TYPE_CHECKING:
     from workers.config_models import DataConfig
@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 class Zarr(Source):
     name = "zarr"
     store = "collections"
+
+    @classmethod
+    def check_root(cls, data: "DataConfig") -> None:
+        check_files_exist(data)
 
     @classmethod
     def collections(cls, data: "DataConfig", *, seed: int) -> dict[str, tuple[Any, Any]]:

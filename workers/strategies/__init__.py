@@ -59,8 +59,9 @@ class StrategyPlan:
 
     def check(self, config: "RunConfig", world_size: int | None) -> None:
         """Refuse, with a ``ValueError`` naming the field, a config this strategy cannot run
-        on ``world_size`` ranks (None: not known yet; the driver checks again once the
-        cluster's size is known)."""
+        on ``world_size`` ranks (None: not known yet; the driver's ``resolve_run`` checks the
+        layout once the cluster's size is known, and a staged run's cut is checked when it is
+        planned)."""
         config.layout(world_size or 1)
 
     def layout(self, config: "RunConfig", world_size: int) -> Layout:
