@@ -182,6 +182,11 @@ def test_a_world_known_only_at_launch_is_checked_before_anything_runs(cluster, s
     config = staged_config(pipeline={"dp": 3})
     with pytest.raises(ConfigError, match="2 workers do not split into replicas of 3"):
         train(config, cluster=cluster, on_event=None)
+    # 2 ranks of 6 stages each are 12 stages, and the CNN has 10 layers to cut between.
+    interleaved = {"schedule": "interleaved_1f1b", "stages_per_rank": 6, "balance": "layers"}
+    config = staged_config(pipeline=interleaved)
+    with pytest.raises(ConfigError, match="pipeline: 12 stages need at least 12 layers"):
+        train(config, cluster=cluster, on_event=None)
 
 
 def test_cli_runs_the_pipeline_example_and_writes_the_whole_model(tmp_path, store_dir):

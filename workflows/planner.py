@@ -440,15 +440,22 @@ def resolve_split_points(
             raise ConfigError(str(error)) from None
     if p.split_points is not None:
         return p.split_points
-    if p.balance == "layers":
-        if build is None and config.model.name in MODEL_LAYERS:
-            names = list(MODEL_LAYERS[config.model.name])
-        else:
-            names = _cut_points(config, layout=layout, num_classes=num_classes, build=build)
-        return tuple(even_split(names, layout.n_stages))
-    return plan(
-        client, config, world_size=layout.world_size, num_classes=num_classes, build=build
-    ).split_points
+    # A model with fewer layers than the stages a world known only now makes is the config's
+    # error (exit 2 on the CLI), as it is where the config gives the world size.
+    try:
+        if p.balance == "layers":
+            if build is None and config.model.name in MODEL_LAYERS:
+                names = list(MODEL_LAYERS[config.model.name])
+            else:
+                names = _cut_points(config, layout=layout, num_classes=num_classes, build=build)
+            return tuple(even_split(names, layout.n_stages))
+        return plan(
+            client, config, world_size=layout.world_size, num_classes=num_classes, build=build
+        ).split_points
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _cut_points(
