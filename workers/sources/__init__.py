@@ -32,6 +32,7 @@ is imported before a config names it.
 
 import hashlib
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -252,20 +253,32 @@ def required_root(data: "DataConfig") -> str:
     return data.root
 
 
-def check_files_exist(data: "DataConfig") -> None:
-    """A SourceError naming ``data.root`` unless it (a path, a glob or an fsspec URL) names at
-    least one file or folder: one look, before anything is read."""
+def look_at_root(
+    root: str, storage_options: dict[str, Any], look: Callable[[Any, str], bool]
+) -> tuple[Any, str, bool]:
+    """The filesystem and path of ``root`` (a path or an fsspec URL), and what ``look(fs,
+    path)`` says of it; a SourceError naming ``data.root`` where the backend cannot tell (a bad
+    URL, missing credentials)."""
     import fsspec
 
-    root = required_root(data)
     try:
-        fs, path = fsspec.core.url_to_fs(root, **data.storage_options)
-        found = bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)
-    except Exception as error:  # any backend's own error for a bad URL or credentials
+        fs, path = fsspec.core.url_to_fs(root, **storage_options)
+        return fs, path, look(fs, path)
+    except Exception as error:  # any backend's own error
         raise SourceError(
             f"data.root: cannot read {root}: {type(error).__name__}: {error}"
         ) from error
-    if not found:
+
+
+def check_files_exist(data: "DataConfig") -> None:
+    """A SourceError naming ``data.root`` unless it (a path, a glob or an fsspec URL) names at
+    least one file or folder: one look, before anything is read."""
+    root = required_root(data)
+
+    def names_something(fs: Any, path: str) -> bool:
+        return bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)
+
+    if not look_at_root(root, data.storage_options, names_something)[2]:
         raise SourceError(f"data.root: {root} does not exist")
 
 

@@ -22,6 +22,7 @@ from workers.sources import (
     SourceError,
     digest,
     file_stamp,
+    look_at_root,
     register,
     required_root,
     split_records,
@@ -34,13 +35,7 @@ if TYPE_CHECKING:
 
 def imagefolder_root(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     """The filesystem and path of ``root``; a SourceError naming it if it cannot be read."""
-    try:
-        fs, base = fsspec.core.url_to_fs(root, **storage_options)
-        exists = fs.isdir(base)
-    except Exception as error:  # any backend's own error for a bad URL or credentials
-        raise SourceError(
-            f"data.root: cannot read {root}: {type(error).__name__}: {error}"
-        ) from error
+    fs, base, exists = look_at_root(root, storage_options, lambda fs, path: fs.isdir(path))
     if not exists:
         raise SourceError(f"data.root: {root} is not a readable folder")
     return fs, base
