@@ -10,7 +10,6 @@ with the same message, as every other refusal of ``--input`` does.
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import zarr
 
 from workers.sources import (
@@ -20,6 +19,7 @@ from workers.sources import (
     Partition,
     SourceError,
     get_source,
+    look_at_root,
 )
 from workflows.config import ConfigError
 from workflows.stores import read_manifest
@@ -31,11 +31,12 @@ def plan_input(source: str | Path, request: InputRequest) -> InputPlan:
     if "://" not in url:
         url = str(Path(url).expanduser().resolve())
     try:
-        fs, path = fsspec.core.url_to_fs(url, **request.storage_options)
-        exists = fs.exists(path)
-    except Exception as error:  # any backend's own error for a bad URL or credentials
-        raise ConfigError(f"--input: cannot read {url}: {type(error).__name__}: {error}") from None
-    if not exists:
+        fs, path, found = look_at_root(
+            url, request.storage_options, lambda fs, path: fs.exists(path), field="--input"
+        )
+    except SourceError as error:
+        raise ConfigError(str(error)) from None
+    if not found:
         raise ConfigError(f"--input: {url} does not exist")
     plan = store_input(fs, path, url, request)
     if plan is not None:

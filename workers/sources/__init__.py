@@ -22,9 +22,8 @@ module's tokenizers); a collections source sets ``store = "collections"``, imple
 :meth:`Source.collections` and puts its name in ``COLLECTION_SOURCES`` too. A source whose
 inputs ``predict`` scores implements :meth:`Source.prediction_input` (list an input into
 partitions, on the client) and :meth:`Source.prediction_images` (read one, in a task), and puts
-its name in
-``PREDICTION_INPUTS``, in the order it is asked (``workflows/prediction_input.py`` asks a
-dataset store first). A test checks that these names and the modules agree.
+its name in ``PREDICTION_INPUTS``, in the order it is asked (``workflows/prediction_input.py``
+asks a dataset store first). A test checks that these names and the modules agree.
 
 This file imports nothing heavy: a config validates with the names alone, and no source module
 is imported before a config names it.
@@ -254,10 +253,14 @@ def required_root(data: "DataConfig") -> str:
 
 
 def look_at_root(
-    root: str, storage_options: dict[str, Any], look: Callable[[Any, str], bool]
+    root: str,
+    storage_options: dict[str, Any],
+    look: Callable[[Any, str], bool],
+    *,
+    field: str = "data.root",
 ) -> tuple[Any, str, bool]:
     """The filesystem and path of ``root`` (a path or an fsspec URL), and what ``look(fs,
-    path)`` says of it; a SourceError naming ``data.root`` where the backend cannot tell (a bad
+    path)`` says of it; a SourceError naming ``field`` where the backend cannot tell (a bad
     URL, missing credentials)."""
     import fsspec
 
@@ -266,7 +269,7 @@ def look_at_root(
         return fs, path, look(fs, path)
     except Exception as error:  # any backend's own error
         raise SourceError(
-            f"data.root: cannot read {root}: {type(error).__name__}: {error}"
+            f"{field}: cannot read {root}: {type(error).__name__}: {error}"
         ) from error
 
 

@@ -39,8 +39,6 @@ class StrategyPlan:
     name: ClassVar[str]
     runtime: ClassVar[str]  # the module that registers the Strategy of the same name
     staged: ClassVar[bool] = False  # cuts the model into stages on several ranks
-    # Shards parameters, gradients and optimizer state over the data-parallel ranks.
-    sharded: ClassVar[bool] = False
     splits_layers: ClassVar[bool] = False  # composes with tensor parallelism (parallel.tp)
 
     def defaults(self, raw: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +109,13 @@ class StrategyPlan:
             dp_shard=shard,
             tp=tp,
         )
+
+    def refuse_fp16(self, config: "RunConfig") -> None:
+        """For strategies without loss scaling: fp16 gradients would underflow unscaled."""
+        if config.training.precision == "fp16":
+            raise ValueError(
+                f"training.precision: {self.name} has no loss scaling for fp16; use 'bf16'"
+            )
 
     def check_tp_plan(self, config: "RunConfig") -> None:
         """Refuse ``parallel.tp > 1`` without the model's tensor-parallel plan (for plans that

@@ -50,7 +50,6 @@ class FSDPPlan(StrategyPlan):
 
     name = "fsdp"
     runtime = f"{__name__}.sharding"
-    sharded = True
     splits_layers = True
 
     def settings(self, config: "RunConfig") -> ShardingSettings:
@@ -58,10 +57,7 @@ class FSDPPlan(StrategyPlan):
 
     def check(self, config: "RunConfig", world_size: int | None) -> None:
         parallel = config.parallel
-        if config.training.precision == "fp16":
-            raise ValueError(
-                f"training.precision: {self.name} has no loss scaling for fp16; use 'bf16'"
-            )
+        self.refuse_fp16(config)
         self.check_tp_plan(config)
         if config.fsdp.cpu_offload and config.cluster.kind == "cpu":
             raise ValueError(

@@ -135,10 +135,7 @@ class PipelinePlan(StrategyPlan):
                 f"training.grad_accum_steps: {strategy} accumulates over "
                 "pipeline.n_microbatches already; set grad_accum_steps = 1"
             )
-        if t.precision == "fp16":
-            raise ValueError(
-                f"training.precision: {strategy} has no loss scaling for fp16; use 'bf16'"
-            )
+        self.refuse_fp16(config)
         self.check_tp_plan(config)
         self.check_copies(p, config.parallel)
         model = config.model
