@@ -91,3 +91,37 @@ def test_predict_rejects_a_bad_setting_with_exit_2_naming_the_field(tmp_path, ch
     assert done.returncode == 2
     assert "predict.batch_sise: unknown key" in done.stderr
     assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
+
+
+def test_predict_from_python_names_its_keywords_and_fails_before_a_cluster_starts(
+    tmp_path, checkpoint, digits_store
+):
+    from workflows import predict
+
+    (tmp_path / "taken").mkdir()
+    foreign = tmp_path / "five.pt"
+    torch.save(build_model("cifar_cnn", num_classes=5, seed=0).state_dict(), foreign)
+    # A scheduler nobody listens on: predict() reaching for its cluster first would fail on
+    # that, not on the request.
+    config = load_config(
+        {
+            "data": {"dataset": "digits", "store": str(digits_store)},
+            "cluster": {"scheduler": "tcp://127.0.0.1:9", "connect_timeout_s": 1},
+        }
+    )
+    request = {"model": checkpoint, "input": digits_store, "output": tmp_path / "new"}
+    cases = [
+        # The output is looked at first: before the model is built (a foreign checkpoint).
+        ("output", {"model": foreign, "output": tmp_path / "taken"}, "taken exists"),
+        ("model", {"model": tmp_path / "absent.pt"}, "absent.pt does not exist"),
+        ("model", {"model": foreign}, "fc2.weight has shape (5, 64)"),
+        ("input", {"input": tmp_path / "absent"}, "absent does not exist"),
+    ]
+    for keyword, given, why in cases:
+        # ConfigError, or CheckpointError for a checkpoint of another shape: ValueErrors.
+        with pytest.raises(ValueError) as caught:
+            predict(**(request | given), config=config)
+        message = str(caught.value)
+        assert message.startswith(f"predict({keyword}=...): "), message
+        assert why in message and "--" not in message and "\n" not in message, message
+    assert not (tmp_path / "new").exists()

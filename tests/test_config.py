@@ -119,3 +119,19 @@ def test_an_unreadable_signing_key_file_is_one_line_naming_the_field(tmp_path):
     (tmp_path / "key").write_bytes(b"secret\n")
     config = load_config({"checkpoint": {"signing_key_file": str(tmp_path / "key")}})
     assert config.checkpoint.signing_key_file == str(tmp_path / "key")
+
+
+def test_train_from_python_refuses_a_missing_data_root_before_it_starts_a_cluster(tmp_path):
+    import psutil
+
+    from workflows.driver import train
+
+    config = load_config(
+        {"data": {"dataset": "cifar10", "root": str(tmp_path / "absent")}, "training": {}}
+    )
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    with pytest.raises(ConfigError, match=r"^data\.root: .*absent") as error:
+        train(config, on_event=None)  # no cluster given: it would start one
+    assert "\n" not in str(error.value)
+    # No worker, nanny or scheduler was started for it.
+    assert {child.pid for child in psutil.Process().children(recursive=True)} <= before

@@ -204,6 +204,47 @@ def test_a_sweep_killed_mid_trial_continues_without_running_a_finished_trial_aga
     assert trials.set_index("number").loc[number, "params_x"] == interrupted["x"]
 
 
+def _quick(ctx, params: dict, log: str) -> float:
+    """A trial of a moment that records its run; its value returned, not reported."""
+    _append(log, {"trial": ctx.job_name, "x": params["x"]})
+    return (params["x"] - OPTIMUM) ** 2
+
+
+def test_the_same_stored_sweep_twice_is_one_study_of_n_trials(cluster, tmp_path):
+    # As the guide has it: a storage and no study_name. The SQLite file's folder is made.
+    storage = f"sqlite:///{tmp_path / 'studies' / 'sweep.db'}"
+    log = tmp_path / "runs.jsonl"
+    for call in (1, 2):
+        result = sweep(
+            _quick,
+            {"x": (0.0, 1.0)},
+            n_trials=3,
+            metric="loss",
+            storage=storage,
+            cluster=cluster,
+            log=str(log),
+        )
+        assert list(result.trials["number"]) == [0, 1, 2], f"call {call}"
+        assert (result.trials["state"] == "COMPLETE").all()
+    # Named after the function, the same on every call: the second call found the study
+    # finished and ran nothing.
+    assert result.study_name == "tests.test_sweep._quick"
+    assert optuna.get_all_study_names(storage) == ["tests.test_sweep._quick"]
+    assert len(_records(log)) == 3
+    # Another name is a fresh study in the same storage.
+    fresh = sweep(
+        _quick,
+        {"x": (0.0, 1.0)},
+        n_trials=1,
+        metric="loss",
+        storage=storage,
+        study_name="again",
+        cluster=cluster,
+        log=str(log),
+    )
+    assert list(fresh.trials["number"]) == [0] and len(_records(log)) == 4
+
+
 def _ddp_regression(ctx, params: dict) -> int:
     """Three DDP steps of a linear model; every rank sees the same batch."""
     model = DistributedDataParallel(_linear())
@@ -297,6 +338,32 @@ def test_the_cli_sweeps_a_config_and_writes_trials_and_best(cluster, store_dir, 
     assert bad.returncode == 2 and "--param" in bad.stderr and "training.lr" in bad.stderr
 
 
+def test_the_cli_sweep_with_a_storage_continues_the_configs_study(
+    cluster, store_dir, make_config, tmp_path
+):
+    # sweep() of the config first, then `dask-train sweep` of the same config with the same
+    # storage and no --study-name: one study, <name>-sweep, which the command finds finished
+    # and in which it runs nothing.
+    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
+    space = {"training.lr": ("log", 1e-3, 1e-1)}
+    config = make_config({"name": "digits-ddp"}, epochs=1, max_steps=2)
+    result = sweep(config, space, n_trials=1, metric="val_loss", storage=storage, cluster=cluster)
+    assert result.study_name == "digits-ddp-sweep" and result.best_trial is not None
+    done = run_dask_train(
+        *("sweep", str(CONFIGS / "digits_ddp.toml")),
+        *("--set", f"data.store='{store_dir / 'digits'}'"),
+        *("--set", "training.epochs=1", "--set", "training.max_steps=2"),
+        *("--param", "training.lr=log:1e-3:1e-1", "--trials", "1", "--storage", storage),
+        *("--scheduler", cluster.client.scheduler.address),
+    )
+    assert done.returncode == 0, done.stderr
+    assert not [line for line in done.stdout.splitlines() if line.startswith("trial ")]
+    assert done.stdout.splitlines()[-1].startswith("done: best trial 0,")
+    assert optuna.get_all_study_names(storage) == ["digits-ddp-sweep"]
+    (request,) = (tmp_path / "runs").glob("digits-ddp-sweep-*/sweep.json")
+    assert json.loads(request.read_text())["study_name"] == "digits-ddp-sweep"
+
+
 def _fails_far_out(ctx, params: dict) -> float:
     if params["x"] > 0.5:
         raise ValueError(f"x={params['x']} is out of bounds")
@@ -340,6 +407,14 @@ def test_a_config_sweep_with_a_misspelt_key_fails_before_any_trial(make_config):
         sweep(make_config(), {"training.lrr": ("log", 1e-3, 1e-1)}, n_trials=2, metric="val_loss")
     with pytest.raises(ValueError, match="metric: 'val_los'"):
         sweep(make_config(), {"training.lr": ("log", 1e-3, 1e-1)}, n_trials=2, metric="val_los")
+
+
+def test_a_config_sweep_of_a_missing_dataset_folder_fails_before_a_cluster_starts(tmp_path):
+    # No cluster given: "config: ..." is sweep_spec's refusal, before run_sweep starts one
+    # (the store's build would otherwise fail on its own words, on the cluster's client).
+    config = {"data": {"dataset": "cifar10", "root": str(tmp_path / "cifar")}}
+    with pytest.raises(ValueError, match=r"^config: data\.root: .*cifar-10-batches-py does not"):
+        sweep(config, {"training.lr": ("log", 1e-3, 1e-1)}, n_trials=1, metric="val_loss")
 
 
 def test_without_optuna_sweep_says_which_extra_to_install():

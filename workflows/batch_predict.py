@@ -47,11 +47,11 @@ from workers.inference import (
     zarr_columns,
 )
 from workers.model_sources import source_of
-from workers.sources import InputPlan
+from workers.sources import InputPlan, SourceError
 from workflows.admission import Admission, Request
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
-from workflows.config import RunConfig
+from workflows.config import ConfigError, RunConfig
 from workflows.confusion import confusion_metrics, plot_confusion_matrix
 from workflows.launcher import LaunchConfig, WorkerSelection
 from workflows.prediction_request import (
@@ -59,6 +59,7 @@ from workflows.prediction_request import (
     PreparedPrediction,
     TrainedModel,
     load_predict_config,
+    naming_keywords,
     prepare,
     resolve_model,
 )
@@ -157,10 +158,17 @@ def predict(
         The counts, timings and metrics; ``read()`` loads the predictions.
 
     Raises:
-        ConfigError: A model, input, output or setting that cannot work, before anything
-            runs; the message names the argument (``--model:``, ``--input:``, ...).
+        ConfigError: A model, input, output or setting that cannot work, before a cluster
+            starts (when ``cluster`` is None) or any task runs; one line naming the argument
+            (``predict(output=...): ... exists``) or the setting (``predict.batch_size``).
+        CheckpointError: A checkpoint that does not fit the model (a `ValueError`), likewise.
     """
-    prepared = prepare(model=model, input=input, output=output, config=config, settings=settings)
+    try:
+        prepared = prepare(
+            model=model, input=input, output=output, config=config, settings=settings
+        )
+    except (ConfigError, CheckpointError, SourceError) as error:
+        raise naming_keywords(error) from None
     owned = cluster is None
     if cluster is None:
         cluster = start_cluster(prepared.cluster)

@@ -232,11 +232,8 @@ def _validated(raw: dict[str, Any]) -> RunConfig:
 
 def _check_data_root(config: RunConfig) -> None:
     """A missing data.root is told now, not once a cluster has started (seconds later)."""
-    data = config.data
-    if data.dataset == "cifar10" and data.download:
-        return  # the download makes it
     try:
-        check_root(data.resolved())
+        check_root(config.data.resolved())
     except SourceError as error:
         _fail(EXIT_INVALID, str(error))
 
@@ -628,10 +625,15 @@ def _parse_params(ctx: click.Context, param: click.Parameter, values: tuple[str,
 @click.option(
     "--storage",
     metavar="URL_OR_PATH",
-    help="sqlite:///sweep.db or a journal file (*.log, *.jsonl); default: study.jsonl in the "
-    "sweep's directory",
+    help="sqlite:///runs/sweep.db or a journal file (*.log, *.jsonl), whose study the same "
+    "command again continues; default: study.jsonl in the sweep's directory",
 )
-@click.option("--study-name", metavar="NAME", help="default: the sweep directory's name")
+@click.option(
+    "--study-name",
+    metavar="NAME",
+    help="default: <config name>-sweep with --storage (another name starts a fresh study), "
+    "else the sweep directory's name",
+)
 @click.option(
     "--output",
     type=click.Path(path_type=Path, file_okay=False),

@@ -20,7 +20,7 @@ from workers.collection_shard import CollectionPlan
 from workers.config_models import LOSSES, DataConfig
 from workers.layout import Layout
 from workers.model_sources import source_of
-from workers.sources import COLLECTION_SOURCES, SourceError, get_source
+from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, start_cluster
@@ -167,6 +167,12 @@ def train(
     called_at = time.time()
     if not isinstance(config, RunConfig):
         config = load_config(config)
+    if data is None:
+        # A missing data.root is told now, before a cluster starts or a job queues.
+        try:
+            check_root(config.data.resolved())
+        except SourceError as error:
+            raise ConfigError(str(error)) from None
     owned_tracker = tracker is None and config.tracking.enabled
     if owned_tracker:
         tracker = Tracker.open(config.tracking, config.model_dump(mode="json"))

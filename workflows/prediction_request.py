@@ -6,6 +6,9 @@ the checkpoint, lists the input into partitions (``workflows/prediction_input.py
 the input's classes to the model's and refuses an output path that exists. What it hands back,
 a :class:`PreparedPrediction`, leaves nothing to fail but the cluster; ``run_prepared``
 (``workflows/batch_predict.py``) scores it.
+
+Its errors name the CLI's options (``--output: ...``); ``predict()`` in Python gives them as
+its keyword arguments (``predict(output=...): ...``), see :func:`naming_keywords`.
 """
 
 import json
@@ -170,6 +173,19 @@ class PreparedPrediction:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
+# The options of `dask-train predict` and the keyword arguments of predict() they stand for.
+KEYWORDS = {"--model": "model", "--input": "input", "--output": "output"}
+
+
+def naming_keywords(error: ValueError) -> ValueError:
+    """``error`` as ``predict()`` raises it: the same type and message, naming the keyword
+    argument (``predict(output=...): ...``) where it names the CLI's option (``--output: ...``)."""
+    option, separator, rest = str(error).partition(": ")
+    if not separator or option not in KEYWORDS:
+        return error
+    return type(error)(f"predict({KEYWORDS[option]}=...): {rest}")
+
+
 def prepare(
     *,
     model: str | Path,
@@ -179,7 +195,8 @@ def prepare(
     settings: PredictConfig | dict[str, Any] | None = None,
 ) -> PreparedPrediction:
     """Check everything about a request without starting anything; errors name the field or
-    file (ConfigError, CheckpointError)."""
+    file (ConfigError, CheckpointError), the output path first of all, as soon as the model's
+    storage options are known: before the model is built or the input listed."""
     if config is not None and not isinstance(config, RunConfig):
         config = load_config(config)
     if not isinstance(settings, PredictConfig):
@@ -191,6 +208,8 @@ def prepare(
             f" (training.loss = {trained.config.training.loss}); batch prediction scores "
             "classifiers only"
         )
+    options = dict(trained.config.data.storage_options)
+    output_url = _check_output(output, options)
     token = uuid.uuid4().hex
     spec = ModelSpec(
         name=trained.config.model.name,
@@ -214,7 +233,6 @@ def prepare(
             f"predict.top_k: {settings.top_k} is more than the model's {len(trained.classes)} "
             "classes"
         )
-    options = dict(trained.config.data.storage_options)
     request = InputRequest(
         image_size=trained.image_size,
         channels=shape[0],
@@ -235,7 +253,6 @@ def prepare(
             f"the input store was normalized with other statistics; re-normalized with the "
             f"model's (mean {_short(trained.mean)}, std {_short(trained.std)})"
         )
-    output_url = _check_output(output, options)
     job = ScoreJob(
         token=token,
         batch_size=settings.batch_size,

@@ -10,7 +10,9 @@ runs/<name>-sweep-<UTC time>/
 
 Running the same command with ``--output`` set to such a directory continues its study:
 finished trials are kept, the trial that was interrupted runs again, and the study ends with
-the trials asked for.
+the trials asked for. With ``--storage`` (and no ``--study-name``) the study is
+``<config name>-sweep``, as ``sweep()`` names a config's: the same command again, in a new
+directory, continues it too.
 """
 
 import json
@@ -26,6 +28,11 @@ if TYPE_CHECKING:
     from workflows.sweeps import SweepResult
 
 REQUEST, TRIALS, BEST = "sweep.json", "trials.csv", "best.json"
+
+
+def config_study(config_name: str) -> str:
+    """The study a stored sweep of a config continues by default."""
+    return f"{config_name}-sweep"
 
 
 @dataclass
@@ -45,7 +52,9 @@ class SweepDirectory:
         storage: str | None,
     ) -> Self:
         """The directory at ``output`` (default ``runs/<name>-sweep-<UTC time>``): a new one,
-        or one that holds a sweep, whose study this continues."""
+        or one that holds a sweep, whose study this continues. Its study: ``study_name``, else
+        with a ``storage`` the config's (``<name>-sweep``, continued when it exists), else the
+        directory's name in its own ``study.jsonl``."""
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = output if output is not None else Path("runs") / f"{config_name}-sweep-{stamp}"
         if path.exists() and not path.is_dir():
@@ -54,8 +63,9 @@ class SweepDirectory:
             return cls._continued(path, study_name=study_name, storage=storage)
         if path.exists() and any(path.iterdir()):
             raise ConfigError(f"--output: {path} is not empty and holds no sweep; choose another")
-        study = study_name or path.name
-        return cls(path, study, storage or str((path / "study.jsonl").absolute()))
+        if storage is None:
+            return cls(path, study_name or path.name, str((path / "study.jsonl").absolute()))
+        return cls(path, study_name or config_study(config_name), storage)
 
     @classmethod
     def _continued(cls, path: Path, *, study_name: str | None, storage: str | None) -> Self:
