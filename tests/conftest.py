@@ -97,12 +97,16 @@ def _cpu_capability() -> str:
 def cluster():
     """A real 2-worker cluster shared by the tests that leave it as they found it."""
     with start_cluster(n_workers=SHARED_WORKERS, dashboard_port=0) as training_cluster:
-        # make test's second pass asks for torch's plain-C kernels: the workers must run them,
-        # or that pass compares nothing new.
+        # A suite run on another kernel path (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) must
+        # have its workers on that path too, or it compares nothing new.
         wanted = os.environ.get("ATEN_CPU_CAPABILITY")
         if wanted:
             seen = set(training_cluster.client.run(_cpu_capability).values())
             assert seen == {wanted.upper()}, f"ATEN_CPU_CAPABILITY={wanted}, workers run {seen}"
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+        if isa:
+            seen = set(training_cluster.client.run(os.environ.get, "ONEDNN_MAX_CPU_ISA").values())
+            assert seen == {isa}, f"ONEDNN_MAX_CPU_ISA={isa}, workers have {seen}"
         yield training_cluster
 
 

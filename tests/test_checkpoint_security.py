@@ -4,6 +4,7 @@ shown to work against an unrestricted loader first, so a refusal here is a real 
 
 import copyreg
 import json
+import math
 import pathlib
 import pickle
 import shutil
@@ -254,6 +255,9 @@ def test_a_run_pointed_at_a_planted_folder_starts_afresh_and_runs_nothing(
     )
     result = train(config, cluster=cluster, on_event=None)
     assert result.history[-1]["epoch"] == 1 and not result.recoveries
+    # Afresh: the planted checkpoint is an epoch's end, so a run that loaded it would train no
+    # step, and have no first step (nan); one that skipped it trains the epoch.
+    assert math.isfinite(result.first_step_s) and result.samples_per_s > 0
     assert not marker.exists()
 
 

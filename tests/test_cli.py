@@ -120,8 +120,8 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
     assert f"training page: {page}" in lines
     summary = json.loads((output / "summary.json").read_text())
     assert summary["strategy"] == "ddp" and summary["world_size"] == 2
-    # Each rank's peak while training, above what its worker held before.
-    assert len(summary["peak_memory_mib"]) == 2 and min(summary["peak_memory_mib"]) > 0
+    # Each rank's peak while training, above what its worker held before (checked below).
+    assert len(summary["peak_memory_mib"]) == 2
     assert summary["epochs"] == 2 and summary["final"]["val_accuracy"] > 0.2
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2]
@@ -130,6 +130,11 @@ def test_run_writes_its_directory_and_refuses_to_overwrite_it(tmp_path, store_di
     # Every CLI run keeps TensorBoard events in its directory.
     assert list((output / "tensorboard").glob("events.out.tfevents.*"))
     state = torch.load(output / "model.pt", weights_only=True)
+    # A DDP rank's peak: at least the parameters, their gradients and momentum (3 P), in MiB
+    # (tests/test_peak_memory.py: the ratio to FSDP's on fresh workers).
+    params_mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
+    peaks = summary["peak_memory_mib"]
+    assert all(3 * params_mib <= peak for peak in peaks), peaks
     model = build_model("cifar_cnn", num_classes=10, seed=0)
     model.load_state_dict(state)  # the final model loads into the registry's model
 
@@ -284,6 +289,21 @@ MOMENTS = {
 # it in place of SIGINT, so both signals are covered without a run of their own.
 SIGNALS = {"mid-epoch": signal.SIGTERM}
 
+# The shutdown lasts 0.1-0.2 s from summary.json to the exit (measured here): less than a
+# loaded machine may take to see the file and send the signal, which then found a run that
+# had ended (exit 0). So the run stops itself (SIGSTOP) once summary.json is in place, and the
+# Ctrl-C sent meanwhile lands there when it is continued.
+STOP_AT_SUMMARY = """
+import os, signal
+_replace = os.replace
+def _replace_then_stop(source, target, *args, **kwargs):
+    _replace(source, target, *args, **kwargs)
+    if os.path.basename(target) == "summary.json":
+        os.kill(os.getpid(), signal.SIGSTOP)
+os.replace = _replace_then_stop
+"""
+STOPPED = psutil.STATUS_STOPPED
+
 
 def _text(path: Path) -> str:
     try:
@@ -305,8 +325,11 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
     arguments += ["--set", "training.log_every_steps=1", "--set", "checkpoint.every_steps=2"]
     if moment == "preprocessing":
         arguments += ["--set", f"data.store='{tmp_path / 'fresh-store'}'"]
+    command = dask_train(*arguments)
+    if moment == "shutdown":
+        command[2] = STOP_AT_SUMMARY + command[2]  # python -c CODE
     process = subprocess.Popen(
-        dask_train(*arguments),
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -326,9 +349,14 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
             assert process.poll() is None, f"exited {process.returncode} before the {moment}"
             assert time.monotonic() < deadline, f"the {moment} never came"
             time.sleep(0.02)
-        if moment != "shutdown":  # by then the run may have ended (see below)
-            assert process.poll() is None, f"exited {process.returncode} at the {moment}"
+        while moment == "shutdown" and psutil.Process(process.pid).status() != STOPPED:
+            assert process.poll() is None, f"exited {process.returncode}, not stopped"
+            assert time.monotonic() < deadline, "the run did not stop at its summary"
+            time.sleep(0.02)
+        assert process.poll() is None, f"exited {process.returncode} at the {moment}"
         process.send_signal(SIGNALS.get(moment, signal.SIGINT))  # Ctrl-C, or SIGTERM
+        if moment == "shutdown":
+            process.send_signal(signal.SIGCONT)
         # The CLI bounds its own shutdown; this wait only keeps a broken one from hanging here.
         process.wait(timeout=INTERRUPT_EXIT_BOUND_S + 60)
         for reader in readers:
@@ -338,16 +366,11 @@ def test_ctrl_c_at_any_moment_of_a_run_exits_130_and_leaves_no_process(tmp_path,
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
     stderr = "".join(errors)
-    if moment == "shutdown" and process.returncode == 0:
-        # The last 0.1 s of a run, after its results and its closing line, is the kernel
-        # tearing the process down, past anything a signal can change: a Ctrl-C that lands
-        # there finds a run that ended well (one that lands before it makes the exit 130).
-        assert any(line.startswith("done: ") for line in lines), stderr
+    assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
+    # Dask may still log while the interrupted cluster closes at exit: any line.
+    assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines())
+    if moment == "shutdown":  # it landed after the results were written, whole
         assert json.loads((output / "summary.json").read_text())["steps"] == 4
-    else:
-        assert process.returncode == 130, f"{moment}: exit {process.returncode}; {stderr}"
-        # Dask may still log while the interrupted cluster closes at exit: any line.
-        assert any(line.startswith("dask-train: interrupted") for line in stderr.splitlines())
     _, alive = psutil.wait_procs(session_leftovers(process.pid), timeout=60)
     assert alive == [], f"{moment}: processes left behind: {alive}"
     if moment == "cluster start":

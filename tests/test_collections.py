@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.reference import Reference, assert_equivalent
 from workers.collection_shard import RankRows, RankShard, SplitPlan, batch_sizes
 from workers.config_models import DataConfig
 from workflows import launch
@@ -248,19 +249,23 @@ def test_ddp_on_collection_data_matches_one_process(cluster):
     x, y = _regression()
     data = {"train": (da.from_array(x, chunks=(UNEVEN, FEATURES)), da.from_array(y, chunks=UNEVEN))}
     result = launch(ddp_regression, 6, 32, cluster=cluster, world_size=2, data=data)
-    model = _mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for step in range(6):
-        # The global batch: every rank's batch of this step (equal sizes, so the mean of the
-        # ranks' means is the mean over the global batch).
-        ids = torch.cat([r["ids"][step] for r in result.results]).numpy()
-        optimizer.zero_grad()
-        prediction = model(torch.from_numpy(x[ids, 1:])).squeeze(1)
-        F.mse_loss(prediction, torch.from_numpy(y[ids])).backward()
-        optimizer.step()
+
+    def one_process(dtype: torch.dtype) -> dict:
+        model = _mlp().to(dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(6):
+            # The global batch: every rank's batch of this step (equal sizes, so the mean of
+            # the ranks' means is the mean over the global batch).
+            ids = torch.cat([r["ids"][step] for r in result.results]).numpy()
+            optimizer.zero_grad()
+            prediction = model(torch.from_numpy(x[ids, 1:]).to(dtype)).squeeze(1)
+            F.mse_loss(prediction, torch.from_numpy(y[ids]).to(dtype)).backward()
+            optimizer.step()
+        return model.state_dict()
+
+    reference = Reference.of(one_process, steps=6)
     for r in result.results:
-        for name, value in model.state_dict().items():
-            torch.testing.assert_close(r["state"][name], value, rtol=1e-5, atol=1e-6)
+        assert_equivalent(r["state"], reference)
 
 
 # -- bad input --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.reference import assert_same_parameters, train_in_one_process
+from tests.reference import assert_matches_one_process, train_in_one_process
 from workers.checkpoint import MANIFEST, list_checkpoints
 from workers.data import RankBatches, open_store
 from workers.models import build_model
@@ -34,9 +34,9 @@ needs_two_gpus = pytest.mark.skipif(
     GPUS < 2, reason=f"two ranks need two GPUs (one worker per GPU); this machine has {GPUS}"
 )
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3, "max_steps": 5}
-# Both sides run the same cuDNN kernels in full fp32 (TF32 off, see gpu_cluster); what is left
-# is the order of floating-point sums (cuDNN's backward uses atomics; two ranks' halves of a
-# batch are reduced by nccl instead of in one kernel), grown over 5 steps of momentum SGD.
+# A resumed run against a straight one, both on the GPU in full fp32 (TF32 off, see
+# gpu_cluster): the same kernels, but cuDNN's backward sums with atomics in no fixed order,
+# grown over 5 steps of momentum SGD.
 GPU_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 
 
@@ -79,8 +79,11 @@ def _peak_gpu_bytes() -> int:
 
 
 def _assert_matches(result, config, *, world_size: int, steps: int = 5) -> None:
-    expected = train_in_one_process(config, world_size=world_size, steps=steps, device="cuda")
-    assert_same_parameters(result.state_dict, expected, **GPU_TOLERANCE)
+    # Against the same steps on the GPU in float32 and float64 (tests/reference.py): what the
+    # GPU's own rounding allows, whatever cuDNN's atomics sum in which order.
+    assert_matches_one_process(
+        result.state_dict, config, world_size=world_size, steps=steps, device="cuda"
+    )
     # The run moved the parameters: equality is not the initial state twice.
     untrained = train_in_one_process(config, world_size=world_size, steps=0)
     assert not torch.allclose(result.state_dict["fc2.weight"], untrained["fc2.weight"], atol=1e-3)

@@ -41,6 +41,7 @@ def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
     # Every rank's own throughput, from its heartbeats; heartbeats are no job of their own.
     # The scheduler keeps earlier jobs' last figures too: this job is the one with its own id.
     assert result.job_id.startswith("metrics-running-")
+    params_bytes = sum(t.numel() * t.element_size() for t in result.state_dict.values())
     # And each rank's peak memory since it started, from the same heartbeats.
     for metric in ("dask_train_rank_samples_per_second", "dask_train_rank_peak_memory_bytes"):
         for rank in (0, 1):
@@ -51,7 +52,14 @@ def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
                 and f'job="{result.job_id}"' in line
                 and f'rank="{rank}"' in line
             ]
-            assert float(line.rsplit(" ", 1)[1]) > 0, line
+            value = float(line.rsplit(" ", 1)[1])
+            assert value > 0, line
+            if metric == "dask_train_rank_peak_memory_bytes":
+                # The peak at the rank's last heartbeat: at least a DDP rank's parameters, their
+                # gradients and momentum (3 P); at most the peak the rank reported at its end
+                # (rounded to 0.1 MiB).
+                reported = (result.peak_memory_mib[rank] + 0.05) * 2**20
+                assert 3 * params_bytes <= value <= reported, line
     assert "heartbeat-" not in text and "-heartbeat" not in text
 
     after = _training_gauges(cluster.dashboard_link, f'job="{result.job_id}"')

@@ -3,6 +3,7 @@
 import torch
 
 from workers.peak_memory import PeakMemory
+from workflows.driver import train
 
 
 def test_the_peak_counts_what_was_held_since_the_start_and_not_before():
@@ -28,3 +29,74 @@ def test_memory_an_earlier_job_freed_counts_again_when_this_job_takes_it():
     # Reused from malloc's free memory, they would not grow the resident set at all.
     assert peak.bytes() >= 100 * 2**20
     assert len(again) == 2048 and pinned.sum() == 16
+
+
+def _wide_mlp(make_config, store, strategy: str, *, width: int, layers: int):
+    """One optimizer step of ``workflows/benchmarks/wide_mlp.py`` on 8x8 synthetic images: a
+    stack of square linear layers, each its own FSDP unit, whose parameters dominate."""
+    data = {"dataset": "synthetic", "synthetic_samples": 40, "image_size": 8, "store": str(store)}
+    model = {
+        "name": "workflows.benchmarks.wide_mlp:wide_mlp",
+        "kwargs": {"width": width, "layers": layers},
+    }
+    raw = {"name": f"peak-{strategy}", "data": data, "model": model}
+    return make_config(raw, strategy=strategy, epochs=1, max_steps=1, batch_size=8, lr=0.01)
+
+
+def test_an_fsdp_rank_peaks_at_a_fraction_of_a_ddp_rank_bounded_by_the_parameter_count(
+    own_cluster, make_config, tmp_path
+):
+    """FSDP against DDP at 2 ranks, the model 12 linear layers 1,024 wide on 8x8x3 inputs:
+    P = 11.74 M parameters, 44.8 MiB in float32, in 13 units, the largest U (a hidden layer)
+    1.05 M parameters, 4 MiB. Both run SGD with momentum, one step.
+
+    - A DDP rank holds the parameters, their gradients, DDP's gradient buckets (a second copy
+      of the gradients: gradient_as_bucket_view is off) and the momentum: 4P, 179 MiB; at
+      least 3P without the buckets.
+    - An FSDP rank builds the whole model (P), which sharding frees unit by unit (P + U/2 at
+      most), then holds half of the parameters, gradients and momentum, 1.5P, 67 MiB; and while
+      a unit runs, its gathered parameters, the next unit's (prefetched), its unsharded
+      gradient and the reduce-scatter's input and output: under 6U, 24 MiB. The rest of a
+      rank's job (its batches, gloo's buffers) is allowed 16 MiB (measured: ~1 MiB).
+
+    So FSDP / DDP <= (1.5P + 6U + 16 MiB) / 4P = 0.60. An FSDP that held its parameters,
+    gradients and momentum whole (3P) would be at 0.75 of DDP or more. Measured: 0.47 (86 and
+    182 MiB a rank).
+
+    Fresh workers: on a warm worker glibc serves FSDP's blocks from heap memory earlier jobs
+    freed (malloc_trim gave its pages back, the free chunks stay), and what FSDP frees then
+    stays resident: the same FSDP job measured 182 to 264 MiB a rank on the session's workers
+    after other jobs, 152 on fresh ones. A tiny FSDP job first imports FSDP's code on the
+    workers (~40 MiB, counted by a worker's first FSDP job); then the two measured jobs.
+    """
+    store = tmp_path / "store"
+    train(
+        _wide_mlp(make_config, store, "fsdp", width=64, layers=2),
+        cluster=own_cluster,
+        on_event=None,
+    )
+    sharded = train(
+        _wide_mlp(make_config, store, "fsdp", width=1024, layers=12),
+        cluster=own_cluster,
+        on_event=None,
+    )
+    replicated = train(
+        _wide_mlp(make_config, store, "ddp", width=1024, layers=12),
+        cluster=own_cluster,
+        on_event=None,
+    )
+    params = sum(t.numel() for t in replicated.state_dict.values())
+    unit = max(
+        replicated.state_dict[f"{i}.weight"].numel() + replicated.state_dict[f"{i}.bias"].numel()
+        for i in range(1, 26, 2)
+    )
+    p_mib, u_mib = params * 4 / 2**20, unit * 4 / 2**20
+    assert (round(p_mib, 1), round(u_mib, 1)) == (44.8, 4.0)  # the sizes argued above
+    bound = (1.5 * p_mib + 6 * u_mib + 16) / (4 * p_mib)
+    assert bound < 0.75  # below an FSDP that does not shard: the test can tell them apart
+
+    ddp, fsdp = replicated.peak_memory_mib, sharded.peak_memory_mib
+    assert len(ddp) == len(fsdp) == 2
+    assert min(ddp) >= 3 * p_mib, ddp  # parameters, gradients and momentum at least
+    assert min(fsdp) >= 1.5 * p_mib, fsdp  # their halves at least
+    assert max(fsdp) <= bound * min(ddp), (fsdp, ddp, bound)

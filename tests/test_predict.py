@@ -15,8 +15,8 @@ from PIL import Image
 from sklearn import metrics as sk
 
 from tests.datasets import write_image_folder, write_tiny_cifar10
-from tests.reference import assert_same_parameters
-from tests.test_launch import _one_process, ddp_loop
+from tests.reference import assert_equivalent
+from tests.test_launch import ddp_loop, one_process_reference
 from tests.test_shared_cluster import wait_for_holder
 from workers.data import DataConfig, open_store
 from workers.inference import CheckpointError, worker_report
@@ -156,7 +156,7 @@ def test_a_training_job_and_predict_share_the_cluster_on_their_own_workers(
     want = _one_process_probabilities(trained_run, np.asarray(val.images[:]))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     (parameters,) = training["result"].results
-    assert_same_parameters(parameters, _one_process(4, 0.1))
+    assert_equivalent(parameters, one_process_reference(4, 0.1))
 
 
 def test_evaluation_metrics_equal_a_sequential_computation(scored):

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from distributed import Client
 
 from tests.commands import dask_train, kill_showing_stacks
-from tests.reference import assert_same_parameters
-from tests.test_launch import _one_process, _wait_for_file, ddp_loop
+from tests.reference import assert_equivalent
+from tests.test_launch import _wait_for_file, ddp_loop, one_process_reference
 from workers.process_group import ProcessGroupPlugin
 from workflows import launch, start_cluster
 from workflows.admission import Admission, AdmissionError, Request, queue_snapshot
@@ -219,11 +219,13 @@ def test_a_worker_lost_by_one_job_restarts_only_that_job(four_workers, tmp_path)
     assert [r["resumed_from_step"] for r in a.recoveries] == [2]
     assert b.recoveries == [] and b.attempts == 1
     for parameters in a.results:
-        assert_same_parameters(parameters, _one_process(6, 0.1))
+        assert_equivalent(parameters, one_process_reference(6, 0.1))
     for parameters in b.results:
-        assert_same_parameters(parameters, _one_process(5, 0.1))
+        assert_equivalent(parameters, one_process_reference(5, 0.1))
 
 
+# A client in a process of its own that holds both workers until it is killed or frozen:
+# python holds.py SCHEDULER NAME [LEASE_S].
 CLIENT_THAT_HOLDS = """
 import sys, time
 from distributed import Client
@@ -235,8 +237,10 @@ def forever(ctx):
         time.sleep(0.01)
 
 if __name__ == "__main__":
-    with Client(sys.argv[1]) as client:
-        launch(forever, cluster=client, world_size=2, name="killed-client")
+    address, name, *lease = sys.argv[1:]
+    config = {"lease_s": float(lease[0])} if lease else {}
+    with Client(address) as client:
+        launch(forever, cluster=client, world_size=2, name=name, config=config)
 """
 
 
@@ -245,7 +249,9 @@ def test_a_killed_clients_workers_go_to_the_next_job_in_the_queue(cluster, tmp_p
     client = cluster.client
     script = tmp_path / "holds.py"
     script.write_text(CLIENT_THAT_HOLDS)
-    holder = subprocess.Popen([sys.executable, str(script), client.scheduler.address])
+    holder = subprocess.Popen(
+        [sys.executable, str(script), client.scheduler.address, "killed-client"]
+    )
     try:
         # Killed once its ranks run: it holds workers, a plugin and tasks on them.
         deadline = time.monotonic() + 90
@@ -265,6 +271,70 @@ def test_a_killed_clients_workers_go_to_the_next_job_in_the_queue(cluster, tmp_p
 
 def _processing(client) -> list:
     return [key for keys in client.processing().values() for key in keys]
+
+
+FROZEN_LEASE_S = 4.0  # renewed every 1.3 s: a busy machine may delay a renewal 2.6 s
+
+
+def _clients(dask_scheduler) -> set[str]:
+    return set(dask_scheduler.clients)
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_clients_lease_expires_and_its_workers_go_to_the_next_job(
+    cluster, tmp_path, caplog
+):
+    """A real client in another process holds both workers, then is frozen (SIGSTOP): its
+    connection stays open, so only the lease can free its workers. The next client's job
+    waits behind it, then gets them, within its queue bound, while the frozen client is
+    still connected."""
+    client = cluster.client
+    script = tmp_path / "holds.py"
+    script.write_text(CLIENT_THAT_HOLDS)
+    before = client.run_on_scheduler(_clients)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            client.scheduler.address,
+            "frozen-client",
+            str(FROZEN_LEASE_S),
+        ]
+    )
+    try:
+        # Frozen once its ranks run: it holds the workers, a plugin and tasks on them.
+        deadline = time.monotonic() + 90
+        while not any("frozen-client" in str(k) for k in _processing(client)):
+            assert holder.poll() is None and time.monotonic() < deadline, "it never held workers"
+            time.sleep(0.05)
+        (frozen_client,) = client.run_on_scheduler(_clients) - before
+        os.kill(holder.pid, signal.SIGSTOP)
+        events: list[dict] = []
+        with caplog.at_level(logging.WARNING, logger="workflows.admission"):
+            result = launch(
+                where_and_sum,
+                0.0,
+                cluster=cluster,
+                world_size=2,
+                name="after-frozen",
+                # Far above the lease (4 s) and the scheduler's check every 0.5 s: a bound only.
+                config={"queue_timeout_s": 60.0},
+                on_event=events.append,
+            )
+        assert [total for _, total in result.results] == [3, 3]
+        # It waited for the frozen job's workers, and the lease, not a disconnect, freed them.
+        (queued,) = [e for e in events if e["kind"] == "queued"]
+        assert [h["name"] for h in queued["holders"]] == ["frozen-client"]
+        assert any(e["kind"] == "admitted" for e in events)
+        dropped = [r.getMessage() for r in caplog.records if "frozen-client-" in r.getMessage()]
+        assert len(dropped) == 1 and "its lease ran out (4 s unrenewed)" in dropped[0], dropped
+        assert frozen_client in client.run_on_scheduler(_clients)
+        assert holder.poll() is None  # frozen all along, not gone
+        _nothing_left_of(client, "frozen-client-")
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.kill()
+        holder.wait(timeout=30)
 
 
 def _hold_without_renewing(request: Request, dask_scheduler) -> dict:

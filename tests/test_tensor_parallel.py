@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests import test_text as text
-from tests.reference import SGD_FEW_STEPS, assert_same_parameters, train_in_one_process
+from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_one_process
 from tests.refusals import refusal
 from workflows.driver import train
 
@@ -48,8 +48,9 @@ def _assert_matches_reference(result, config, *, replicas: int) -> None:
     # The tp ranks of a replica read the same batches: one process on the global batches of
     # the replicas. The split layers sum partial products in another order: the same few-steps
     # float32 tolerance (tests/reference.py).
-    expected = train_in_one_process(config, world_size=replicas, steps=5, factory=TwoLayer)
-    assert_same_parameters(result.state_dict, expected)
+    assert_matches_one_process(
+        result.state_dict, config, world_size=replicas, steps=5, factory=TwoLayer
+    )
     untrained = train_in_one_process(config, world_size=replicas, steps=0, factory=TwoLayer)
     assert not torch.allclose(result.state_dict["up.weight"], untrained["up.weight"])
 
@@ -82,7 +83,7 @@ def test_the_gpt_split_by_its_plan_under_fsdp_then_in_a_pipeline_matches_one_pro
     config = make_config(raw, **(text.BASE | {"strategy": "fsdp"}))
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4
-    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=2, steps=4))
+    assert_matches_one_process(result.state_dict, config, world_size=2, steps=4)
     # Then PP x TP 2x2 on the same warm workers: each stage a copy of the GPT keeping its
     # blocks (layers.0 with the embeddings, layers.1 with the head), split by the whole model's
     # plan; one copy of the model, two micro-batches (the reference's too). Its tp groups have
@@ -98,7 +99,7 @@ def test_the_gpt_split_by_its_plan_under_fsdp_then_in_a_pipeline_matches_one_pro
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4
     assert result.split_points == ("layers.1",)  # an even cut of the two blocks
-    assert_same_parameters(result.state_dict, train_in_one_process(config, world_size=1, steps=4))
+    assert_matches_one_process(result.state_dict, config, world_size=1, steps=4)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.reference import assert_same_parameters, train_in_one_process
+from tests.reference import (
+    SGD_FEW_STEPS,
+    Reference,
+    assert_equivalent,
+    assert_matches_one_process,
+    train_in_one_process,
+)
 from tests.traced_models import DataDependent, ResidualNet, build
 from workers.config_models import TrainingConfig
 from workers.data import StoreSplit, open_store
@@ -122,9 +128,10 @@ def _trained(ctx, model_name: str, strategy: str, pipeline: dict, steps: int) ->
     return prepared
 
 
-def _one_process(model_name: str, steps: int) -> dict[str, torch.Tensor]:
+def _one_process(model_name: str, steps: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     x, y = _data()
-    model = build(model_name, seed=0)
+    x = x.to(dtype)
+    model = build(model_name, seed=0).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     for step in range(steps):
         optimizer.zero_grad()
@@ -176,11 +183,11 @@ def _assert_matches_one_process(stages: list, model_name: str) -> None:
     for stage in filter(None, stages):  # replicas after the first hand back nothing
         assert not got.keys() & stage.keys(), "the stages hold different parameters"
         got.update(stage)
-    expected = _one_process(model_name, STEPS)
+    reference = Reference.of(lambda dtype: _one_process(model_name, STEPS, dtype), steps=STEPS)
     # The full model's names, every parameter once.
-    assert_same_parameters(got, expected, rtol=1e-5, atol=4e-5)
+    assert_equivalent(got, reference)
     untrained = build(model_name, seed=0).state_dict()
-    assert any(not torch.equal(got[name], untrained[name]) for name in expected)
+    assert any(not torch.equal(got[name], untrained[name]) for name in reference.float32)
 
 
 @pytest.mark.slow
@@ -400,7 +407,10 @@ def test_a_model_given_in_python_is_traced_cut_and_matches_one_process(cluster, 
     def residual(num_classes: int, in_channels: int) -> nn.Module:
         return ResidualNet(num_classes=num_classes, in_channels=in_channels, width=8)
 
-    training = {"lr": 0.05, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 3}
+    # The moderate step of the few-steps references (at lr 0.05, measured, the cut's float32
+    # result drifted 20 times further from float64 than the one-process float32 result did,
+    # on every kernel path: ReLU near-ties that the larger step amplifies).
+    training = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3}
     config = make_config(
         {"name": "traced-factory", "pipeline": {"n_microbatches": 4}},
         strategy="pipeline",
@@ -411,8 +421,9 @@ def test_a_model_given_in_python_is_traced_cut_and_matches_one_process(cluster, 
     # Planned on the factory's model: a cut point of the residual net, not of model.name's.
     (point,) = result.split_points
     assert point in ["blocks.0", "blocks.1", "blocks.2", "head"]
-    expected = train_in_one_process(config, world_size=1, steps=STEPS, factory=residual)
-    assert_same_parameters(result.state_dict, expected, rtol=1e-5, atol=4e-5)
+    assert_matches_one_process(
+        result.state_dict, config, world_size=1, steps=STEPS, factory=residual, bugs=()
+    )
     untrained = train_in_one_process(config, world_size=1, steps=0, factory=residual)
     assert not torch.equal(result.state_dict["head.weight"], untrained["head.weight"])
     # Split points are checked against model.name's model when the config loads; where that
@@ -445,9 +456,9 @@ def test_a_regression_on_a_traced_cut_reports_what_ddp_reports(cluster, make_con
         seed=3,
     )
     result = train(config, cluster=cluster, on_event=None)
-    expected = train_in_one_process(config, world_size=1, steps=STEPS)
+    assert_matches_one_process(result.state_dict, config, world_size=1, steps=STEPS, bugs=())
     assert result.state_dict["head.weight"].shape == (1, 8)
-    assert_same_parameters(result.state_dict, expected, rtol=1e-5, atol=4e-5)
+
     # Validation of the trained parameters in one process, scored by the same criterion.
     store = open_store(config.data.resolved().store_url)
     x = torch.from_numpy(np.asarray(store.val.images[:]))

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workers.compat.cpython_private import PurePythonUnpickler
+
 # torch.distributed.checkpoint is imported where it is used: it costs ~0.7 s, and the client
 # imports this module to find the checkpoint a run continues from, which needs none of it.
 # Re-exported: the section's model lives in a torch-free module, for config checks.
@@ -296,16 +298,18 @@ def _whole(modules: list[nn.Module]) -> nn.Module:
 #
 # torch's own restricted unpickler (torch.load(weights_only=True)) reads only the pickle
 # protocol torch.save writes (2): DCP writes .metadata with protocol 4+, whose STACK_GLOBAL,
-# MEMOIZE and FRAME it refuses. So this one is built on Python's pickle._Unpickler, which runs
-# each opcode through a table we can narrow: every global is an exact (module, name) pair from
-# the list below (a dotted name, which protocol 4 resolves as an attribute chain, is never one),
-# and only the listed classes may be called, created or have state set. Opcodes that name
-# objects another way (INST, OBJ, NEWOBJ_EX, EXT1/2/4 via copyreg, persistent ids, buffers)
-# are refused.
+# MEMOIZE and FRAME it refuses. So this one is built on Python's pure-Python unpickler
+# (workers.compat.cpython_private), which runs each opcode through a table we can narrow:
+# every global is an exact (module, name) pair from the list below (a dotted name, which
+# protocol 4 resolves as an attribute chain, is never one), and only the listed classes may be
+# called, created or have state set. Opcodes that name objects another way (INST, OBJ,
+# NEWOBJ_EX, EXT1/2/4 via copyreg, persistent ids, buffers) are refused.
 
 
 def _metadata_classes() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import metadata
+
+    from workers.compat.torch_private import DCP_PRIVATE_CLASSES
 
     return {
         (metadata.__name__, name): getattr(metadata, name)
@@ -316,19 +320,18 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
             "TensorProperties",
             "MetadataIndex",
             "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
         )
-    } | {(filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo}
+    } | DCP_PRIVATE_CLASSES
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _MetadataUnpickler(PurePythonUnpickler):
     """Admits what DCP's metadata of a tensors-only checkpoint is made of, nothing else.
 
     BytesStorageMetadata is left out on purpose: DCP loads a bytes item with
     ``torch.load(weights_only=False)``, and this project only ever saves tensors.
     """
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch = dict(PurePythonUnpickler.dispatch)  # type: ignore[attr-defined]
 
     def _refuse(self) -> None:
         raise CheckpointDamaged("checkpoint metadata uses a pickle opcode it never needs, refused")
@@ -349,25 +352,30 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     del _opcode
 
     def __init__(self, file: io.BytesIO) -> None:
+        from workers.compat.torch_private import GET_LAYOUT, GET_LAYOUT_NAME, MEM_FORMAT_ENCODING
+
         super().__init__(file)
         self._classes = _metadata_classes()
         self._plain_classes = set(self._classes.values())
         self._globals = {
             **self._classes,
             ("torch", "Size"): torch.Size,
-            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+            GET_LAYOUT_NAME: GET_LAYOUT,
             ("pathlib", "PosixPath"): pathlib.PosixPath,
             ("pathlib", "Path"): pathlib.Path,
+            # Where Python 3.13 defines them, and so pickles them from (3.11: the same pairs).
+            (pathlib.PosixPath.__module__, "PosixPath"): pathlib.PosixPath,
+            (pathlib.Path.__module__, "Path"): pathlib.Path,
             ("collections", "OrderedDict"): collections.OrderedDict,
         }
         # What REDUCE may call: constructors of plain values, and torch's layout lookup.
         self._callables = {
             torch.Size,
-            torch.serialization._get_layout,
+            GET_LAYOUT,
             pathlib.PosixPath,
             pathlib.Path,
             collections.OrderedDict,
-            self._classes[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")],
+            MEM_FORMAT_ENCODING,
         }
 
     def find_class(self, module: str, name: str) -> Any:

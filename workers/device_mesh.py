@@ -48,11 +48,6 @@ def forget_earlier_meshes() -> None:
     """
     if "torch.distributed.tensor" not in sys.modules:
         return  # nothing cached: no job here has used a DTensor
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from workers.compat.torch_private import forget_dtensor_caches
 
-    _clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
+    forget_dtensor_caches()

@@ -7,8 +7,8 @@ these futures: the wait fails at once with "bound to a different event loop" ins
 waiting. A clean-up that swallowed that error went on while tasks still wrote into a store.
 """
 
+import concurrent.futures
 from collections.abc import Sequence
-from concurrent.futures._base import DoneAndNotDoneFutures
 from typing import Any, Literal
 
 from distributed import Future, wait
@@ -22,6 +22,6 @@ def wait_futures(
 ) -> Any:
     """``distributed.wait`` on the futures' own client; ``TimeoutError`` after ``timeout_s``."""
     if not futures:  # nothing to wait on, and no client to ask (there may be none)
-        return DoneAndNotDoneFutures(set(), set())
+        return concurrent.futures.wait([])  # what distributed.wait returns: (done, not_done)
     with futures[0].client.as_current():
         return wait(futures, timeout=timeout_s, return_when=return_when)

@@ -24,6 +24,7 @@ import zarr
 from distributed import Worker, WorkerPlugin, get_worker
 from torch import nn
 
+from workers.compat.distributed_private import executing_task_keys
 from workers.models import ModelConfig, build_model
 from workers.preprocessing import normalize_images
 from workers.sources import Decoding, Partition, get_source
@@ -392,6 +393,6 @@ def worker_report(dask_worker: Worker, token: str | None = None) -> dict[str, An
         "scored": counts["scored"],
         "holds_model": getattr(plugin, "model", None) is not None,
         "executing": sorted(
-            str(ts.key) for ts in dask_worker.state.executing if "predict-" in str(ts.key)
+            str(key) for key in executing_task_keys(dask_worker) if "predict-" in str(key)
         ),
     }

@@ -109,9 +109,11 @@ def step_done(job_id: str, step: int, *, progress: Mapping[str, Any] | None = No
     kept = _kept.get(job_id)
     if kept is None:
         return
+    from workers.compat.torch_private import foreach_copy_
+
     for _, live, copies in kept.buffers.values():
         if live:
-            torch._foreach_copy_(copies, [b.detach() for b in live])
+            foreach_copy_(copies, [b.detach() for b in live])
     small = {k: v for k, v in kept.state.items() if not _big(v)}
     tensors, values = capture_state(small) if small else ({}, {})
     kept.small = (_copies(tensors), copy.deepcopy(values))

@@ -23,6 +23,8 @@ import psutil
 from distributed import Worker, WorkerPlugin, get_worker
 from distributed.comm import get_address_host_port
 
+from workers.compat.distributed_private import running_task_keys
+
 # torch is imported where it is used: the client imports this module (through the launcher and
 # the config) to check a config, and that must not cost torch's seconds-long import.
 if TYPE_CHECKING:
@@ -504,7 +506,7 @@ async def release_generation(
     member = membership is not None and membership.generation == generation
     if stop:
         rank_threads.stop(generation)
-    running = [key for key in list(dask_worker.active_threads.values()) if generation in str(key)]
+    running = [key for key in running_task_keys(dask_worker) if generation in str(key)]
     if running:
         if stop and member:
             # The stop lands once the thread is back in Python code; a rank waiting in a

@@ -22,6 +22,7 @@ the client's checks, do without it (~0.8 s).
 
 import copy
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import Pipe
+
+logger = logging.getLogger(__name__)
 
 
 def cut_into_stages(model: nn.Module, split_points: Sequence[str]) -> list[nn.Module]:
@@ -342,19 +345,53 @@ def _check_stages_run(
 
 @contextmanager
 def _split_annotations_removed(model: nn.Module, split_points: Sequence[str]) -> Iterator[None]:
-    """``pipeline()`` marks each split module by replacing its ``forward``; put them back, so
-    the model runs as before (and a second trace does not split twice)."""
+    """``pipeline()`` marks each split module by replacing its ``forward`` (and keeping the
+    original under a name of its own); put them back, so the model runs as before (and a
+    second trace does not split twice). What it added to a module's instance attributes goes,
+    whatever torch calls it."""
     marked = [model.get_submodule(point) for point in split_points]
     own = [module.__dict__.get("forward") for module in marked]
+    before = [set(module.__dict__) for module in marked]
     try:
         yield
     finally:
-        for module, forward in zip(marked, own, strict=True):
-            module.__dict__.pop("_orig_forward", None)
+        for module, forward, names in zip(marked, own, before, strict=True):
+            for added in set(module.__dict__) - names - {"forward"}:
+                del module.__dict__[added]
             if forward is None:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = forward
+
+
+def move_traced_ops(stage: torch.fx.GraphModule, device: torch.device) -> None:
+    """Make the ops of a traced stage that create tensors (``torch.zeros(..., device=...)``)
+    create them on ``device``: the tracer burns the trace's device into their arguments.
+    ``Pipe.build_stage`` does the same to the module it builds on, with a helper of its own that
+    torch keeps private; this is it, with torch.fx's public API."""
+    from torch.export.unflatten import InterpreterModule
+
+    modified = False
+    for node in stage.graph.nodes:
+        if node.op == "call_function":
+            if "device" in node.kwargs and node.kwargs["device"] != device:
+                node.update_kwarg("device", device)
+                modified = True
+        elif node.op == "call_module":
+            submodule = stage.get_submodule(node.target)
+            if isinstance(submodule, torch.fx.GraphModule):
+                move_traced_ops(submodule, device)
+            elif isinstance(submodule, InterpreterModule):
+                move_traced_ops(submodule.graph_module, device)
+            else:
+                logger.warning(
+                    "not moving the ops of %s to %s: it is a %s, not a graph",
+                    node.target,
+                    device,
+                    type(submodule).__name__,
+                )
+    if modified:
+        stage.recompile()
 
 
 def _tracer_reason(error: BaseException) -> str:

@@ -30,7 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Scheduler, SchedulerPlugin
 
+from workers.compat.distributed_private import raise_adaptive_target
+
 if TYPE_CHECKING:  # the launcher holds jobs' admissions; this module needs only the type
+    from distributed.scheduler import WorkerState
+
     from workflows.launcher import WorkerSelection
 
 logger = logging.getLogger(__name__)
@@ -105,7 +109,9 @@ class WorkerQueue(SchedulerPlugin):
         self.scheduler = scheduler
         self._expiry = PeriodicCallback(self._expire, EXPIRY_CHECK_S * 1000)
         self._expiry.start()
-        _count_waiting_jobs_in_the_adaptive_target(scheduler, self)
+        # cluster.adapt() asks the scheduler how many workers it wants: the jobs' demand is a
+        # floor under that (held workers are kept from retiring below).
+        raise_adaptive_target(scheduler, self.demand)
 
     async def close(self) -> None:
         self._expiry.stop()
@@ -224,6 +230,14 @@ class WorkerQueue(SchedulerPlugin):
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         self._grant()
 
+    def valid_workers_downscaling(
+        self, scheduler: Scheduler, workers: list["WorkerState"]
+    ) -> list["WorkerState"]:
+        """The workers the scheduler may retire (``cluster.adapt()``, ``retire_workers``):
+        never one a job holds."""
+        held = {w for entry in self.entries.values() for w in entry.granted}
+        return [ws for ws in workers if ws.address not in held]
+
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         for entry in self.entries.values():
             if worker in entry.granted:
@@ -271,25 +285,6 @@ def rank_order(host: str, name: object, address: str) -> tuple[Any, ...]:
     by name in natural order (dask-cuda names workers by device id: 2 before 10)."""
     natural = [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(name))]
     return (host, natural, address)
-
-
-def _count_waiting_jobs_in_the_adaptive_target(scheduler: Scheduler, queue: WorkerQueue) -> None:
-    """``cluster.adapt()`` asks the scheduler through these two handlers how many workers it
-    wants and which to retire: the jobs' demand is a floor under the first, and held workers
-    are never in the second."""
-    target = scheduler.handlers["adaptive_target"]
-    to_close = scheduler.handlers["workers_to_close"]
-
-    def adaptive_target(*args: Any, **kwargs: Any) -> int:
-        return max(target(*args, **kwargs), queue.demand())
-
-    def workers_to_close(*args: Any, **kwargs: Any) -> list[str]:
-        held = {w for entry in queue.entries.values() for w in entry.granted}
-        names = {str(scheduler.workers[w].name) for w in held if w in scheduler.workers}
-        return [w for w in to_close(*args, **kwargs) if w not in held and str(w) not in names]
-
-    scheduler.handlers["adaptive_target"] = adaptive_target
-    scheduler.handlers["workers_to_close"] = workers_to_close
 
 
 # -- run on the scheduler with Client.run_on_scheduler ------------------------------------

@@ -32,6 +32,7 @@ from distributed.core import Status
 from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from workers.compat.distributed_private import adaptive_of
 from workflows.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ T = TypeVar("T")
 # then page-fault in again. Measured here on the seed CNN (2 ranks, batch 128): ~2,500 samples/s
 # with glibc's defaults, ~3,400 with these, ~1,400 with Dask's MALLOC_TRIM_THRESHOLD_=65536 alone.
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 256 * 2**20}
+# The worker preload that applies them in a forked worker.
+MALLOC = "workers.malloc"
 
 # A local cluster closes the nanny of a worker that has been gone this long
 # (distributed.deploy.lost-worker-timeout, 15 s by default), and nothing starts it again. A
@@ -86,8 +89,16 @@ def worker_process_config(
     # Set either way: another cluster's settings may still be in Dask's config.
     config["distributed.worker.multiprocessing-method"] = "forkserver" if fork else "spawn"
     # A forked worker's glibc was set up in the fork server: the malloc variables reach its
-    # environment, and this preload applies them with mallopt.
-    config["distributed.worker.preload"] = ["workers.malloc"] if fork else []
+    # environment, and this preload applies them with mallopt. The user's own preloads are
+    # kept (they were dropped); ours is taken out first, as an earlier cluster may have put it
+    # in Dask's config.
+    preload = dask.config.get("distributed.worker.preload", None) or []
+    preload = [p for p in ([preload] if isinstance(preload, str) else preload) if p != MALLOC]
+    config["distributed.worker.preload"] = [*preload, MALLOC] if fork else preload
+    argv = dask.config.get("distributed.worker.preload-argv", None) or []
+    if argv and not isinstance(argv[0], str):  # one argument list per preload; none for ours
+        argv = argv[: len(preload)]
+        config["distributed.worker.preload-argv"] = [*argv, []] if fork else argv
     return config
 
 
@@ -131,8 +142,10 @@ def _ensure_fork_server() -> None:
 
     from distributed.utils import get_mp_context
 
+    from workers.compat.cpython_private import forkserver_preload
+
     context = get_mp_context()  # sets distributed's own preload list the first time
-    preload = [*multiprocessing.forkserver._forkserver._preload_modules, *FORK_SERVER_PRELOAD]
+    preload = [*forkserver_preload(), *FORK_SERVER_PRELOAD]
     context.set_forkserver_preload([m for m in dict.fromkeys(preload) if m != "__main__"])
     neutral = {
         name: str(value)
@@ -162,11 +175,11 @@ def _stop_fork_server() -> None:
     close (in a script, Dask's exit hook runs after this one; the CLI closes its cluster before
     its last hook skips Dask's), and their nannies learn of their exit through the fork server:
     then it is left to exit by itself."""
-    import multiprocessing.forkserver
-
     import psutil
 
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid  # no public handle on it
+    from workers.compat.cpython_private import forkserver_pid
+
+    pid = forkserver_pid()  # no public handle on it
     if pid is None:
         return
     with contextlib.suppress(psutil.Error, ProcessLookupError, ChildProcessError):
@@ -723,7 +736,7 @@ def most_workers(client: Client) -> int | None:
     cluster = getattr(client, "cluster", None)
     if cluster is None or not hasattr(cluster, "worker_spec"):
         return None
-    adaptive = getattr(cluster, "_adaptive", None)
+    adaptive = adaptive_of(cluster)
     if adaptive is not None and getattr(adaptive, "state", None) in ("starting", "running"):
         maximum = adaptive.maximum
         return None if maximum == math.inf else int(maximum)

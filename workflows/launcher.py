@@ -25,6 +25,7 @@ from distributed import Client, Future
 from distributed.comm import CommClosedError, get_address_host
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from workers.compat.distributed_private import worker_process_pid
 from workers.futures import wait_futures
 from workers.process_group import (
     ProcessGroupPlugin,
@@ -725,7 +726,8 @@ def answering_workers(client: Client, workers: list[str], *, timeout_s: float) -
 
     async def answers(worker: str) -> bool:
         try:
-            await asyncio.wait_for(client._run(_answer, workers=[worker]), timeout_s)
+            # Called in the client's event loop, Client.run gives the coroutine to await.
+            await asyncio.wait_for(client.run(_answer, workers=[worker]), timeout_s)
         except Exception:  # no answer in time, or gone
             return False
         return True
@@ -756,10 +758,10 @@ def _kill_worker_process(dask_worker: Any) -> bool:
     import os
     import signal
 
-    process = getattr(getattr(dask_worker, "process", None), "process", None)
-    if process is None or process.pid is None:
+    pid = worker_process_pid(dask_worker)
+    if pid is None:
         return False
-    os.kill(process.pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     return True
 
 
@@ -770,6 +772,7 @@ def run_bounded(
     stopped process); a worker that failed or left maps to its exception."""
 
     async def call() -> dict[str, Any]:
-        return await client._run(function, *args, workers=workers, on_error="return")
+        # In the client's event loop: Client.run gives the coroutine to await.
+        return await client.run(function, *args, workers=workers, on_error="return")
 
     return client.sync(asyncio.wait_for, call(), timeout_s)

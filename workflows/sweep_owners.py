@@ -53,8 +53,10 @@ class TrialOwners:
     ) -> None:
         """``on_lost(trial_id)``: another sweep took over a trial of ours (our beats stopped
         reaching the storage for ``STALE_AFTER_S``), whose job should stop now."""
+        from workflows.compat.optuna_private import study_storage
+
         self.study, self.client, self.on_lost = study, client, on_lost
-        self._storage = study._storage
+        self._storage = study_storage(study)
         self._scheduler_id = client.scheduler_info().get("id", "")
         self._held: dict[int, dict[str, Any]] = {}  # trial id -> its mark
         self._lock = threading.Lock()
@@ -96,9 +98,11 @@ class TrialOwners:
         """The RUNNING trials whose owner is gone, oldest first."""
         from optuna.trial import TrialState
 
+        from workflows.compat.optuna_private import trial_id
+
         with self._lock:
             mine = set(self._held)
-        others = [t for t in trials if t.state == TrialState.RUNNING and t._trial_id not in mine]
+        others = [t for t in trials if t.state == TrialState.RUNNING and trial_id(t) not in mine]
         if not others:
             return []
         connected = self._connected()
@@ -129,14 +133,16 @@ class TrialOwners:
 
     def claim(self, trial: "FrozenTrial") -> bool:
         """Take over an abandoned trial; False when a rival sweep took it."""
+        from workflows.compat.optuna_private import trial_id
+
         mark = self._mark()
-        self._storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, mark)
+        self._storage.set_trial_system_attr(trial_id(trial), OWNER_ATTR, mark)
         time.sleep(CLAIM_SETTLE_S)
-        if not self._still_mine(trial._trial_id, mark):
+        if not self._still_mine(trial_id(trial), mark):
             logger.info("trial %d was taken over by another sweep", trial.number)
             return False
         with self._lock:
-            self._held[trial._trial_id] = mark
+            self._held[trial_id(trial)] = mark
         return True
 
     def _mark(self) -> dict[str, Any]:

@@ -22,11 +22,13 @@ paths (``training.lr``) and each trial runs the built-in trainer (:func:`workflo
 ``trial_world_size`` ranks; the metric is read from its epoch records (``val_loss``,
 ``val_accuracy``, ...), the step being the epoch.
 
-With a ``storage``, a sweep started again with the same ``study_name`` continues the study:
-finished trials are never run again, the trials a dead client left RUNNING are re-run with the
-parameters they hold (``workflows/sweep_owners.py``), and the study ends with ``n_trials``
-trials. Every trial's state change is also a Dask event on ``dask-train-sweep-<study>`` for the
-Training page.
+With a ``storage``, the same call again continues the study: its default ``study_name`` is
+the function's qualified name (``<module>.<qualname>``) or ``<config name>-sweep``, the same
+on every call. Finished trials are never run again, the trials a dead client left RUNNING are
+re-run with the parameters they hold (``workflows/sweep_owners.py``), and the study ends with
+``n_trials`` trials. A fresh study takes another ``study_name`` (or another storage). In
+memory, each call is a study of its own, ``sweep-<time>-<random>``. Every trial's state
+change is also a Dask event on ``dask-train-sweep-<study>`` for the Training page.
 """
 
 import contextlib
@@ -34,6 +36,7 @@ import functools
 import logging
 import math
 import re
+import sys
 import threading
 import time
 import uuid
@@ -47,11 +50,12 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from distributed import Client
 
-from workers.sources import COLLECTION_SOURCES
+from workers.sources import COLLECTION_SOURCES, SourceError, check_root
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import JobStopped, WorkerSelection, select_workers
 from workflows.monitoring import SWEEP_PREFIX
+from workflows.sweep_directory import config_study
 from workflows.sweep_owners import TrialOwners
 from workflows.sweep_space import (
     PRUNERS,
@@ -337,7 +341,8 @@ def sweep(
 
     Each trial is a `launch` job of ``trial_world_size`` ranks; several run at once, and the
     scheduler's queue packs them onto the workers. A study in a ``storage`` is resumable: the
-    same call again never reruns a finished trial and ends with ``n_trials`` trials.
+    same call again (the same default ``study_name``) never reruns a finished trial and ends
+    with ``n_trials`` trials.
 
     Args:
         fn_or_config: A function ``fn(ctx, params, **kwargs)`` run on every rank of a trial
@@ -359,9 +364,13 @@ def sweep(
             Optuna sampler.
         pruner: ``None``, ``"median"``, ``"hyperband"``, ``"successive_halving"`` or an Optuna
             pruner; a pruned trial's ranks are stopped at once.
-        storage: ``None`` (in memory), a database URL (``sqlite:///sweep.db``), a journal
-            file (``*.log``, ``*.jsonl``) or an Optuna storage.
-        study_name: The study's name in ``storage``.
+        storage: ``None`` (in memory), a database URL (``sqlite:///runs/sweep.db``), a
+            journal file (``*.log``, ``*.jsonl``) or an Optuna storage; a SQLite or journal
+            file's folder is made.
+        study_name: The study's name in ``storage``; an existing study of that name is
+            continued. Default with a storage: the function's ``<module>.<qualname>`` (a
+            script's file name for ``__main__``), or ``<config name>-sweep``; give another
+            name for a fresh study. In memory: ``sweep-<time>-<random>``.
         cluster: A `TrainingCluster` or a Dask ``Client``; ``None`` starts a local cluster
             and closes it afterwards.
         checkpoint_dir: Each trial checkpoints into its own ``<study>-trial-<n>`` folder
@@ -425,6 +434,10 @@ def _optuna() -> ModuleType:
         import optuna
     except ImportError:
         raise ImportError(INSTALL_HINT) from None
+    # What the sweep needs of Optuna's private parts: a one-line error now, naming the version,
+    # where this Optuna lacks them.
+    import workflows.compat.optuna_private  # noqa: F401
+
     return optuna
 
 
@@ -460,6 +473,14 @@ def sweep_spec(
     distributions = search_space(space)
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     trials = _trials(target, distributions, trial_world_size, metric, folder, kwargs or {})
+    if study_name is None:
+        # Stored: the same call again finds its study. In memory there is nothing to find,
+        # and a name of its own keeps its trials' checkpoint folders apart from earlier ones.
+        study_name = (
+            default_study_name(trials)
+            if storage is not None
+            else f"sweep-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        )
     return SweepSpec(
         trials=trials,
         space=distributions,
@@ -471,8 +492,22 @@ def sweep_spec(
         sampler=_sampler(optuna, sampler, distributions, n_trials),
         pruner=_pruner(optuna, pruner),
         storage=_storage(optuna, storage),
-        study_name=study_name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+        study_name=study_name,
     )
+
+
+def default_study_name(trials: "Trials") -> str:
+    """The study a stored sweep continues when called again: ``<config name>-sweep``, or the
+    function's ``<module>.<qualname>`` (a script run as ``__main__`` by its file's name)."""
+    if isinstance(trials, ConfigTrials):
+        return config_study(trials.base_config.name)
+    fn = trials.fn
+    module = getattr(fn, "__module__", None)
+    if module == "__main__":
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        module = Path(script).stem if script else None
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{qualname}" if module else qualname
 
 
 def _count(name: str, value: Any) -> None:
@@ -501,6 +536,7 @@ def _trials(
             raise ValueError(f"config: {error}") from None
         trials = ConfigTrials(base, world_size, metric, checkpoint_dir)
         trials.check(space)
+        _check_data_root(trials.base_config)
         return trials
     if not callable(target):
         raise ValueError(
@@ -511,6 +547,15 @@ def _trials(
     if clashes:
         raise ValueError(f"sweep: {clashes[0]}: set by the sweep for every trial; leave it out")
     return FunctionTrials(target, kwargs, world_size, metric, checkpoint_dir)
+
+
+def _check_data_root(config: RunConfig) -> None:
+    """A dataset folder that is not there is told now, before a cluster starts (as the CLI
+    does)."""
+    try:
+        check_root(config.data.resolved())
+    except SourceError as error:
+        raise ValueError(f"config: {error}") from None
 
 
 def _sampler(
@@ -564,20 +609,36 @@ def _storage(optuna: ModuleType, storage: Any) -> "BaseStorage":
         return storage
     text = str(storage) if isinstance(storage, str | Path) else ""
     if "://" in text:
+        _make_folder_of(text)
         try:
             return optuna.storages.RDBStorage(text)
         except Exception as error:
             raise ValueError(f"storage: {text}: {type(error).__name__}: {error}") from None
     if text.endswith(JOURNAL_SUFFIXES):
         path = Path(text).expanduser()
-        if not path.parent.is_dir():
-            raise ValueError(f"storage: {text}: the folder {path.parent} does not exist")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"storage: {text}: {error}") from None
         backend = optuna.storages.journal.JournalFileBackend(str(path))
         return optuna.storages.JournalStorage(backend)
     raise ValueError(
-        f"storage: None, a database URL (sqlite:///sweep.db), a journal file (*.log, *.jsonl) or "
-        f"an Optuna storage, got {storage!r}"
+        f"storage: None, a database URL (sqlite:///runs/sweep.db), a journal file (*.log, "
+        f"*.jsonl) or an Optuna storage, got {storage!r}"
     )
+
+
+def _make_folder_of(url: str) -> None:
+    """A SQLite file's folder is made, as a journal file's is (``sqlite:///runs/sweep.db``
+    in a fresh checkout: SQLite makes the file, never its folder)."""
+    if not url.startswith("sqlite:///"):
+        return
+    database = url.removeprefix("sqlite:///").split("?", 1)[0]
+    if database and database != ":memory:":
+        try:
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"storage: {url}: {error}") from None
 
 
 def trial_name(study_name: str, number: int) -> str:
@@ -714,8 +775,10 @@ class Sweep:
 
     def _stop_lost(self, trial_id: int) -> None:
         """Another sweep runs this trial now: ours stops, and leaves the trial to it."""
+        from workflows.compat.optuna_private import trial_id as id_of
+
         for trial in list(self._running.values()):
-            if trial.trial._trial_id == trial_id:
+            if id_of(trial.trial) == trial_id:
                 trial.stop.set()
 
     def _study_done(self) -> bool:
@@ -726,19 +789,21 @@ class Sweep:
     def _next_trial(self) -> RunningTrial | None:
         """A trial to run now: one a dead client left RUNNING, else a WAITING or new one while
         the study holds fewer than ``n_trials``; None when there is none."""
+        from workflows.compat.optuna_private import trial_id
+
         trials = self.study.get_trials(deepcopy=False)
         for frozen in self.owners.abandoned(trials):
             if self.owners.claim(frozen):
                 logger.warning(
                     "taking over trial %d, left running by a sweep that is gone", frozen.number
                 )
-                taken = self.optuna.trial.Trial(self.study, frozen._trial_id)
+                taken = self.optuna.trial.Trial(self.study, trial_id(frozen))
                 return self._prepared(taken, reported=set(frozen.intermediate_values))
         waiting = any(t.state == self.optuna.trial.TrialState.WAITING for t in trials)
         if len(trials) >= self.spec.n_trials and not waiting:
             return None
         trial = self.study.ask()
-        self.owners.hold(trial._trial_id)
+        self.owners.hold(trial_id(trial))
         return self._prepared(trial, reported=set())
 
     def _prepared(self, trial: "Trial", reported: set[int]) -> RunningTrial | None:
@@ -792,6 +857,8 @@ class Sweep:
         outcome: TrialOutcome | None = None,
         error: str | None = None,
     ) -> None:
+        from workflows.compat.optuna_private import trial_id
+
         ended = time.time()
         attrs: dict[str, Any] = {
             "started_at": started,
@@ -821,7 +888,7 @@ class Sweep:
             logger.warning("trial %d was finished by another sweep meanwhile", trial.number)
             return
         finally:
-            self.owners.done(trial.trial._trial_id)
+            self.owners.done(trial_id(trial.trial))
         job_id = outcome.job_id if outcome else ""
         self._announce(
             trial, state, value=told.value, wall_s=attrs["wall_s"], job_id=job_id, error=error
@@ -864,7 +931,9 @@ def _telling(study: "Study") -> Iterator[None]:
     """A sampler ends ``study.optimize`` by calling ``study.stop()`` from ``after_trial``
     (``GridSampler``, once its grid is covered), which raises outside ``optimize``; the sweep
     counts its trials itself, so the stop is let through as a no-op."""
-    local = study._thread_local
+    from workflows.compat.optuna_private import thread_local
+
+    local = thread_local(study)
     before, local.in_optimize_loop = local.in_optimize_loop, True
     try:
         yield

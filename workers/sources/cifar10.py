@@ -2,17 +2,23 @@
 local or any fsspec URL. One record a batch file: a partition reads its file once.
 
 ``predict`` scores its test batch: the file itself, or the CIFAR-10 folder (or the folder
-above it) that holds it."""
+above it) that holds it.
+
+A batch is a pickle, and ``pickle.load`` runs whatever a pickle names: a planted batch would
+run code on every worker that reads it. Batches are read with ``read_batch`` instead, which
+admits only what a CIFAR-10 batch is made of and refuses the rest unrun."""
 
 import functools
 import json
 import pickle
-from typing import TYPE_CHECKING, Any
+import pickletools
+from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
 import numpy as np
 from PIL import Image
 
+from workers.compat.cpython_private import PurePythonUnpickler
 from workers.sources import (
     Decoded,
     Decoding,
@@ -36,15 +42,25 @@ CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST = ("test_batch",)
 (TEST_BATCH,) = CIFAR_TEST
+# What reading a batch raises for a file that is not one: named, never "training failed".
+UNREADABLE = (EOFError, OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError)
 
 
 def cifar10_folder(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     """The filesystem and path of ``root``'s batch folder; a SourceError naming it if absent."""
     fs, base = fsspec.core.url_to_fs(root.rstrip("/") + "/" + CIFAR_FOLDER, **storage_options)
     if not fs.isdir(base):
+        # A local folder: how to fetch it there, as docs/getting-started.md shows (torchvision
+        # checks the archive's published MD5).
+        fetch = (
+            f'fetch it with python -c "from torchvision.datasets import CIFAR10; '
+            f"CIFAR10('{root}', download=True)\" (or set data.download = true), or "
+            if "://" not in root
+            else ""
+        )
         raise SourceError(
-            f"data.root: {root}/{CIFAR_FOLDER} does not exist; point data.root at the folder "
-            "holding cifar-10-batches-py"
+            f"data.root: {root}/{CIFAR_FOLDER} does not exist; {fetch}point data.root at the "
+            "folder holding cifar-10-batches-py"
         )
     return fs, base
 
@@ -55,6 +71,8 @@ class Cifar10(Source):
 
     @classmethod
     def check_root(cls, data: "DataConfig") -> None:
+        if data.download:
+            return  # the download makes it
         cifar10_folder(required_root(data), data.storage_options)
 
     @classmethod
@@ -85,13 +103,13 @@ class Cifar10(Source):
         for url in records:
             try:
                 with fsspec.open(url, "rb", **how.storage_options) as f:
-                    batch = pickle.load(f, encoding="latin1")
+                    batch = read_batch(f)
                 data = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
                 batch_labels = [int(v) for v in batch["labels"]]
                 if len(batch_labels) != len(data):
                     raise ValueError(f"{len(data)} images but {len(batch_labels)} labels")
-            except (EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as error:
-                why = f"{type(error).__name__}: {error}"
+            except UNREADABLE as error:
+                why = _why(error)
                 if how.on_bad == "fail":
                     raise SourceError(f"{url}: not a readable CIFAR-10 batch ({why})") from error
                 bad.append((url, why))
@@ -149,13 +167,163 @@ def _batch_size(fs: Any, batch: str) -> int:
     """How many images the batch file holds, checked against its labels."""
     try:
         with fs.open(batch, "rb") as f:
-            content = pickle.load(f, encoding="latin1")
+            content = read_batch(f)
         count = len(content["labels"])
         if len(content["data"]) != count or np.asarray(content["data"]).shape[1:] != (3072,):
             raise ValueError("images and labels do not match, or images are not 3x32x32")
-    except (EOFError, OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as error:
+    except UNREADABLE as error:
         raise SourceError(
-            f"--input: {fs.unstrip_protocol(batch)}: not a readable CIFAR-10 batch "
-            f"({type(error).__name__}: {error})"
+            f"--input: {fs.unstrip_protocol(batch)}: not a readable CIFAR-10 batch ({_why(error)})"
         ) from None
     return count
+
+
+# -- reading a batch without running foreign code -------------------------------------------
+#
+# The official batches are Python 2 pickles (protocol 2; torchvision reads them with
+# pickle.load(encoding="latin1")): a dict of str keys holding str, a list of ints (labels), a
+# list of str (filenames) and one numpy array, which a pickle rebuilds by calling numpy's
+# _reconstruct(ndarray, (0,), "b") and dtype("u1", 0, 1), then setting their state. Numpy 1
+# names _reconstruct under numpy.core.multiarray, numpy 2 under numpy._core.multiarray (files
+# written by Python 3 carry bytes where Python 2's carry str). As for checkpoints' metadata
+# (workers/checkpoint.py), Python's pure-Python unpickler runs each opcode through a table: this
+# one holds only the opcodes of such values, every global is one of those three by an exact
+# (module, name) pair, REDUCE calls only those two with arguments of that shape, BUILD sets
+# the state of an ndarray or a dtype instance only, and neither may hold Python objects.
+
+
+class BatchRefused(pickle.UnpicklingError):
+    """A batch file whose pickle is not a CIFAR-10 batch: refused before anything in it ran."""
+
+
+def _numpy_reconstruct() -> Any:
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return _reconstruct
+
+
+_RECONSTRUCT = _numpy_reconstruct()
+_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+}
+# Protocols 0 to 5: the structure, memo and value opcodes of dicts, lists, tuples, str,
+# bytes, ints, bools and None, and the globals, REDUCE and BUILD that numpy's arrays need.
+_OPCODES = (
+    *(pickle.PROTO, pickle.FRAME, pickle.STOP, pickle.MARK, pickle.POP, pickle.POP_MARK),
+    *(pickle.DUP, pickle.EMPTY_DICT, pickle.DICT, pickle.SETITEM, pickle.SETITEMS),
+    *(pickle.EMPTY_LIST, pickle.LIST, pickle.APPEND, pickle.APPENDS, pickle.EMPTY_TUPLE),
+    *(pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3),
+    *(pickle.PUT, pickle.BINPUT, pickle.LONG_BINPUT, pickle.MEMOIZE),
+    *(pickle.GET, pickle.BINGET, pickle.LONG_BINGET),
+    *(pickle.NONE, pickle.NEWTRUE, pickle.NEWFALSE, pickle.INT, pickle.BININT),
+    *(pickle.BININT1, pickle.BININT2, pickle.LONG, pickle.LONG1, pickle.LONG4),
+    *(pickle.STRING, pickle.BINSTRING, pickle.SHORT_BINSTRING),
+    *(pickle.UNICODE, pickle.BINUNICODE, pickle.SHORT_BINUNICODE, pickle.BINUNICODE8),
+    *(pickle.BINBYTES, pickle.SHORT_BINBYTES, pickle.BINBYTES8),
+    *(pickle.GLOBAL, pickle.STACK_GLOBAL, pickle.REDUCE, pickle.BUILD),
+)
+
+
+def _plain_dtype(value: Any) -> bool:
+    # An instance: numpy 2's dtypes are of np.dtype's subclasses (np.dtypes.UInt8DType), and
+    # a dtype class itself, which BUILD would set attributes of, is never one.
+    return isinstance(value, np.dtype) and not value.hasobject
+
+
+def _refusal(code: int) -> Any:
+    name = _OPCODE_NAMES.get(code, f"byte {code:#04x}")
+
+    def refuse(self: PurePythonUnpickler) -> None:
+        raise BatchRefused(f"its pickle uses {name}, which no CIFAR-10 batch holds: refused")
+
+    return refuse
+
+
+_OPCODE_NAMES = {op.code.encode("latin1")[0]: op.name for op in pickletools.opcodes}
+
+
+class _BatchUnpickler(PurePythonUnpickler):
+    dispatch = {code: _refusal(code) for code in range(256)} | {
+        op[0]: PurePythonUnpickler.dispatch[op[0]]  # type: ignore[attr-defined]
+        for op in _OPCODES
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _GLOBALS.get((module, name))
+        if found is None:
+            raise BatchRefused(
+                f"its pickle refers to {module}.{name}, which no CIFAR-10 batch holds: "
+                "refused unrun"
+            )
+        return found
+
+    def load_reduce(self) -> None:
+        func, args = self.stack[-2], self.stack[-1]
+        if func is _RECONSTRUCT:
+            fits = (
+                type(args) is tuple
+                and len(args) == 3
+                and args[0] is np.ndarray
+                and type(args[1]) is tuple
+                and all(type(n) is int for n in args[1])
+                and type(args[2]) in (str, bytes)
+            )
+        elif func is np.dtype:
+            fits = (
+                type(args) is tuple
+                and len(args) == 3
+                and type(args[0]) is str
+                and all(type(flag) in (int, bool) for flag in args[1:])
+            )
+        else:
+            fits = False
+        if not fits:
+            called = getattr(func, "__name__", type(func).__name__)
+            raise BatchRefused(
+                f"its pickle calls {called} in a way no CIFAR-10 batch does: refused"
+            )
+        super().load_reduce()
+        made = self.stack[-1]
+        if not _plain_dtype(made.dtype if type(made) is np.ndarray else made):
+            raise BatchRefused("its pickle makes a dtype of Python objects, refused")
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        # type(), not isinstance: a class itself (whose attributes BUILD would set) never
+        # passes. An array's state names its dtype, which must hold no Python objects.
+        if type(inst) is np.ndarray:
+            fits = type(state) is tuple and len(state) == 5 and _plain_dtype(state[2])
+        else:
+            fits = isinstance(inst, np.dtype) and type(state) is tuple
+        if not fits:
+            raise BatchRefused(f"its pickle sets the state of {type(inst)!r}, refused")
+        super().load_build()
+        if not _plain_dtype(inst.dtype if type(inst) is np.ndarray else inst):
+            raise BatchRefused("its pickle makes a dtype of Python objects, refused")
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def read_batch(file: IO[bytes]) -> dict[str, Any]:
+    """The dict a CIFAR-10 batch file holds, read without running anything it names:
+    BatchRefused for anything a batch is not made of, before it ran; an UnpicklingError (or
+    EOFError, OSError) for a damaged file."""
+    try:
+        batch = _BatchUnpickler(file, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, OSError):
+        raise
+    except Exception as error:  # a damaged pickle: Python's unpickler raises IndexError & co.
+        raise pickle.UnpicklingError(f"{type(error).__name__}: {error}") from None
+    if type(batch) is not dict:
+        raise BatchRefused(f"its pickle holds a {type(batch).__name__}, not a batch's dict")
+    return batch
+
+
+def _why(error: Exception) -> str:
+    return str(error) if isinstance(error, BatchRefused) else f"{type(error).__name__}: {error}"

@@ -28,9 +28,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     build_stage,
 )
-from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.nn.parallel import DistributedDataParallel
 
+from workers.compat.torch_private import flatten_mesh
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.layout import Layout
@@ -39,6 +39,7 @@ from workers.stage_cuts import (
     check_tensor_parallel_stages,
     cut_into_stages,
     is_traced,
+    move_traced_ops,
     trace_stages,
 )
 from workers.strategies.base import EpochSums, Strategy, register
@@ -136,7 +137,7 @@ def apply_pipeline(
             f"stages, but {pp} pipeline ranks x {layout.stages_per_rank} stages per rank need "
             f"{n_stages}"
         )
-    replica_mesh = mesh[replicas] if len(replicas) == 1 else mesh[replicas]._flatten("dp")
+    replica_mesh = mesh[replicas] if len(replicas) == 1 else flatten_mesh(mesh[replicas], "dp")
     pp_rank, dp_rank = mesh.get_local_rank("pp"), replica_mesh.get_local_rank()
     tp_rank = mesh.get_local_rank("tp") if tp > 1 else 0
     pp_group = mesh.get_group("pp")
@@ -151,7 +152,7 @@ def apply_pipeline(
         if pipe is not None:
             # The tracer burns the trace's device into ops that make tensors (torch.zeros …);
             # Pipe.build_stage moves them the same way, but builds on the unwrapped module.
-            _modify_graph_op_device(stage, device)
+            move_traced_ops(stage, device)
         if plan is not None:
             stage = apply_plan_part(stage, mesh=mesh["tp"], plan=plan)
         module = _replicate(
@@ -168,7 +169,7 @@ def apply_pipeline(
             evaluating = eval_pipe.get_stage_module(index)
             # Moving the stage to the device gave it new buffers: share them again.
             share_state(evaluating, stage)
-            _modify_graph_op_device(evaluating, device)
+            move_traced_ops(evaluating, device)
             eval_stages.append(build_stage(evaluating, index, eval_pipe.info(), device, pp_group))
     n_microbatches = layout.n_microbatches
     schedule_class = ScheduleGPipe if n_microbatches == 1 else SCHEDULES[config.schedule]
@@ -234,12 +235,13 @@ def share_state(target: nn.Module, source: nn.Module) -> None:
     tensors = dict(source.named_parameters(remove_duplicate=False))
     tensors |= dict(source.named_buffers(remove_duplicate=False))
     named = [
-        *((name, "_parameters") for name, _ in target.named_parameters(remove_duplicate=False)),
-        *((name, "_buffers") for name, _ in target.named_buffers(remove_duplicate=False)),
+        *(name for name, _ in target.named_parameters(remove_duplicate=False)),
+        *(name for name, _ in target.named_buffers(remove_duplicate=False)),
     ]
-    for name, kind in named:
+    for name in named:
         owner, _, attribute = name.rpartition(".")
-        getattr(target.get_submodule(owner), kind)[attribute] = tensors[name]
+        # A parameter's name takes a parameter, a buffer's a tensor: nn.Module's own rules.
+        setattr(target.get_submodule(owner), attribute, tensors[name])
 
 
 class _TracedStageDDP(DistributedDataParallel):

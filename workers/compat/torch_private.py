@@ -1,0 +1,96 @@
+"""torch's private APIs that dask-train relies on, all of them, checked at import.
+
+Run with torch 2.13.0 and 2.14.1 (``pyproject.toml``'s range). Where one is missing, importing
+this module fails with one line: ``ImportError: dask-train needs <name> (torch 2.13.0 and
+2.14.1 have it; this is torch X.Y)``. Importing it costs what importing DCP costs (~0.5 s,
+DTensor included); the modules that need it import it where they already pay for that, or on
+first use.
+
+- DTensor's caches, keyed by meshes that compare equal across jobs: emptied before each job
+  (:func:`forget_dtensor_caches`, see ``workers/device_mesh.py``).
+- ``DeviceMesh._flatten``: one dimension over several of a mesh's (the pipeline's replicas);
+  torch has no public way yet.
+- ``torch._foreach_copy_``: one kernel for a list of copies (live recovery's buffers); torch's
+  docs announce ``torch.foreach.copy_`` for it, not in 2.14.
+- The private names DCP's ``.metadata`` pickle refers to, which the restricted unpickler of
+  ``workers/checkpoint.py`` must admit by name: :data:`DCP_PRIVATE_CLASSES`, :data:`GET_LAYOUT`.
+"""
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+RUN_WITH = "torch 2.13.0 and 2.14.1 have it"
+
+
+def _needed(path: str) -> Any:
+    """The object at ``module:attribute.attribute``, or the one-line ImportError."""
+    module_name, _, attributes = path.partition(":")
+    try:
+        found: Any = importlib.import_module(module_name)
+        for attribute in filter(None, attributes.split(".")):
+            found = getattr(found, attribute)
+    except (ImportError, AttributeError):
+        name = path.replace(":", ".")
+        raise ImportError(
+            f"dask-train needs {name} ({RUN_WITH}; this is torch {torch.__version__})"
+        ) from None
+    return found
+
+
+# -- DTensor's caches ----------------------------------------------------------------------
+
+_redistribute = _needed("torch.distributed.tensor._redistribute")
+_clear_sharding_prop_cache: Callable[[], None] = _needed(
+    "torch.distributed.tensor.debug:_clear_sharding_prop_cache"
+)
+_needed("torch.distributed.tensor._redistribute:clear_redistribute_planner_cache")
+_needed("torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear")
+_MeshTopoInfo = _needed("torch.distributed.tensor._collective_utils:MeshTopoInfo")
+_needed("torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh.cache_clear")
+
+
+def forget_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation cache (this thread's and the process's), its
+    redistribution planners and transforms, and its mesh topologies."""
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+# -- DeviceMesh ----------------------------------------------------------------------------
+
+_needed("torch.distributed.device_mesh:DeviceMesh._flatten")
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh`` (a sub-mesh of several dimensions) as one dimension called ``name``."""
+    return mesh._flatten(name)
+
+
+# -- foreach -------------------------------------------------------------------------------
+
+_needed("torch:_foreach_copy_")
+
+
+def foreach_copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each of ``sources`` into the destination of the same index."""
+    torch._foreach_copy_(destinations, sources)
+
+
+# -- the names DCP's metadata pickle refers to ---------------------------------------------
+
+MEM_FORMAT_ENCODING: type = _needed("torch.distributed.checkpoint.metadata:_MEM_FORMAT_ENCODING")
+STORAGE_INFO: type = _needed("torch.distributed.checkpoint.filesystem:_StorageInfo")
+# DCP's classes that are private, as the pickle names them (module, name): the unpickler may
+# create them and set their state.
+DCP_PRIVATE_CLASSES: dict[tuple[str, str], type] = {
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MEM_FORMAT_ENCODING,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): STORAGE_INFO,
+}
+# torch's layout lookup, which a pickled TensorProperties calls to name its layout.
+GET_LAYOUT_NAME = ("torch.serialization", "_get_layout")
+GET_LAYOUT: Callable[..., Any] = _needed("torch.serialization:_get_layout")
