@@ -1,10 +1,10 @@
 """torch's private APIs that dask-train relies on, all of them, checked at import.
 
-Run with torch 2.13.0 and 2.14.1 (``pyproject.toml``'s range). Where one is missing, importing
-this module fails with one line: ``ImportError: dask-train needs <name> (torch 2.13.0 and
-2.14.1 have it; this is torch X.Y)``. Importing it costs what importing DCP costs (~0.5 s,
-DTensor included); the modules that need it import it where they already pay for that, or on
-first use.
+Run with torch 2.13.0 and 2.14.1 (``pyproject.toml`` claims 2.14). Where one is missing,
+importing this module fails with one line: ``ImportError: dask-train needs <name> (torch
+2.13.0 and 2.14.1 have it; this is torch X.Y)``. Importing it costs what importing DCP
+costs (~0.5 s, DTensor included); the modules that need it import it where they already pay
+for that, or on first use.
 
 - DTensor's caches, keyed by meshes that compare equal across jobs: emptied before each job
   (:func:`forget_dtensor_caches`, see ``workers/device_mesh.py``).
