@@ -32,7 +32,8 @@ update (lr times a gradient), orders of magnitude above rounding. Each equivalen
 it: the distributed result is held against references with a bug planted in them
 (PLANTED_BUGS), as a strategy with that bug would be held against the true one, and the check
 must fail on every one that applies (measured: 9 times past the tolerance for half a parameter
-stale by one step, 900 and more for the others).
+stale by one step, 900 and more for the others). tests/test_planted_bugs.py plants the same
+bug in DDP's and FSDP's worker code and finds the reference with it planted.
 """
 
 import os

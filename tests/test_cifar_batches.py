@@ -332,3 +332,19 @@ def test_preprocess_and_predict_of_a_planted_batch_exit_2_naming_it_and_run_noth
 def test_numpy_used_other_than_a_batch_uses_it_is_refused(body, refused):
     with pytest.raises(BatchRefused, match=re.escape(refused)):
         read_batch(io.BytesIO(pickle.PROTO + b"\x02" + body + pickle.STOP))
+
+
+@pytest.mark.parametrize(
+    ("root", "told"),
+    [
+        ("nosuch://bucket/data", r"cannot read nosuch://bucket/data/cifar-10-batches-py: "),
+        ("memory://absent", r"memory://absent/cifar-10-batches-py does not exist; point"),
+    ],
+)
+def test_a_root_the_backend_cannot_read_is_one_line_naming_data_root(root, told):
+    # A backend's own error (an unknown protocol, as an s3:// root without s3fs) is wrapped
+    # as every source's is: one line naming the field, not a traceback.
+    data = load_config({"data": {"dataset": "cifar10", "root": root}}).data
+    with pytest.raises(SourceError, match=rf"^data\.root: {told}") as error:
+        Cifar10.check_root(data)
+    assert "\n" not in str(error.value)

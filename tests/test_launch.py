@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import Reference, assert_equivalent
 from workflows import launch
+from workflows.config import ConfigError
 from workflows.jobs import TrainingFailed
 
 GLOBAL_BATCH, FEATURES, CLASSES = 32, 12, 4
@@ -199,10 +200,11 @@ def test_a_rank_failing_just_after_the_launcher_looked_is_still_a_rank_failure(
 
     from workflows.launcher import ProcessGroup
 
-    # The launcher looks at the ranks' tasks for failures, then at which are done. A rank
-    # that failed between the two looks passed as done: its exception reached the caller
-    # raw, as if no launcher had seen it (no rank, no restart; it made a --max-restarts CI
-    # run fail once). Here every rank ends right after the first look found nothing.
+    # The launcher once looked at the ranks' tasks for failures, then at which were done: a
+    # rank that failed between the two looks passed as done, and its exception reached the
+    # caller raw, as if no launcher had seen it (no rank, no restart; it made a
+    # --max-restarts CI run fail once). It now looks at which are done first. Here every rank
+    # ends right after a look for failures found nothing.
     looked = ProcessGroup._failure
     after_look = tmp_path / "looked"
     ended_after_a_look: list[list[str]] = []  # the ranks' states, when the race was set up
@@ -491,3 +493,25 @@ def test_a_rank_in_a_collective_is_released_while_its_failed_peer_still_holds_th
     with pytest.raises(ValueError, match="DistributedDataParallel in its frame"):
         launch(raises_holding_the_group, cluster=cluster, world_size=2)
     assert _pids(cluster) == pids
+
+
+def never_launched(ctx) -> None:
+    raise AssertionError("launched despite a bad setting")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "told"),
+    [
+        ({"config": {"hang_timout_s": 5}}, r"^hang_timout_s: unknown key \(check the spelling\)$"),
+        ({"world_size": 0}, r"^world_size: "),
+        ({"tracking": {"mlflow_ur": "x"}}, r"^mlflow_ur: unknown key"),
+    ],
+)
+def test_a_bad_launch_setting_is_one_line_naming_it_before_a_cluster_starts(arguments, told):
+    import psutil
+
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    with pytest.raises(ConfigError, match=told) as error:
+        launch(never_launched, **arguments)  # no cluster given: it would start one
+    assert "\n" not in str(error.value)
+    assert {child.pid for child in psutil.Process().children(recursive=True)} <= before

@@ -189,7 +189,7 @@ def load_config(
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
 
 
 def read_raw_config(
@@ -249,7 +249,8 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return merged
 
 
-def _one_line(error: ValidationError) -> str:
+def one_line(error: ValidationError) -> str:
+    """A pydantic error as one line: each field named, with what to change."""
     messages = []
     for detail in error.errors():
         field = ".".join(str(part) for part in detail["loc"])

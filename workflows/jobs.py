@@ -29,6 +29,7 @@ from typing import Any
 
 import cloudpickle
 from distributed import Client
+from pydantic import ValidationError
 
 from workers import live_recovery
 from workers.checkpoint import latest_good_checkpoint
@@ -39,6 +40,7 @@ from workers.remote_traceback import rebuilt_traceback
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_code
 from workflows.collections import prepared_data
+from workflows.config import ConfigError, one_line
 from workflows.events import EventHandler, EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
 from workflows.interrupts import DroppedInterrupts
@@ -215,6 +217,8 @@ def launch(
             workers lack); the message names the field.
         JobStopped: ``stop`` was set.
         CodeNotShippable: ``fn`` needs a module that cannot be sent to the workers.
+        ConfigError: A bad ``config``, ``tracking`` or setting keyword; the one-line message
+            names the field.
         ValueError: A bad argument (``keep_checkpoints < 1``, a bad ``data`` collection).
 
     An exception raised by ``fn`` itself is raised here once, never retried, with the rank's
@@ -239,15 +243,18 @@ def launch(
         "first_step_timeout_s": first_step_timeout_s,
     }
     base = config.model_dump() if isinstance(config, LaunchConfig) else dict(config or {})
-    settings = LaunchConfig.model_validate(
-        base | {k: v for k, v in overrides.items() if v is not None}
-    )
+    try:
+        settings = LaunchConfig.model_validate(
+            base | {k: v for k, v in overrides.items() if v is not None}
+        )
+        tracked = TrackingConfig.model_validate(tracking or {})
+    except ValidationError as error:  # one line naming the field, as a config file's would be
+        raise ConfigError(one_line(error)) from None
     if keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints: {keep_checkpoints}; keep at least 1")
     if not callable(fn):
         raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
     name = name or getattr(fn, "__name__", "launch")
-    tracked = TrackingConfig.model_validate(tracking or {})
     tracker = None
     if tracked.enabled:
         run = {"name": name, "launch": settings.model_dump(mode="json")}

@@ -25,7 +25,7 @@ from workers.inference import ModelSpec, ScoreJob, input_shape
 from workers.model_sources import ModelError
 from workers.sources import InputPlan, InputRequest
 from workflows.cluster import ClusterConfig
-from workflows.config import ConfigError, RunConfig, _one_line, load_config, read_raw_config
+from workflows.config import ConfigError, RunConfig, load_config, one_line, read_raw_config
 from workflows.prediction_input import plan_input
 from workflows.stores import read_manifest
 from workflows.tracking import TrackingConfig
@@ -78,7 +78,7 @@ class PredictConfig(BaseModel):
         try:
             return _Section.model_validate({"predict": raw or {}}).predict
         except ValidationError as error:
-            raise ConfigError(_one_line(error)) from None
+            raise ConfigError(one_line(error)) from None
 
 
 def load_predict_config(

@@ -5,7 +5,7 @@ The trackers live on the client and consume the same metrics records ``on_event`
 
     [tracking]
     tensorboard = "runs/tb"                  # event files for `tensorboard --logdir runs/`
-    mlflow_uri = "sqlite:///mlruns/mlflow.db"  # or http(s)://host:5000
+    mlflow_uri = "sqlite:///runs/mlflow.db"  # or http(s)://host:5000
     experiment = "digits"                    # default: the config's name
 
 TensorBoard tags: ``train/<metric>``, ``val/<metric>``, ``perf/samples_per_s``, ``lr`` and
@@ -84,7 +84,7 @@ class TrackingConfig(BaseModel):
                 "for a local store or http(s)://host:port for an MLflow server"
             )
         if value.startswith("sqlite:///") and not value.removeprefix("sqlite:///"):
-            raise ValueError("sqlite:/// needs a database file, e.g. sqlite:///mlruns/mlflow.db")
+            raise ValueError("sqlite:/// needs a database file, e.g. sqlite:///runs/mlflow.db")
         if importlib.util.find_spec("mlflow") is None:
             raise ValueError(
                 "MLflow is not installed; pip install 'dask-train[mlflow]' (or mlflow-skinny, "

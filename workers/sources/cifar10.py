@@ -30,6 +30,7 @@ from workers.sources import (
     SourceError,
     digest,
     file_stamp,
+    look_at_root,
     register,
     required_root,
 )
@@ -48,8 +49,11 @@ UNREADABLE = (EOFError, OSError, ValueError, KeyError, TypeError, pickle.Unpickl
 
 def cifar10_folder(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     """The filesystem and path of ``root``'s batch folder; a SourceError naming it if absent."""
-    fs, base = fsspec.core.url_to_fs(root.rstrip("/") + "/" + CIFAR_FOLDER, **storage_options)
-    if not fs.isdir(base):
+    folder = root.rstrip("/") + "/" + CIFAR_FOLDER
+    # One look, through the sources' one wrapping of a backend's errors (an s3:// root without
+    # s3fs, missing credentials): a SourceError naming data.root, not a traceback.
+    fs, base, found = look_at_root(folder, storage_options, lambda fs, path: fs.isdir(path))
+    if not found:
         # A local folder: how to fetch it there, as docs/getting-started.md shows (torchvision
         # checks the archive's published MD5).
         fetch = (
