@@ -16,3 +16,12 @@ touches these libraries' private names (``tests/test_compat.py`` holds both to i
 
 Optuna, used by sweeps on the client only, has its own in ``workflows/compat/``.
 """
+
+from collections.abc import Callable
+from typing import Any
+
+
+def constructor_sets(function: Callable[..., Any], attribute: str) -> bool:
+    """Whether ``function``'s code names ``attribute``: how an attribute that an object gets in
+    its constructor is checked before any object exists."""
+    return attribute in getattr(getattr(function, "__code__", None), "co_names", ())

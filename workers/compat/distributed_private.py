@@ -36,6 +36,8 @@ from distributed.nanny import WorkerProcess
 from distributed.process import AsyncProcess
 from distributed.worker_state_machine import BaseWorker, WorkerState
 
+from workers.compat import constructor_sets
+
 RUN_WITH = "distributed 2025.9.1 and 2026.7.1 have it"
 
 
@@ -46,8 +48,7 @@ def _missing(name: str) -> ImportError:
 
 
 def _sets(function: Callable[..., Any], attribute: str, name: str) -> None:
-    """``function``'s code names ``attribute`` (a constructor that sets it)."""
-    if attribute not in getattr(getattr(function, "__code__", None), "co_names", ()):
+    if not constructor_sets(function, attribute):
         raise _missing(name)
 
 

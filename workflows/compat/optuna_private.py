@@ -23,6 +23,8 @@ from optuna.study import Study
 from optuna.study.study import _ThreadLocalStudyAttribute
 from optuna.trial import FrozenTrial, Trial
 
+from workers.compat import constructor_sets
+
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
 
@@ -34,7 +36,7 @@ def _missing(name: str) -> ImportError:
 
 
 def _sets(function: Callable[..., Any], attribute: str, name: str) -> None:
-    if attribute not in getattr(getattr(function, "__code__", None), "co_names", ()):
+    if not constructor_sets(function, attribute):
         raise _missing(name)
 
 
