@@ -70,7 +70,8 @@ def test_overrides_are_typed_and_checked():
     assert config.data.drop_last is True
     with pytest.raises(ConfigError, match=r"training\.epoch: unknown key"):
         load_config({}, ["training.epoch=7"])
-    with pytest.raises(ConfigError, match=r"--set 'epochs': expected section\.key=value"):
+    # Named as the caller wrote it: the keyword from Python, --set on the command line.
+    with pytest.raises(ConfigError, match=r"^overrides 'epochs': expected section\.key=value"):
         load_config({}, ["epochs"])
 
 

@@ -207,7 +207,7 @@ def _read(
 ) -> dict[str, Any]:
     """CONFIG's sections with the overrides applied, not yet validated."""
     try:
-        raw = read_raw_config(config, overrides)
+        raw = read_raw_config(config, overrides, overrides_named="--set")
     except ConfigError as error:
         _fail(EXIT_INVALID, f"invalid config: {error}")
     cluster = raw.get("cluster", {})

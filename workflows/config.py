@@ -193,10 +193,14 @@ def load_config(
 
 
 def read_raw_config(
-    source: str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()
+    source: str | Path | dict[str, Any],
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    overrides_named: str = "overrides",
 ) -> dict[str, Any]:
     """A TOML file's (or a dict's) sections with ``section.key=value`` overrides applied,
-    before validation: commands with sections of their own take theirs out first."""
+    before validation: commands with sections of their own take theirs out first. A bad
+    override is told under ``overrides_named`` (the CLI's ``--set``)."""
     if isinstance(source, dict):
         raw = dict(source)
     else:
@@ -205,7 +209,7 @@ def read_raw_config(
             raw = tomllib.loads(_read_config_text(path))
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{path}: not valid TOML: {error}") from None
-    return _apply_overrides(raw, overrides)
+    return _apply_overrides(raw, overrides, overrides_named)
 
 
 def _read_config_text(path: Path) -> str:
@@ -229,13 +233,15 @@ def _read_config_text(path: Path) -> str:
         ) from None
 
 
-def _apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+def _apply_overrides(
+    raw: dict[str, Any], overrides: list[str] | tuple[str, ...], named: str
+) -> dict[str, Any]:
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
+            raise ConfigError(f"{named} {item!r}: expected section.key=value")
         try:
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
@@ -244,7 +250,7 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         for part in parts[:-1]:
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
-                raise ConfigError(f"--set {item!r}: {part} is not a section")
+                raise ConfigError(f"{named} {item!r}: {part} is not a section")
         target[parts[-1]] = value
     return merged
 
