@@ -247,17 +247,10 @@ if __name__ == "__main__":
 @pytest.mark.timeout(180)
 def test_a_killed_clients_workers_go_to_the_next_job_in_the_queue(cluster, tmp_path):
     client = cluster.client
-    script = tmp_path / "holds.py"
-    script.write_text(CLIENT_THAT_HOLDS)
-    holder = subprocess.Popen(
-        [sys.executable, str(script), client.scheduler.address, "killed-client"]
-    )
+    holder = subprocess.Popen(_holding_client(client, tmp_path, "killed-client"))
     try:
         # Killed once its ranks run: it holds workers, a plugin and tasks on them.
-        deadline = time.monotonic() + 90
-        while not any("killed-client" in str(k) for k in _processing(client)):
-            assert holder.poll() is None and time.monotonic() < deadline, "it never held workers"
-            time.sleep(0.05)
+        _wait_until_it_holds(client, holder, "killed-client")
     finally:
         holder.kill()
         holder.wait(timeout=30)
@@ -271,6 +264,21 @@ def test_a_killed_clients_workers_go_to_the_next_job_in_the_queue(cluster, tmp_p
 
 def _processing(client) -> list:
     return [key for keys in client.processing().values() for key in keys]
+
+
+def _holding_client(client, folder, name: str, *lease_s: float) -> list[str]:
+    """The command of a CLIENT_THAT_HOLDS job called ``name`` (with a lease of ``lease_s``)."""
+    script = folder / "holds.py"
+    script.write_text(CLIENT_THAT_HOLDS)
+    return [sys.executable, str(script), client.scheduler.address, name, *map(str, lease_s)]
+
+
+def _wait_until_it_holds(client, holder: subprocess.Popen, name: str) -> None:
+    """Until the job ``name`` of the process ``holder`` runs its ranks (90 s at most)."""
+    deadline = time.monotonic() + 90
+    while not any(name in str(k) for k in _processing(client)):
+        assert holder.poll() is None and time.monotonic() < deadline, "it never held workers"
+        time.sleep(0.05)
 
 
 FROZEN_LEASE_S = 4.0  # renewed every 1.3 s: a busy machine may delay a renewal 2.6 s
@@ -289,24 +297,11 @@ def test_a_frozen_clients_lease_expires_and_its_workers_go_to_the_next_job(
     waits behind it, then gets them, within its queue bound, while the frozen client is
     still connected."""
     client = cluster.client
-    script = tmp_path / "holds.py"
-    script.write_text(CLIENT_THAT_HOLDS)
     before = client.run_on_scheduler(_clients)
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            str(script),
-            client.scheduler.address,
-            "frozen-client",
-            str(FROZEN_LEASE_S),
-        ]
-    )
+    holder = subprocess.Popen(_holding_client(client, tmp_path, "frozen-client", FROZEN_LEASE_S))
     try:
         # Frozen once its ranks run: it holds the workers, a plugin and tasks on them.
-        deadline = time.monotonic() + 90
-        while not any("frozen-client" in str(k) for k in _processing(client)):
-            assert holder.poll() is None and time.monotonic() < deadline, "it never held workers"
-            time.sleep(0.05)
+        _wait_until_it_holds(client, holder, "frozen-client")
         (frozen_client,) = client.run_on_scheduler(_clients) - before
         os.kill(holder.pid, signal.SIGSTOP)
         events: list[dict] = []
