@@ -452,14 +452,22 @@ class _RankThreads:
     worker's bookkeeping.
     """
 
+    # The generations stopped here, newest last: a rank of one that starts after its stop (its
+    # task began while the job was torn down, a client killed) is stopped as it starts, where
+    # no stop would reach it any more.
+    STOPPED_KEPT = 1024
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._threads: dict[int, str] = {}  # thread ident -> generation
+        self._stopped: dict[str, None] = {}  # an ordered set
 
     @contextlib.contextmanager
     def running(self, generation: str) -> Iterator[None]:
         ident = threading.get_ident()
         with self._lock:
+            if generation in self._stopped:
+                raise RankStopped(f"process group generation {generation} was stopped")
             self._threads[ident] = generation
         try:
             yield
@@ -472,6 +480,9 @@ class _RankThreads:
     def stop(self, generation: str) -> int:
         """Raise :class:`RankStopped` in this generation's threads; returns how many."""
         with self._lock:
+            self._stopped[generation] = None
+            while len(self._stopped) > self.STOPPED_KEPT:
+                del self._stopped[next(iter(self._stopped))]
             targets = [ident for ident, g in self._threads.items() if g == generation]
             for ident in targets:
                 # Raised at the thread's next Python instruction: a rank inside a C call (a
