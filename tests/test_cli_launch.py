@@ -3,6 +3,7 @@ would run them. Real CLI processes, real clusters, real signals."""
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import textwrap
@@ -198,3 +199,64 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
+
+
+def _no_restart(dask_worker) -> None:
+    """Run on a nanny: when its worker process dies, it closes instead of starting another."""
+    dask_worker.close_gracefully(reason="a spot instance reclaimed")
+
+
+def test_an_elastic_script_goes_on_with_the_survivor_when_a_worker_is_lost(tmp_path, own_cluster):
+    # torchrun --nnodes=1:2's contract: the script is restarted (TORCHELASTIC_RESTART_COUNT
+    # raised) on the workers left, without waiting for a replacement.
+    script = _script(
+        tmp_path,
+        "elastic.py",
+        f"""
+        import json, os, sys, time
+        import torch.distributed as dist
+        folder = {str(tmp_path)!r}
+        attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+        dist.init_process_group("gloo")
+        if attempt == "0":
+            if rank == "1":  # the test kills this rank's worker; the script ends with it
+                worker = os.getppid()
+                with open(os.path.join(folder, "victim"), "w") as file:
+                    file.write(str(worker))
+                deadline = time.monotonic() + 60
+                while os.getppid() == worker and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                sys.exit(1)
+            dist.barrier()  # fails once rank 1 is gone
+        with open(os.path.join(folder, f"done-{{attempt}}-{{rank}}.json"), "w") as file:
+            json.dump({{"world": dist.get_world_size()}}, file)
+        dist.destroy_process_group()
+        """,
+    )
+    address = own_cluster.cluster.scheduler_address
+    process = subprocess.Popen(
+        dask_train("launch", "--world-size", "1:2", "--scheduler", address, str(script)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        victim = tmp_path / "victim"
+        deadline = time.monotonic() + 120
+        while not (victim.exists() and victim.read_text().strip()):
+            assert time.monotonic() < deadline and process.poll() is None, "rank 1 never started"
+            time.sleep(0.05)
+        pid = int(victim.read_text())
+        client = own_cluster.client
+        worker = next(a for a, p in client.run(os.getpid).items() if p == pid)
+        client.run(_no_restart, nanny=True, workers=[worker])
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "done: 1 ranks exited 0" in stdout and "1 restarts" in stdout, stdout
+    # The restart ran on the one worker left, as rank 0 of 1.
+    assert json.loads((tmp_path / "done-1-0.json").read_text()) == {"world": 1}

@@ -1,5 +1,6 @@
 """The Training page on the scheduler's dashboard, fetched raw and rendered by a real browser."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.test_monitoring import send_elastic_job
 from workflows.dashboard import ROUTE
 from workflows.driver import train
 from workflows.screenshot import screenshot
@@ -35,6 +37,34 @@ def test_the_dashboards_navigation_links_the_training_page(trained_page):
     status = _get(url.replace(ROUTE, "/status"))
     # distributed's bar: <li><a href="status">Status</a></li> ... and ours beside them.
     assert re.search(r'<a href="training">\s*Training\s*</a>', status), "no Training link"
+
+
+def test_the_training_page_has_the_dashboards_navigation_bar(cluster):
+    job = send_elastic_job(cluster.client, "page-nav")
+    url = cluster.dashboard_link.replace("/status", ROUTE)
+    html = _get(url)
+    # distributed's own bar, as on /status: its pages, ours among them, and its stylesheet.
+    assert '<div class="navbar" id="myTopnav">' in html
+    assert re.search(r'<a href="status">\s*Status\s*</a>', html), "no Status link"
+    assert re.search(r'<a href="training">\s*Training\s*</a>', html), "no Training link"
+    (css,) = re.findall(r'<link rel="stylesheet" href="([^"]+)"', html)
+    with urllib.request.urlopen(urllib.parse.urljoin(url, css), timeout=30) as response:
+        assert response.status == 200 and b".navbar" in response.read()
+    assert "<title>dask-train: Training</title>" in html
+    assert f"&lt;h2&gt;{job}&lt;/h2&gt;" in html  # and the page's own content below it
+
+
+def test_the_training_page_plots_an_elastic_jobs_world_size(cluster):
+    job = send_elastic_job(cluster.client, "page-elastic")
+    html = _get(cluster.dashboard_link.replace("/status", ROUTE))
+    # The job's line of facts (escaped in the Bokeh document): the ranks it runs on now.
+    facts = html.split(f"&lt;h2&gt;{job}&lt;/h2&gt;")[1].split("&lt;/p&gt;")[0]
+    assert "3 ranks" in facts and "recoveries 0, resizes 2" in facts, facts
+    assert '"ranks over time"' in html  # the plot's title in the Bokeh document
+    # Its markers' legend names the causes; the hover shows each resize's change.
+    for cause in ("formed", "joined", "lost"):
+        assert f'"{cause}"' in html, cause
+    assert r'["change",["4 \u2192 3"]]' in html  # "4 → 3", JSON-escaped
 
 
 def test_the_training_page_loads_bokehjs_from_the_dashboard_once(trained_page):
@@ -103,3 +133,43 @@ def test_a_long_lived_schedulers_page_plots_the_newest_jobs_and_folds_the_sweeps
     assert plotted == [f"job{i}" for i in range(20 - PLOTTED_JOBS, 20)]
     assert "Earlier jobs" in html and "job0" in html  # the oldest, as a row
     assert "Sweep tune: 2 trials (1 complete, 1 pruned)" in html
+
+
+def _figures(html: str) -> list[dict]:
+    """The Bokeh document's figures, as the page's embedded JSON has them."""
+    (text,) = re.findall(
+        r'<script type="application/json" id="[^"]+">\s*(.*?)\s*</script>', html, re.S
+    )
+
+    def walk(node):
+        if isinstance(node, dict):
+            yield node
+            yield from (found for value in node.values() for found in walk(value))
+        elif isinstance(node, list):
+            yield from (found for value in node for found in walk(value))
+
+    return [node["attributes"] for node in walk(json.loads(text)) if node.get("name") == "Figure"]
+
+
+def test_the_plots_legends_sit_beside_them_not_over_their_curves():
+    from workflows.dashboard import render_page
+
+    world = [
+        {"kind": "world", "at": 1000.0, "world_size": 2},
+        {"kind": "resized", "at": 1010.0, "world_size": 3, "from": 2, "cause": "joined"},
+    ]
+    state = {
+        **{"strategy": "ddp", "world_size": 3, "ranks": {0: 9.0}, "memory": {0: 2**20}},
+        "history": [{"epoch": 1, "loss": 1.0, "accuracy": 0.5, "val_loss": 1.1}],
+        "reports": [{"step": 1, "loss": 0.9}],
+        **{"world": world, "last_seen": 1020.0},
+    }
+    figures = _figures(render_page({"job": state}, refresh=False))
+    titles = [figure["title"]["attributes"]["text"] for figure in figures]
+    assert "ranks over time" in titles and "loss" in titles, titles
+    legends = 0
+    for title, figure in zip(titles, figures, strict=True):
+        assert "Legend" not in [m.get("name") for m in figure.get("center", [])], title
+        for side in ("above", "below", "left", "right"):
+            legends += [m.get("name") for m in figure.get(side, [])].count("Legend")
+    assert legends == 3  # train/validation of loss and accuracy; the resizes' causes

@@ -503,7 +503,7 @@ def never_launched(ctx) -> None:
     ("arguments", "told"),
     [
         ({"config": {"hang_timout_s": 5}}, r"^hang_timout_s: unknown key \(check the spelling\)$"),
-        ({"world_size": 0}, r"^world_size: "),
+        ({"world_size": 0}, r"^launch\.world_size: 0; a job needs at least 1 rank"),
         ({"tracking": {"mlflow_ur": "x"}}, r"^mlflow_ur: unknown key"),
     ],
 )

@@ -1,8 +1,11 @@
 """Training figures reach the scheduler's Prometheus endpoint while the job runs."""
 
+import time
 import urllib.request
+import uuid
 
 from workflows.driver import train
+from workflows.monitoring import EVENT_PREFIX, keep_training_metrics
 
 
 def _training_gauges(dashboard_link: str, job_label: str) -> dict[str, float]:
@@ -16,6 +19,68 @@ def _training_gauges(dashboard_link: str, job_label: str) -> dict[str, float]:
             name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
             gauges[name] = value
     return gauges
+
+
+def elastic_records(job: str, at: float) -> list[dict]:
+    """An elastic job's records as its controller and trainer send them: its first group of 2
+    ranks, a worker joined (2 -> 4), one lost (4 -> 3, 5 steps redone)."""
+    return [
+        {"kind": "world", "job_id": job, "world_size": 2, "at": at},
+        {"kind": "start", "strategy": "ddp", "world_size": 2, "epochs": 2, "total_steps": 90},
+        {
+            **{"kind": "resized", "job_id": job, "from": 2, "to": 4, "step": 30},
+            **{"cause": "joined", "pause_s": 0.4, "redone_steps": 0, "at": at + 10},
+        },
+        {
+            **{"kind": "resized", "job_id": job, "from": 4, "to": 3, "step": 60},
+            **{"cause": "lost", "pause_s": 1.5, "redone_steps": 5, "at": at + 20},
+        },
+        # The new generation's trainer, after the controller's records: not what counts.
+        {"kind": "start", "strategy": "ddp", "world_size": 4, "epochs": 2, "total_steps": 90},
+    ]
+
+
+def send_elastic_job(client, name: str) -> str:
+    """Send an elastic job's records through ``client``'s scheduler, as the controller and the
+    ranks do (its event topic), and wait for its gauges; the job's id."""
+    keep_training_metrics(client)
+    job = f"{name}-{uuid.uuid4().hex[:8]}"
+    for record in elastic_records(job, time.time() - 30):
+        client.log_event(EVENT_PREFIX + job, record)
+    deadline = time.monotonic() + 10
+    while "dask_train_job_resizes" not in _training_gauges(client.dashboard_link, job):
+        assert time.monotonic() < deadline, f"{job}'s records never reached /metrics"
+        time.sleep(0.1)
+    return job
+
+
+def test_an_elastic_jobs_world_size_follows_its_resizes(cluster):
+    job = send_elastic_job(cluster.client, "metrics-elastic")
+    gauges = _training_gauges(cluster.dashboard_link, f'job="{job}"')
+    assert gauges["dask_train_job_world_size"] == 3  # the last resize's "to"
+    assert gauges["dask_train_world_size"] == 3  # the older gauge says the same
+    assert gauges["dask_train_job_resizes"] == 2
+    url = cluster.dashboard_link.replace("/status", "/metrics")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    assert (
+        "# HELP dask_train_job_world_size Ranks the job runs on now; changes as an elastic job "
+        "resizes"
+    ) in text
+
+
+def test_a_jobs_world_size_from_its_first_group(cluster):
+    # A launch(fn) job: the controller's "world" record alone, no trainer's "start".
+    keep_training_metrics(cluster.client)
+    job = f"metrics-world-{uuid.uuid4().hex[:8]}"
+    record = {"kind": "world", "job_id": job, "world_size": 2, "at": time.time()}
+    cluster.client.log_event(EVENT_PREFIX + job, record)
+    deadline = time.monotonic() + 10
+    while not (gauges := _training_gauges(cluster.dashboard_link, f'job="{job}"')):
+        assert time.monotonic() < deadline, f"{job}'s record never reached /metrics"
+        time.sleep(0.1)
+    assert gauges["dask_train_job_world_size"] == 2
+    assert gauges["dask_train_job_resizes"] == 0
 
 
 def test_metrics_endpoint_shows_the_running_job(cluster, make_config):

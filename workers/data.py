@@ -34,8 +34,15 @@ def rank_epoch_indices(
     chunk_size: int,
     shuffle_window: int,
     drop_last: bool,
+    global_batch: int | None = None,
 ) -> np.ndarray:
-    """This rank's sample indices for one epoch, in the order it trains on them."""
+    """This rank's sample indices for one epoch, in the order it trains on them.
+
+    A fixed world cuts the epoch's order into one share per rank. An elastic job's world
+    changes within an epoch, so with ``global_batch`` the order is cut into global batches
+    instead, the same for every world, and each rank takes its part of each: batch ``b`` of
+    the epoch is the same samples on any number of ranks, and a job resized after ``b``
+    batches goes on with batch ``b + 1`` (every sample of the epoch once, none twice)."""
     rng = np.random.default_rng((seed, epoch))
     n_chunks = math.ceil(n / chunk_size)
     chunk_order = rng.permutation(n_chunks)
@@ -47,6 +54,15 @@ def rank_epoch_indices(
         ]
         windows.append(rng.permutation(np.concatenate(members)))
     order = np.concatenate(windows)
+    if global_batch is not None:
+        if global_batch % world_size:
+            raise ValueError(f"a global batch of {global_batch} does not split into {world_size}")
+        batches = n // global_batch if drop_last else math.ceil(n / global_batch)
+        if len(order) < batches * global_batch:  # the last batch filled up with repeats
+            order = np.concatenate([order, order[: batches * global_batch - len(order)]])
+        share = global_batch // world_size
+        by_batch = order[: batches * global_batch].reshape(batches, world_size, share)
+        return by_batch[:, rank, :].reshape(-1)
     if drop_last:
         order = order[: (n // world_size) * world_size]
     else:
@@ -249,13 +265,17 @@ class RankBatches:
         batch_size: int,
         seed: int,
         pin_memory: bool | None = None,
+        elastic: bool = False,
     ) -> None:
-        """``pin_memory``: hand out batches in page-locked memory, so that
+        """``elastic``: the epoch's order is cut into global batches, the same on any number
+        of ranks (``rank_epoch_indices``), so that a job resized within an epoch goes on where
+        it stood. ``pin_memory``: hand out batches in page-locked memory, so that
         ``.to(device, non_blocking=True)`` copies them to the GPU asynchronously (from pageable
         memory that copy is synchronous). None: when CUDA is available, which is exactly when a
         rank's device is a GPU (``workers/devices.py``)."""
         self.split, self.config = split, config
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
+        self.elastic = elastic
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         if config.in_memory:
             # Read once every chunk this rank could ever need: with shuffled chunks, that is all.
@@ -274,12 +294,17 @@ class RankBatches:
             chunk_size=self.split.chunk_size,
             shuffle_window=self.config.shuffle_window,
             drop_last=self.config.drop_last,
+            global_batch=self.batch_size * self.world_size if self.elastic else None,
         )
 
     @property
     def _share(self) -> int:
-        """Samples per rank and epoch: the split cut (drop_last) or padded to equal shares."""
+        """Samples per rank and epoch: the split cut (drop_last) or padded to equal shares
+        (of whole global batches, in an elastic job)."""
         n, world = len(self.split), self.world_size
+        if self.elastic:
+            whole = self.batch_size * world
+            return (n // whole if self.config.drop_last else -(-n // whole)) * self.batch_size
         return n // world if self.config.drop_last else -(-n // world)
 
     def __len__(self) -> int:

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -20,9 +21,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import psutil
-from distributed import Worker, WorkerPlugin, get_worker
+from distributed import Status, Worker, WorkerPlugin, get_worker
 from distributed.comm import get_address_host_port
 
+from workers import elastic
 from workers.compat.distributed_private import running_task_keys
 
 # torch is imported where it is used: the client imports this module (through the launcher and
@@ -34,10 +36,12 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_PREFIX = "dask-train-process-group"
 BACKENDS = ("gloo", "nccl")
+CLOSING = frozenset({Status.closing, Status.closing_gracefully})
 # gloo reads its variable for every group it makes (a device mesh's subgroups too), so it must
 # stay set while the group lives; nccl may make gloo groups as well, so both are set.
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 LEAVE_TIMEOUT_S = 30.0
+HAND_OFF_POLL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,10 @@ class ProcessGroupSpec:
     worker_ids: dict[str, str] = field(default_factory=dict)
     socket_ifname: str | None = None  # the interface the backend's traffic uses on every rank
     job_id: str = ""  # the job this group belongs to: its plugin is named for it
+    # An elastic job's rank hands off at its next step boundary when its worker closes
+    # gracefully, within this bound (then it is stopped, as on any teardown).
+    elastic: bool = False
+    leave_timeout_s: float = 60.0
 
     @property
     def world_size(self) -> int:
@@ -138,6 +146,8 @@ class ProcessGroupPlugin(WorkerPlugin):
         self._saved_environ: dict[str, str | None] | None = None
         # The backend's connections to the other ranks (socket inodes), closed when leaving.
         self._connections: frozenset[str] = frozenset()
+        self._sigterm_loop: asyncio.AbstractEventLoop | None = None
+        self._closing: asyncio.Future[None] | None = None  # the close a SIGTERM started
 
     async def setup(self, worker: Worker) -> None:
         address = worker.address
@@ -158,6 +168,8 @@ class ProcessGroupPlugin(WorkerPlugin):
             )
         except TimeoutError as error:
             raise RendezvousTimeout(self._timeout_message(self.spec.ranks[address])) from error
+        if self.spec.elastic:
+            self.handle_sigterm(worker)
 
     def _join(self, address: str, dask_ports: set[int | None]) -> None:
         import torch
@@ -271,9 +283,49 @@ class ProcessGroupPlugin(WorkerPlugin):
                 os.environ[name] = value
 
     async def teardown(self, worker: Worker) -> None:
+        self._stop_handling_sigterm()
+        if self.membership is not None and worker.status in CLOSING and self.spec.elastic:
+            await self._hand_off()
         if self.membership is not None and rank_threads.stop(self.spec.generation):
             self.disconnect()  # a rank waiting in a collective fails now, then sees the stop
         await self.leave()
+
+    async def _hand_off(self) -> None:
+        """The worker closes gracefully (retired, scaled down, SIGTERM): its rank stops with
+        the others at the job's next step boundary, its state kept by them, before it goes."""
+        generation = self.spec.generation
+        elastic.leaving(generation)
+        deadline = time.monotonic() + self.spec.leave_timeout_s
+        while rank_threads.running_now(generation) and time.monotonic() < deadline:
+            await asyncio.sleep(HAND_OFF_POLL_S)
+        if rank_threads.running_now(generation):
+            logger.warning(
+                "rank of %s did not reach a step boundary within launch.leave_timeout_s = %g s; "
+                "stopping it",
+                self.spec.job_id,
+                self.spec.leave_timeout_s,
+            )
+
+    def handle_sigterm(self, worker: Worker) -> None:
+        """A SIGTERM (a spot instance's notice) closes the worker gracefully: the scheduler
+        retires it, and the rank hands off first (``_hand_off``). Only while an elastic
+        job's rank is here; otherwise the signal keeps its default."""
+        loop = asyncio.get_running_loop()
+
+        def closing() -> None:
+            logger.warning("SIGTERM: closing worker %s gracefully", worker.address)
+            self._closing = asyncio.ensure_future(worker.close_gracefully(reason="SIGTERM"))
+
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            # Not the main thread, or a loop without signal support: the default stays.
+            loop.add_signal_handler(signal.SIGTERM, closing)
+            self._sigterm_loop = loop
+
+    def _stop_handling_sigterm(self) -> None:
+        loop, self._sigterm_loop = self._sigterm_loop, None
+        if loop is not None:
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(signal.SIGTERM)
 
     async def leave(self) -> None:
         """Leave the group (if joined) and restore the environment; safe to call twice."""
@@ -476,6 +528,11 @@ class _RankThreads:
                 self._threads.pop(ident, None)
             # A stop that arrived as the function ended must not fire in Dask's code.
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
+
+    def running_now(self, generation: str) -> bool:
+        """Whether a thread of this worker is inside a rank function of ``generation``."""
+        with self._lock:
+            return generation in self._threads.values()
 
     def stop(self, generation: str) -> int:
         """Raise :class:`RankStopped` in this generation's threads; returns how many."""

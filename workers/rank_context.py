@@ -19,6 +19,7 @@ from distributed import get_worker, secede
 from workers import live_recovery
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
 from workers.device_mesh import forget_earlier_meshes
+from workers.elastic import Boundary, ResizeBoundary
 from workers.live_recovery import LiveSource
 from workers.peak_memory import PeakMemory
 from workers.process_group import Membership, current_membership, rank_threads
@@ -47,6 +48,7 @@ class RankJob:
     job_id: str = ""  # what the ranks' kept states are filed under, across attempts
     # After a lost worker: the surviving rank whose kept state ``restore`` receives.
     live_source: LiveSource | None = None
+    elastic: bool = False  # the world may change: the ranks vote at each step boundary
 
 
 @dataclass
@@ -57,6 +59,7 @@ class RankOutcome:
     value: Any
     reports: list[dict[str, Any]] = field(default_factory=list)
     first_report_at: float = math.nan  # wall clock of the first report or heartbeat with a step
+    resized_at: int | None = None  # the step this rank stopped at for a resize (elastic jobs)
 
 
 class RankContext:
@@ -117,6 +120,12 @@ class RankContext:
         self._resume_from = job.resume_from
         self._rows: dict[str, RankRows] = {}  # each split's rows, read once per attempt
         self._memory = PeakMemory.start(self.device)  # heartbeats carry this rank's peak
+        self._first_step_done = False
+        self.boundary = (
+            Boundary(job.generation, device=self.device, backend=self.backend)
+            if job.elastic
+            else None
+        )
         self._beat(samples=None)  # started: the launcher's first-step bound begins here
 
     def __repr__(self) -> str:
@@ -353,10 +362,35 @@ class RankContext:
         steps since the last checkpoint. A rank whose optimizer stepped after its last
         ``step_done`` is never used as the source.
 
+        In an elastic job (``launch.world_size = "min:max"``) this is also where the job's
+        world changes: every rank stops here together, and ``fn`` is called again on the new
+        world, its ``restore`` receiving this step's state from a live rank.
+
         Args:
             step: The steps the state has taken (what `restore` returns to the next attempt).
         """
         live_recovery.step_done(self._job.job_id, step)
+        self.boundary_passed(step)
+
+    def boundary_passed(self, step: int) -> None:
+        """Say that step ``step`` is done with its state kept, without keeping it here.
+
+        `step_done` keeps the state and calls this; the built-in trainer, which keeps its
+        state itself, calls it directly. The first call of a generation is announced to the
+        launcher (a resize's pause ends there), and an elastic job's ranks may stop here.
+
+        Args:
+            step: The steps the state has taken.
+        """
+        if not self._first_step_done:
+            # When this generation's first step ended: a resize's pause ends here.
+            self._first_step_done = True
+            self._worker.log_event(
+                self._job.heartbeat_topic,
+                {"rank": self.rank, "step": self._beats, "first_step_at": time.time()},
+            )
+        if self.boundary is not None:
+            self.boundary.passed(step)  # an elastic job's world changes here
 
     def _require_directory(self, action: str) -> str:
         if self.checkpoint_dir is None:
@@ -366,11 +400,12 @@ class RankContext:
             )
         return self.checkpoint_dir
 
-    def outcome(self, value: Any) -> RankOutcome:
+    def outcome(self, value: Any, *, resized_at: int | None = None) -> RankOutcome:
         """This rank's return value with everything it reported (for the launcher).
 
         Args:
             value: ``fn``'s return value.
+            resized_at: The step it stopped at for a resize, instead of returning.
 
         Returns:
             What the client receives from this rank.
@@ -380,6 +415,7 @@ class RankContext:
             value=value,
             reports=list(self._reports),
             first_report_at=self._first_report_at,
+            resized_at=resized_at,
         )
 
 
@@ -396,7 +432,14 @@ def run_function(job: RankJob) -> RankOutcome:
     live_recovery.forget(job.job_id, others=True)
     forget_earlier_meshes()  # nor may DTensor's caches of another job's meshes
     with rank_threads.running(job.generation):
-        value = job.fn(ctx, *job.args, **job.kwargs)
+        try:
+            value = job.fn(ctx, *job.args, **job.kwargs)
+            if ctx.boundary is not None:
+                ctx.boundary.close()
+        except ResizeBoundary as boundary:
+            # Every rank stopped at this step with its state kept: the next generation, on
+            # the new set of workers, continues from it.
+            return ctx.outcome(None, resized_at=boundary.step)
     # Done: nothing to recover any more. A rank that failed keeps its state for the next
     # attempt, and the launcher drops it if there is none.
     live_recovery.forget(job.job_id)

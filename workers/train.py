@@ -58,6 +58,15 @@ class TrainJob:
     collections: CollectionPlan | None = None
     # A model factory given in Python (train(config, model=...)), in place of model.name.
     factory: Callable[..., nn.Module] | None = None
+    # An elastic job's layout for each world size it may run on, computed once on the client:
+    # each generation of its group takes the one of its size. None: ``layout`` alone.
+    layouts: dict[int, Layout] | None = None
+
+    def layout_of(self, world_size: int) -> Layout:
+        """The layout of a generation of ``world_size`` ranks."""
+        if self.layouts is None:
+            return self.layout
+        return self.layouts[world_size]
 
 
 @dataclass
@@ -222,11 +231,12 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
     heartbeats go out through the context, it continues from a surviving replica's state or
     the attempt's checkpoint, and keeps its state for the next attempt."""
     last_step: list[int | None] = [None]
+    layout = job.layout_of(ctx.world_size)
 
     def heartbeat(step: int) -> None:
         # The first call comes before any step: the context already announced the start.
         if last_step[0] is not None:
-            ctx.heartbeat(samples=(step - last_step[0]) * job.layout.per_rank_batch)
+            ctx.heartbeat(samples=(step - last_step[0]) * layout.per_rank_batch)
         last_step[0] = step
 
     def step_done(position: Position) -> None:
@@ -241,19 +251,20 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
                 count=position.sums.count,
             ),
         )
+        ctx.boundary_passed(position.step)  # an elastic job's world changes here
 
     checkpoints = None
     if job.checkpoint is not None and job.checkpoint.directory is not None:
         checkpoints = Checkpoints.in_directory(job.checkpoint)
     # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py).
-    sharded_on_cpu = job.layout.dp_shard > 1 and ctx.membership.device.type == "cpu"
+    sharded_on_cpu = layout.dp_shard > 1 and ctx.membership.device.type == "cpu"
     with freed_memory_returned() if sharded_on_cpu else contextlib.nullcontext():
         return train(
             job.data,
             job.model,
             job.training,
             membership=ctx.membership,
-            layout=job.layout,
+            layout=layout,
             settings=job.settings,
             factory=job.factory,
             hooks=Hooks(
@@ -265,6 +276,7 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
             ),
             restore=_continue(ctx),
             collections=job.collections,
+            elastic=job.layouts is not None,
         )
 
 
@@ -327,8 +339,10 @@ def train(
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
+    elastic: bool = False,
 ) -> RankResult:
-    """Train on this rank of an initialized process group laid out as ``layout``."""
+    """Train on this rank of an initialized process group laid out as ``layout``;
+    ``elastic``: in an elastic job's order of global batches (``RankBatches``)."""
     # One measure per process: the kernel's high-water mark has one reset.
     peak_memory = hooks.peak_memory or PeakMemory.start(membership.device).bytes
     trainer = build(
@@ -341,6 +355,7 @@ def train(
         factory=factory,
         restore=restore,
         collections=collections,
+        elastic=elastic,
     )
     if membership.rank != layout.reporting_rank:
         hooks = replace(hooks, report=None)  # one rank speaks for the job
@@ -375,6 +390,7 @@ def build(
     factory: Callable[..., nn.Module] | None = None,
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
+    elastic: bool = False,
 ) -> Trainer:
     """The model laid out by the strategy, this rank's data shard, the optimizer and the LR
     schedule, continued from ``restore``'s checkpoint when given. Collective."""
@@ -414,6 +430,7 @@ def build(
             world_size=layout.dp,
             batch_size=layout.per_rank_batch,
             seed=config.seed,
+            elastic=elastic,
         )
         val = store.val
     else:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from distributed import Client, Scheduler, SchedulerPlugin
+from distributed import Client, Scheduler, SchedulerPlugin, Status
 
 from workers.compat.distributed_private import raise_adaptive_target
 
@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # the launcher holds jobs' admissions; this module needs only
 logger = logging.getLogger(__name__)
 
 QUEUE_PLUGIN_NAME = "dask-train-queue"
+# A worker on its way out is granted to nobody.
+LEAVING = frozenset({Status.closing_gracefully, Status.closing, Status.closed})
 EXPIRY_CHECK_S = 0.5  # how often the scheduler looks for leases that ran out
 TEARDOWN_TIMEOUT_S = 30.0  # a dropped job's worker plugins get this long to let go
 LONG_POLL_S = 1.0  # one wait on the scheduler; the client checks its own bounds in between
@@ -66,6 +68,12 @@ class Request:
     # The most workers the cluster can ever have, where the client knows it (a local cluster
     # it started, or its adaptive maximum): a job needing more fails at once.
     capacity: int | None = None
+    # Served before jobs of lower priority; may shrink elastic jobs of lower or equal priority.
+    priority: int = 0
+    # The holder resizes while it runs (an elastic launch): it grows into workers that become
+    # free, and gives back those above its minimum at its next step boundary. Otherwise it
+    # keeps what it was granted (up to ``maximum``) until it releases them.
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.minimum <= self.maximum:
@@ -88,6 +96,16 @@ class _Entry:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     draining: bool = False  # its holder went away; its plugins are being torn down
     teardown: "asyncio.Future[None] | None" = None
+    # An elastic job's workers it is asked to give up at its next step boundary: for a queued
+    # job (yielded), or because the worker is closing gracefully (retired).
+    yielding: set[str] = field(default_factory=set)
+    retiring: set[str] = field(default_factory=set)
+    retired: set[str] = field(default_factory=set)  # left while retiring: not failures
+    version: int = 0  # raised at every change its holder must act on
+
+    def changed_now(self) -> None:
+        self.version += 1
+        self.changed.set()
 
     @property
     def waiting(self) -> bool:
@@ -126,12 +144,27 @@ class WorkerQueue(SchedulerPlugin):
             self.entries[request.job_id] = entry
         else:  # asking again (after losing a worker) keeps the job's place in the line
             entry.request, entry.lease_until = request, now + request.lease_s
+            # A new attempt: the workers it was asked to give up are given up now, and what
+            # left gracefully before is no longer news.
+            leaving = entry.yielding | entry.retiring
+            entry.granted = [w for w in entry.granted if w not in leaving]
+            entry.yielding, entry.retired = set(), set()
         self._grant()
         return self.status(request.job_id)
 
     async def wait(self, job_id: str, timeout_s: float) -> dict[str, Any]:
         entry = self.entries.get(job_id)
         if entry is not None and entry.waiting:
+            entry.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.changed.wait(), timeout_s)
+        return self.status(job_id)
+
+    async def watch(self, job_id: str, version: int, timeout_s: float) -> dict[str, Any]:
+        """The job's status once its version differs from ``version`` (a worker granted,
+        asked back, retiring), or after ``timeout_s``."""
+        entry = self.entries.get(job_id)
+        if entry is not None and entry.version == version:
             entry.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(entry.changed.wait(), timeout_s)
@@ -166,6 +199,10 @@ class WorkerQueue(SchedulerPlugin):
             "eligible": len(eligible),
             "position": sum(e.waiting for e in ahead),
             "holders": self.holders({w.address for w in eligible}, exclude=job_id),
+            "version": entry.version,
+            "yielding": sorted(entry.yielding),
+            "retiring": sorted(entry.retiring),
+            "retired": sorted(entry.retired),
         }
 
     def holders(self, workers: set[str] | None = None, exclude: str = "") -> list[dict[str, Any]]:
@@ -192,13 +229,21 @@ class WorkerQueue(SchedulerPlugin):
                 "wanted": entry.request.minimum,
                 "since": entry.arrived,
             }
-            for job_id, entry in self.entries.items()
+            for job_id, entry in self._in_serving_order()
             if entry.waiting
         ]
 
+    def _in_serving_order(self) -> list[tuple[str, "_Entry"]]:
+        # Higher priority first; among equals, first come first served (dicts keep arrival).
+        return sorted(self.entries.items(), key=lambda item: -item[1].request.priority)
+
     def demand(self) -> int:
         """Workers the jobs hold or wait for: what an adaptive cluster should have."""
-        return sum(max(e.request.minimum, len(e.granted)) for e in self.entries.values())
+        # An elastic job's workers above its minimum are the cluster's to take back.
+        return sum(
+            e.request.minimum if e.request.elastic else max(e.request.minimum, len(e.granted))
+            for e in self.entries.values()
+        )
 
     # -- granting ---------------------------------------------------------------------------
 
@@ -207,10 +252,16 @@ class WorkerQueue(SchedulerPlugin):
         # In rank order, so that on an idle cluster a job gets the workers the launcher ranks
         # first (those its Dask collections were placed on).
         free = sorted(
-            (w for w in self.scheduler.workers.values() if w.address not in held),
+            (
+                w
+                for w in self.scheduler.workers.values()
+                if w.address not in held and w.status not in LEAVING
+            ),
             key=lambda w: rank_order(w.host, w.name, w.address),
         )
-        for entry in self.entries.values():
+        serving = [entry for _, entry in self._in_serving_order()]
+        asked_back: dict[str, set[str]] = {}  # job id -> workers a waiting job needs from it
+        for entry in serving:
             if not entry.waiting:
                 continue
             usable = [w for w in free if entry.request.eligible(w)]
@@ -220,12 +271,62 @@ class WorkerQueue(SchedulerPlugin):
                 taken = [w.address for w in usable[:room]]
                 entry.granted += taken
                 entry.granted_at = entry.granted_at or time.time()
-                entry.changed.set()
+                entry.changed_now()
                 free = [w for w in free if w.address not in taken]
-            else:
-                # Nobody who asked later may take what this job could use: it would wait for
-                # ever behind a stream of smaller jobs.
-                free = [w for w in free if w not in usable]
+                continue
+            # Not enough free: elastic jobs above their minimum give up the rest at their
+            # next step boundary, if together they can.
+            offers = self._offers(entry, asked_back)
+            if len(usable) + len(offers) >= missing:
+                for job_id, address in offers[: missing - len(usable)]:
+                    asked_back.setdefault(job_id, set()).add(address)
+            # Nobody who asked later may take what this job could use: it would wait for
+            # ever behind a stream of smaller jobs.
+            free = [w for w in free if w not in usable]
+        for job_id, entry in self.entries.items():
+            wanted = asked_back.get(job_id, set())
+            if wanted != entry.yielding:
+                entry.yielding = wanted
+                entry.changed_now()
+        # What nobody waits for goes to running elastic jobs below their maximum.
+        for entry in serving:
+            request = entry.request
+            if entry.waiting or entry.draining or not request.elastic or entry.yielding:
+                continue
+            room = request.maximum - len(entry.granted)
+            taken = [w.address for w in free if request.eligible(w)][: max(room, 0)]
+            if taken:
+                entry.granted += taken
+                entry.changed_now()
+                free = [w for w in free if w.address not in taken]
+
+    def _offers(self, waiting: _Entry, asked_back: dict[str, set[str]]) -> list[tuple[str, str]]:
+        """Workers running elastic jobs could give ``waiting``: each job's above its
+        minimum, its highest ranks first, from jobs of no higher priority than the waiting
+        one's; never a fixed-size job's."""
+        offers = []
+        for job_id, holder in self.entries.items():
+            request = holder.request
+            if (
+                holder is waiting
+                or holder.draining
+                or holder.waiting
+                or not request.elastic
+                or request.priority > waiting.request.priority
+            ):
+                continue
+            promised = asked_back.get(job_id, set())
+            spare = len(holder.granted) - len(holder.retiring) - request.minimum - len(promised)
+            candidates = [
+                w
+                for w in reversed(holder.granted)
+                if w not in promised
+                and w not in holder.retiring
+                and (ws := self.scheduler.workers.get(w)) is not None
+                and waiting.request.eligible(ws)
+            ]
+            offers += [(job_id, w) for w in candidates[: max(spare, 0)]]
+        return offers
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         self._grant()
@@ -233,16 +334,47 @@ class WorkerQueue(SchedulerPlugin):
     def valid_workers_downscaling(
         self, scheduler: Scheduler, workers: list["WorkerState"]
     ) -> list["WorkerState"]:
-        """The workers the scheduler may retire (``cluster.adapt()``, ``retire_workers``):
-        never one a job holds."""
-        held = {w for entry in self.entries.values() for w in entry.granted}
-        return [ws for ws in workers if ws.address not in held]
+        """The workers ``cluster.adapt()`` may retire: free ones, and an elastic job's above
+        its minimum (it hands their ranks off at its next step boundary as they close)."""
+        allowed = []
+        spare = {
+            job_id: len(e.granted) - len(e.retiring) - e.request.minimum
+            for job_id, e in self.entries.items()
+            if e.request.elastic and not e.waiting and not e.draining
+        }
+        holder = {w: job_id for job_id, e in self.entries.items() for w in e.granted}
+        for ws in workers:
+            job_id = holder.get(ws.address)
+            if job_id is None:
+                allowed.append(ws)
+            elif spare.get(job_id, 0) > 0:
+                spare[job_id] -= 1
+                allowed.append(ws)
+        return allowed
+
+    def log_event(self, topic: Any, msg: Any) -> None:
+        """A held worker closing gracefully (retired, scaled down, closed on SIGTERM): its
+        job is told, and hands the rank off before the worker goes."""
+        if not isinstance(msg, dict) or msg.get("action") != "worker-status-change":
+            return
+        closing = msg.get("status") in ("closing_gracefully", "closing")
+        for entry in self.entries.values():
+            if topic in entry.granted and (topic in entry.retiring) != closing:
+                if closing:
+                    entry.retiring.add(topic)
+                else:  # a retirement that was called off
+                    entry.retiring.discard(topic)
+                entry.changed_now()
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         for entry in self.entries.values():
             if worker in entry.granted:
                 entry.granted.remove(worker)  # the job asks again for its next attempt
-                entry.changed.set()
+                if worker in entry.retiring:
+                    entry.retiring.discard(worker)
+                    entry.retired.add(worker)
+                entry.yielding.discard(worker)
+                entry.changed_now()
         self._grant()
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
@@ -303,6 +435,16 @@ async def _install_queue(dask_scheduler: Scheduler) -> None:
 
 def _request(request: Request, dask_scheduler: Scheduler) -> dict[str, Any]:
     return _queue(dask_scheduler).request(request)
+
+
+async def _watch(
+    job_id: str, version: int, timeout_s: float, dask_scheduler: Scheduler
+) -> dict[str, Any]:
+    return await _queue(dask_scheduler).watch(job_id, version, timeout_s)
+
+
+def _status(job_id: str, dask_scheduler: Scheduler) -> dict[str, Any]:
+    return _queue(dask_scheduler).status(job_id)
 
 
 async def _wait(job_id: str, timeout_s: float, dask_scheduler: Scheduler) -> dict[str, Any]:
@@ -447,6 +589,15 @@ class Admission:
                 f"the scheduler did not answer the queue ({function.__name__.strip('_')}) "
                 f"within {bound:g} s; it is gone or overloaded"
             ) from error
+
+    def status(self) -> dict[str, Any]:
+        """The job's entry as the queue sees it now (granted, yielding, retiring, retired)."""
+        return self._ask(_status, self.request.job_id)
+
+    def watch(self, version: int, timeout_s: float) -> dict[str, Any]:
+        """The job's status once something its holder must act on changed since ``version``
+        (a worker granted, asked back or retiring), or after ``timeout_s``."""
+        return self._ask(_watch, self.request.job_id, version, timeout_s, timeout_s=timeout_s)
 
     def describe_wait(self, status: dict[str, Any]) -> str:
         """One line: what the job waits for, who holds it and who is ahead in the line."""

@@ -53,6 +53,7 @@ from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.config import ConfigError, RunConfig
 from workflows.confusion import confusion_metrics, plot_confusion_matrix
+from workflows.job_spec import JobSpec
 from workflows.launcher import LaunchConfig, WorkerSelection
 from workflows.prediction_request import (
     PredictConfig,
@@ -189,7 +190,7 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     # The job scores on the workers no other job holds (at least one: it waits for one), each
     # of them loading the model once, here.
     request = Request(
-        job_id=f"predict-{prepared.name}-{prepared.job.token[:8]}",
+        job_id=JobSpec.mint(prepared.name, prefix="predict-", token=prepared.job.token).job_id,
         name=f"predict-{prepared.name}",
         client=client.id,
         minimum=1,

@@ -179,6 +179,26 @@ set_option = click.option(
 )
 
 
+class WorldSize(click.ParamType):
+    """``--world-size``: a number of ranks, or ``MIN:MAX`` for an elastic job."""
+
+    name = "N|MIN:MAX"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | tuple[int, int] | None:
+        from workflows.launcher import parse_world_size
+
+        try:
+            return parse_world_size(value)
+        except ValueError as error:
+            self.fail(str(error).removeprefix("launch.world_size: "), param, ctx)
+
+
+world_size_option = click.option(
+    "--world-size",
+    type=WorldSize(),
+    help="ranks, or MIN:MAX for an elastic job that shrinks and grows as workers come and go "
+    "(default: every worker)",
+)
 scheduler_option = click.option(
     "--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster (tcp:// or tls://)"
 )
@@ -405,6 +425,7 @@ def plan(
 @main.command()
 @config_argument
 @set_option
+@world_size_option
 @scheduler_option
 @scheduler_file_option
 @click.option(
@@ -420,6 +441,7 @@ def plan(
 def run(
     config: Path,
     overrides: tuple[str, ...],
+    world_size: int | tuple[int, int] | None,
     scheduler: str | None,
     scheduler_file: str | None,
     output: Path | None,
@@ -430,6 +452,8 @@ def run(
     # It is validated once, with the run directory's folders filled in (a staged model's cut
     # is traced to be checked: seconds, for a torchvision model).
     raw = _read(config, overrides, scheduler, scheduler_file)
+    if world_size is not None and isinstance(raw.get("launch", {}), dict):
+        raw["launch"] = raw.get("launch", {}) | {"world_size": world_size}
     from workflows.run_directory import RunDirectory
 
     progress = None
@@ -744,7 +768,7 @@ def _trial_line(metric: str) -> Callable[[dict[str, Any]], None]:
 @main.command(
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
-@click.option("--world-size", type=click.IntRange(min=1), help="ranks (default: every worker)")
+@world_size_option
 @scheduler_option
 @scheduler_file_option
 @click.option(
@@ -763,7 +787,7 @@ def _trial_line(metric: str) -> Callable[[dict[str, Any]], None]:
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(
-    world_size: int | None,
+    world_size: int | tuple[int, int] | None,
     scheduler: str | None,
     scheduler_file: str | None,
     max_restarts: int,
@@ -781,7 +805,9 @@ def launch(
     try:
         cluster = ClusterConfig(scheduler=scheduler, scheduler_file=scheduler_file, n_workers=None)
         if not cluster.existing and world_size is not None:
-            cluster = ClusterConfig(n_workers=world_size)
+            # An elastic range starts its own cluster at the range's top.
+            most = world_size[1] if isinstance(world_size, tuple) else world_size
+            cluster = ClusterConfig(n_workers=most)
         settings = LaunchConfig(world_size=world_size, max_failures=max_restarts)
     except ValueError as error:
         _fail(EXIT_INVALID, str(error).splitlines()[0])

@@ -27,6 +27,7 @@ from distributed import Client, Future, futures_of
 from workers.collection_shard import CollectionPlan, Piece, SplitPlan
 from workers.futures import wait_futures
 from workflows.cluster import live_workers
+from workflows.config import ConfigError
 from workflows.launcher import LaunchConfig, select_workers
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,18 @@ class PreparedData:
         self.futures.clear()
 
 
+def check_fixed_world(settings: LaunchConfig) -> None:
+    """Collections are placed on the workers of a fixed set of ranks: an elastic range is a
+    ``ConfigError`` naming ``launch.world_size``."""
+    if settings.world_range is not None and settings.elastic:
+        low, high = settings.world_range
+        raise ConfigError(
+            f"launch.world_size: {low}:{high} is a range, "
+            "but Dask collections are placed on a fixed set of ranks; give an int, or write "
+            "them to a store first (data.collections = 'store' for train())"
+        )
+
+
 @contextlib.contextmanager
 def prepared_data(
     client: Client,
@@ -72,8 +85,10 @@ def prepared_data(
     """:func:`prepare_data` for the ranks of ``settings``, released on exit: ``workers`` are
     the job's (held from the scheduler's queue, in rank order); without them, the workers the
     launcher would choose on an idle cluster."""
+    check_fixed_world(settings)
     eligible = list(workers or select_workers(live_workers(client), settings.workers))
     world_size = settings.world_size or max(1, len(eligible))
+    assert isinstance(world_size, int)
     prepared = prepare_data(
         client,
         data,

@@ -77,6 +77,9 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _sections_agree(self) -> "RunConfig":
         world = self.launch.world_size
+        if isinstance(world, tuple):
+            self.elastic_layouts()  # every world of the range, checked
+            world = world[0]  # the least the cluster must hold
         workers = self.cluster.n_workers
         if world is not None and workers is not None and world > workers:
             raise ValueError(
@@ -105,7 +108,34 @@ class RunConfig(BaseModel):
 
     @property
     def world_size(self) -> int | None:
-        return self.strategy_plan.world_size(self.launch.world_size)
+        """The ranks of a fixed-size run (None: the cluster decides, or an elastic range)."""
+        if self.launch.elastic:
+            return None
+        return self.strategy_plan.world_size(self.launch.world_size)  # type: ignore[arg-type]
+
+    def elastic_layouts(self) -> dict[int, Layout] | None:
+        """An elastic run's layout for each world of ``launch.world_size``'s range, the same
+        global batch on each (None: a fixed-size run); a ``ValueError`` naming the field for a
+        range the strategy or the batch cannot hold."""
+        if not isinstance(self.launch.world_size, tuple):
+            return None
+        low, high = self.launch.world_size
+        given = f"launch.world_size: {low}:{high}"
+        if not self.strategy_plan.elastic:
+            raise ValueError(
+                f"{given} is a range, but training.strategy {self.training.strategy!r} lays its "
+                "model out once, on a fixed number of ranks; give an int, or use strategy 'ddp'"
+            )
+        layouts = {}
+        for world in range(low, high + 1):
+            try:
+                layouts[world] = self.strategy_plan.layout(self, world)
+            except ValueError as error:
+                raise ValueError(
+                    f"{given} includes {world} ranks, and {error} (every size in the range must "
+                    "split the global batch)"
+                ) from None
+        return layouts
 
     def layout(self, world_size: int) -> Layout:
         """How ``world_size`` ranks share this run's model and batch; a :class:`ConfigError`
@@ -265,7 +295,9 @@ def one_line(error: ValidationError) -> str:
             message = "unknown key (check the spelling)"
         elif detail["type"] == "literal_error":
             message = message.replace("Input should be", "must be")
-        if field and not message.startswith(field.split(".")[0] + "."):
+        # A message naming its field already (``launch.world_size: ...`` for ``world_size``).
+        named = message.split(":", 1)[0].endswith(field) if field else True
+        if field and not named and not message.startswith(field.split(".")[0] + "."):
             messages.append(f"{field}: {message}")
         else:
             messages.append(message)

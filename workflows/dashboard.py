@@ -2,18 +2,22 @@
 
 Served by the scheduler's own web server (the one behind the dashboard link) from the figures
 :class:`workflows.monitoring.TrainingMetrics` keeps: per job its strategy, epoch and step, loss
-and accuracy curves, each rank's samples/s and the recoveries. The plots are Bokeh, with
-BokehJS inlined, so the page needs nothing from the internet; it reloads itself every few
-seconds while a job runs.
+and accuracy curves, each rank's samples/s, the recoveries and the job's world size over time
+(an elastic job's resizes and their causes). The page sits under the dashboard's own
+navigation bar, rendered by distributed's template as its ``/status`` pages are. The plots are
+Bokeh, with BokehJS from the dashboard's static route, so the page needs nothing from the
+internet; it reloads itself every few seconds while a job runs.
 
 The scheduler imports this module: it imports nothing of the client side (the driver, the
 launcher). ``make screenshot`` lives in ``workflows/screenshot.py``.
 """
 
+import re
 from typing import Any
 
 from tornado import web
 
+from workers.compat.distributed_private import dashboard_page_template
 from workers.config_models import METRICS
 
 ROUTE = "/training"
@@ -21,6 +25,17 @@ REFRESH_S = 5
 # The newest jobs get their plots; older ones a row each, so that a long-lived shared
 # scheduler's page stays light and its newest job on the first screen.
 PLOTTED_JOBS = 5
+TITLE = "dask-train: Training"
+# The world-size plot's markers: how the job's group formed ("world", "start") and why an
+# elastic job resized (the "resized" records' cause): (marker, colour).
+WORLD_MARKERS = {
+    "formed": ("square", "#1f77b4"),
+    "joined": ("triangle", "#2ca02c"),
+    "retired": ("inverted_triangle", "#7f7f7f"),
+    "yielded": ("diamond", "#ff7f0e"),
+    "lost": ("x", "#d62728"),
+}
+OTHER_CAUSE = ("circle", "#9467bd")
 
 
 def training_page_url(dashboard_link: str) -> str:
@@ -35,11 +50,10 @@ def add_to_navigation(scheduler: Any) -> None:
     scheduler, and its Bokeh applications hold that same list: extending it in place shows the
     link on every dashboard page served from now on.
     """
-    try:
-        from distributed.dashboard.scheduler import template_variables
-    except ImportError:  # no Bokeh, no dashboard pages to link from
+    navigation = dashboard_page_template(scheduler)
+    if navigation is None:  # no Bokeh, no dashboard pages to link from
         return
-    pages = template_variables(scheduler)["pages"]
+    pages = navigation[1]["pages"]
     page = ROUTE.strip("/")
     if page not in pages:
         pages.append(page)
@@ -51,10 +65,14 @@ def render_page(
     queue: dict[str, list[dict[str, Any]]] | None = None,
     sweeps: dict[str, dict[int, dict[str, Any]]] | None = None,
     refresh: bool = True,
+    navigation: tuple[Any, dict[str, Any]] | None = None,
 ) -> str:
+    """The page's HTML; under the dashboard's navigation bar with ``navigation`` (what
+    ``workers.compat.distributed_private.dashboard_page_template`` returns), a page of its
+    own without."""
     from bokeh.embed import file_html
     from bokeh.layouts import column, row
-    from bokeh.models import ColumnDataSource, Div
+    from bokeh.models import ColumnDataSource, Div, Legend
     from bokeh.plotting import figure
     from bokeh.resources import Resources
 
@@ -71,7 +89,9 @@ def render_page(
             f"<h2>{_escape(job)}</h2><p>strategy <b>{_escape(str(state.get('strategy', '?')))}"
             f"</b>, {state.get('world_size', '?')} ranks, epoch {state.get('epoch', 0)}/"
             f"{state.get('epochs', '?')}, step {state.get('step', 0)}, recoveries "
-            f"{state.get('recoveries', 0)}</p>"
+            f"{state.get('recoveries', 0)}"
+            + (f", resizes {state['resizes']}" if state.get("resizes") else "")
+            + "</p>"
         )
         blocks.append(Div(text=facts))
         epochs = [r["epoch"] for r in history]
@@ -89,17 +109,25 @@ def render_page(
         plots = []
         for name in ("loss", *shown):
             plot = figure(title=name, width=420, height=260, x_axis_label="epoch")
-            plot.line("epoch", name, source=source, legend_label="train", line_width=2)
-            plot.line(
-                "epoch", f"val_{name}", source=source, legend_label="validation", color="orange"
-            )
+            train = plot.line("epoch", name, source=source, line_width=2)
+            validation = plot.line("epoch", f"val_{name}", source=source, color="orange")
+            # Above the plot, not over its curves.
+            items = [("train", [train]), ("validation", [validation])]
+            plot.add_layout(Legend(items=items, orientation="horizontal", margin=0), "above")
             plots.append(plot)
         plots.append(_per_rank(figure, "samples/s per rank", ranks))
+        blocks.append(row(*plots))
+        # The ranks: how many over time, and each one's peak memory (a row of their own, so
+        # that each row fits a screen).
+        world_and_memory = []
+        if state.get("world"):
+            world_and_memory.append(_world_plot(figure, state["world"], state.get("last_seen")))
         memory = state.get("memory", {})
         if memory:
             mib = {rank: value / 2**20 for rank, value in memory.items()}
-            plots.append(_per_rank(figure, "peak memory per rank (MiB)", mib))
-        blocks.append(row(*plots))
+            world_and_memory.append(_per_rank(figure, "peak memory per rank (MiB)", mib))
+        if world_and_memory:
+            blocks.append(row(*world_and_memory))
         reports = state.get("reports", [])
         if reports:
             blocks.append(row(*_report_plots(reports, figure)))
@@ -110,7 +138,20 @@ def render_page(
     # BokehJS from the dashboard's static route, relative so a proxy's prefix is kept: inlined,
     # it made every reload of this page 1.7 MB.
     resources = Resources(mode="server", root_url="./")
-    page = file_html(column(*blocks), resources=resources, title="dask-train: Training")
+    if navigation is None:
+        page = file_html(column(*blocks), resources=resources, title=TITLE)
+    else:
+        # distributed's page: its bar, its stylesheet (statics/), then the Bokeh document.
+        template, variables = navigation
+        page = file_html(
+            column(*blocks),
+            resources=resources,
+            title=TITLE,
+            template=template,
+            template_variables=variables,
+        )
+        # Its template names every page "Dask Diagnostic UI".
+        page = re.sub(r"<title>.*?</title>", f"<title>{TITLE}</title>", page, count=1)
     if not refresh:
         return page
     reload = f'<meta http-equiv="refresh" content="{REFRESH_S}">'
@@ -188,6 +229,71 @@ def _per_rank(figure: Any, title: str, values: dict[int, float]) -> Any:
     return plot
 
 
+def _world_plot(figure: Any, world: list[dict[str, Any]], until: float | None) -> Any:
+    """The job's ranks over time: a step line from the "world", "start" and "resized"
+    records, a marker per record by cause (legend beside the plot, details on hover)."""
+    from bokeh.models import ColumnDataSource, HoverTool, Legend
+
+    times = [point["at"] * 1000 for point in world]  # Bokeh's datetime axis: ms since epoch
+    sizes = [point["world_size"] for point in world]
+    if until is not None and until * 1000 > times[-1]:  # the last size, until the last record
+        times, sizes = [*times, until * 1000], [*sizes, sizes[-1]]
+    plot = figure(
+        title="ranks over time",
+        width=520,
+        height=260,
+        x_axis_type="datetime",
+        x_axis_label="time",
+        y_axis_label="ranks",
+    )
+    plot.step(times, sizes, mode="after", line_width=2)
+    plot.y_range.start, plot.y_range.end = 0, max(sizes) + 1  # the markers clear of the top
+    plot.yaxis.ticker.min_interval = 1  # whole ranks
+    plot.xaxis.ticker.desired_num_ticks = 4  # clock times, apart
+    by_cause: dict[str, list[dict[str, Any]]] = {}
+    for point in world:
+        cause = str(point.get("cause", "?")) if point["kind"] == "resized" else "formed"
+        by_cause.setdefault(cause, []).append(point)
+    items, markers = [], []
+    for cause, points in by_cause.items():
+        marker, color = WORLD_MARKERS.get(cause, OTHER_CAUSE)
+        source = ColumnDataSource(
+            {
+                "at": [p["at"] * 1000 for p in points],
+                "ranks": [p["world_size"] for p in points],
+                "cause": [cause] * len(points),
+                "change": [
+                    f"{p['from']} → {p['world_size']}" if "from" in p else str(p["world_size"])
+                    for p in points
+                ],
+                "step": [str(p.get("step", "")) for p in points],
+                "pause_s": [str(p.get("pause_s", "")) for p in points],
+                "redone_steps": [str(p.get("redone_steps", "")) for p in points],
+            }
+        )
+        renderer = plot.scatter(
+            "at", "ranks", source=source, marker=marker, color=color, size=11, line_width=2
+        )
+        items.append((cause, [renderer]))
+        markers.append(renderer)
+    plot.add_layout(Legend(items=items, title="cause"), "right")
+    plot.add_tools(
+        HoverTool(
+            renderers=markers,
+            tooltips=[
+                ("cause", "@cause"),
+                ("ranks", "@change"),
+                ("at", "@at{%H:%M:%S}"),
+                ("step", "@step"),
+                ("pause (s)", "@pause_s"),
+                ("steps redone", "@redone_steps"),
+            ],
+            formatters={"@at": "datetime"},
+        )
+    )
+    return plot
+
+
 def _report_plots(reports: list[dict[str, Any]], figure: Any) -> list[Any]:
     """One curve per metric a rank function reported (``ctx.report``), from rank 0."""
     from workflows.events import REPORT_BOOKKEEPING
@@ -203,8 +309,11 @@ def _report_plots(reports: list[dict[str, Any]], figure: Any) -> list[Any]:
 
 
 class TrainingPage(web.RequestHandler):
-    def initialize(self, snapshot: Any) -> None:
+    def initialize(
+        self, snapshot: Any, navigation: tuple[Any, dict[str, Any]] | None = None
+    ) -> None:
         self.snapshot = snapshot
+        self.navigation = navigation
 
     def get(self) -> None:
         self.set_header("Content-Type", "text/html; charset=utf-8")
@@ -212,7 +321,13 @@ class TrainingPage(web.RequestHandler):
         refresh = self.get_argument("refresh", "1") != "0"
         page = self.snapshot()
         self.write(
-            render_page(page["jobs"], queue=page["queue"], sweeps=page["sweeps"], refresh=refresh)
+            render_page(
+                page["jobs"],
+                queue=page["queue"],
+                sweeps=page["sweeps"],
+                refresh=refresh,
+                navigation=self.navigation,
+            )
         )
 
 

@@ -25,7 +25,7 @@ from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_modules
-from workflows.collections import DataError, check_trainer_data, trainer_data
+from workflows.collections import DataError, check_fixed_world, check_trainer_data, trainer_data
 from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
@@ -67,6 +67,9 @@ class TrainResult:
         peak_memory_mib: Each rank's peak memory while training, in rank order: CUDA's
             allocator peak on a GPU, the growth of the process's peak resident set on a CPU
             (the export of the model at the end left out); ``None`` where not measurable.
+        resizes: One dict per change of an elastic run's world (``launch.world_size =
+            "min:max"``): ``from``, ``to``, ``step``, ``cause``, ``pause_s``,
+            ``redone_steps``.
     """
 
     name: str
@@ -86,6 +89,7 @@ class TrainResult:
     first_step_after_launch_s: float = float("nan")  # from the ranks' launch, the store ready
     job_id: str = ""  # the job's label on /metrics and the Training page: <name>-<8 hex>
     peak_memory_mib: list[float | None] = field(default_factory=list)  # per rank, in order
+    resizes: list[dict[str, Any]] = field(default_factory=list)  # an elastic run's, in order
 
     @property
     def final(self) -> dict[str, float]:
@@ -202,9 +206,10 @@ class ResolvedRun:
     reads them here rather than working them out again."""
 
     config: RunConfig  # its data and checkpoint paths absolute
-    layout: Layout  # its world size among the rest
+    layout: Layout  # its world size among the rest (an elastic run's: at the range's top)
     launch: LaunchConfig  # [launch] with the world size
     store_named: bool  # whether the config names data.store (else it is the dataset's default)
+    layouts: dict[int, Layout] | None = None  # an elastic run's, for each world of its range
 
     def with_data(self, data: DataConfig) -> "ResolvedRun":
         """This run reading ``data`` instead (collections written into a store)."""
@@ -215,11 +220,23 @@ def resolve_run(client: Client, config: RunConfig) -> ResolvedRun:
     """``config`` on the cluster of ``client``: its world size (the workers it may hold), the
     layout of its ranks, its paths made absolute. A batch that does not split is a
     :class:`ConfigError` here, before any data is read or any rank starts."""
-    world_size = config.world_size or ranks_for(client, config.launch)
-    layout = config.layout(world_size)
     absolute = config.model_copy(
         update={"data": config.data.resolved(), "checkpoint": config.checkpoint.resolved()}
     )
+    try:
+        layouts = config.elastic_layouts()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if layouts is not None:  # an elastic run: its world changes within its range
+        return ResolvedRun(
+            config=absolute,
+            layout=layouts[max(layouts)],
+            launch=config.launch,
+            store_named=config.data.store is not None,
+            layouts=layouts,
+        )
+    world_size = config.world_size or ranks_for(client, config.launch)
+    layout = config.layout(world_size)
     launch = config.launch.model_copy(update={"world_size": world_size})
     return ResolvedRun(
         config=absolute, layout=layout, launch=launch, store_named=config.data.store is not None
@@ -260,6 +277,7 @@ def _train_on(
             manifest=manifest,
             stop=stop,
         )
+    check_fixed_world(run.launch)  # an elastic run reads a store
     # The collections go where the ranks will run: the job holds its workers first.
     hold = JobHold(client, run.launch, name=config.name, on_event=on_event, stop=stop)
     with (
@@ -362,6 +380,7 @@ def _train_prepared(
         checkpoint=checkpoint if checkpoints else None,
         collections=collections,
         factory=factory,
+        layouts=run.layouts,
     )
     launched_at = time.time()
     launched = launch_on(
@@ -401,6 +420,7 @@ def _train_prepared(
         store=manifest,
         state_dict=state_dict,
         recoveries=launched.recoveries,
+        resizes=launched.resizes,
         split_points=points,
         job_id=launched.job_id,
         peak_memory_mib=[

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, Self
+from typing import Any, Literal, Protocol, Self
 
 from distributed import Client, Future
 from distributed.comm import CommClosedError, get_address_host
@@ -45,10 +45,17 @@ from workflows.admission import (
 )
 from workflows.cluster import live_workers, most_workers
 from workflows.failure_policy import is_infrastructure_error
+from workflows.job_spec import JobSpec
 
 logger = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.05
 PROBE_MIN_S = 1.0  # the least a worker is given to answer before it counts as stopped
+
+
+class Stop(Protocol):
+    """What ends a running job when set: a ``threading.Event``, or several at once."""
+
+    def is_set(self) -> bool: ...
 
 
 class WorkerSelection(BaseModel):
@@ -105,7 +112,24 @@ class LaunchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    world_size: int | None = Field(default=None, ge=1, description="none: every chosen worker")
+    world_size: int | tuple[int, int] | None = Field(
+        default=None,
+        description="ranks: an int, or 'min:max' for an elastic job that starts on min free "
+        "workers, grows up to max as workers join or are freed and shrinks (down to min) when "
+        "they leave, at a step boundary; none: every chosen worker",
+    )
+    priority: int = Field(
+        default=0,
+        description="a queued job of higher priority is served first, and may shrink running "
+        "elastic jobs of lower priority down to their minimum (never a fixed-size job)",
+    )
+    leave_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="an elastic job's worker that leaves gracefully (retired, scaled down, "
+        "SIGTERM) keeps its rank this long for the job to reach a step boundary and hand it "
+        "off; then it is stopped, and the job recovers as from a lost worker",
+    )
     workers: WorkerSelection = WorkerSelection()
     master_addr: str | None = Field(
         default=None,
@@ -171,6 +195,25 @@ class LaunchConfig(BaseModel):
         "their workers are restarted",
     )
 
+    @field_validator("world_size", mode="before")
+    @classmethod
+    def _a_size_or_range(cls, value: Any) -> Any:
+        return parse_world_size(value)
+
+    @property
+    def world_range(self) -> tuple[int, int] | None:
+        """``(min, max)`` ranks: equal for a fixed size; None: every chosen worker."""
+        if self.world_size is None:
+            return None
+        if isinstance(self.world_size, tuple):
+            return self.world_size
+        return self.world_size, self.world_size
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job's world may change while it runs (``world_size = "min:max"``)."""
+        return isinstance(self.world_size, tuple)
+
     @field_validator("master_addr")
     @classmethod
     def _a_host(cls, value: str | None) -> str | None:
@@ -204,6 +247,38 @@ class LaunchConfig(BaseModel):
                 "or 'ib0'; several comma-separated)"
             )
         return value
+
+
+def parse_world_size(value: Any) -> int | tuple[int, int] | None:
+    """``launch.world_size`` as given (an int, ``"min:max"``, ``(min, max)``) as an int or a
+    ``(min, max)`` pair, min < max; a ValueError naming the field for anything else."""
+    if value is None:
+        return None
+    pair: list[Any]
+    if isinstance(value, str):
+        pair = [part.strip() for part in value.split(":")]
+        if len(pair) == 1:
+            pair = pair * 2
+    elif isinstance(value, list | tuple):
+        pair = list(value)
+    else:
+        pair = [value, value]
+    try:
+        if len(pair) != 2 or any(isinstance(p, bool | float) for p in pair):
+            raise ValueError
+        low, high = (int(p) for p in pair)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"launch.world_size: {value!r} is neither a number of ranks nor a range "
+            "'min:max' (e.g. 4, or '2:8' for an elastic job)"
+        ) from None
+    if low < 1:
+        raise ValueError(f"launch.world_size: {value!r}; a job needs at least 1 rank")
+    if low > high:
+        raise ValueError(
+            f"launch.world_size: {value!r}; min ({low}) is above max ({high}), write 'min:max'"
+        )
+    return low if low == high else (low, high)
 
 
 class LaunchError(RuntimeError):
@@ -245,6 +320,10 @@ class RankFailed(RuntimeError):
         self.detected_at = time.time()  # before the clean-up, which can take seconds
 
 
+class WorkerLost(RankFailed):
+    """A rank's worker left the cluster (killed, out of memory, its host gone)."""
+
+
 class RankHung(RankFailed):
     """A rank stopped making progress (a stopped process, a deadlocked collective).
 
@@ -270,9 +349,13 @@ class Heartbeats:
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[float, int, int]] = {}  # rank -> (when, step, first step)
+        self.first_step_at: float | None = None  # wall clock of any rank's first step_done
 
     def record(self, event: tuple[float, dict[str, Any]]) -> None:
         rank, step = int(event[1]["rank"]), int(event[1]["step"])
+        stepped = event[1].get("first_step_at")
+        if stepped is not None:
+            self.first_step_at = min(self.first_step_at or stepped, stepped)
         first = self._seen.get(rank, (0.0, step, step))[2]
         self._seen[rank] = (time.monotonic(), step, first)
 
@@ -303,6 +386,9 @@ class ProcessGroup:
         admission: The job's hold on workers (``launch`` keeps one across its attempts);
             without one, the group asks the scheduler's queue for its workers itself, under a
             job id of its own, and gives them back at ``shutdown``.
+        step_boundaries: Whether the ranks pass step boundaries (``ctx.step_done``): an
+            elastic job's rank whose worker closes gracefully then hands off at the next one.
+            Scripts have none: theirs stop at once.
     """
 
     def __init__(
@@ -311,13 +397,17 @@ class ProcessGroup:
         config: LaunchConfig | None = None,
         *,
         admission: Admission | None = None,
+        step_boundaries: bool = True,
     ) -> None:
         self.client = client
         self.config = config or LaunchConfig()
+        self.step_boundaries = step_boundaries
         self.spec: ProcessGroupSpec | None = None
+        self._departed: set[int] = set()  # ranks whose workers left gracefully
+        self._left_gracefully: Callable[[str], bool] | None = None
         self._owns_admission = admission is None
         self.admission = admission or admit(
-            client, self.config, job_id=f"group-{uuid.uuid4().hex[:8]}", name="process-group"
+            client, self.config, job_id=JobSpec.mint("group").job_id, name="process-group"
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -353,6 +443,8 @@ class ProcessGroup:
             collective_timeout_s=config.collective_timeout_s,
             socket_ifname=config.socket_ifname,
             job_id=self.admission.request.job_id,
+            elastic=config.elastic and self.step_boundaries,
+            leave_timeout_s=config.leave_timeout_s,
         )
         started = time.perf_counter()
         self.spec = spec
@@ -473,13 +565,20 @@ class ProcessGroup:
         name: str = "rank",
         timeout_s: float | None = None,
         heartbeats: Heartbeats | None = None,
-        stop: threading.Event | None = None,
+        stop: "Stop | None" = None,
+        left_gracefully: Callable[[str], bool] | None = None,
+        on_poll: Callable[[], None] | None = None,
     ) -> list[Any]:
         """Run ``function(*args)`` once on every rank and return the results in rank order.
 
         Returns when every rank finished; raises :class:`RankFailed` for the root cause as
         soon as one rank raised or its worker left the cluster, and ``TimeoutError`` after
         ``timeout_s``, and :class:`JobStopped` once ``stop`` is set.
+
+        ``left_gracefully(worker)``: whether a worker that left the cluster was retired (an
+        elastic job's rank hands off at its step boundary as its worker closes); such a rank
+        is no failure, its result is None and the others run on. ``on_poll`` is called at
+        every look at the ranks.
         """
         assert self.spec is not None, "start() first"
         futures = [
@@ -493,9 +592,14 @@ class ProcessGroup:
             )
             for rank, address in enumerate(self.workers)
         ]
+        self._departed: set[int] = set()
+        self._left_gracefully = left_gracefully
         try:
-            self._watch(futures, timeout_s, heartbeats, stop)
-            return [future.result() for future in futures]
+            self._watch(futures, timeout_s, heartbeats, stop, on_poll)
+            return [
+                None if rank in self._departed else future.result()
+                for rank, future in enumerate(futures)
+            ]
         finally:
             self.client.cancel([f for f in futures if not f.done()])
 
@@ -504,7 +608,8 @@ class ProcessGroup:
         futures: list[Future],
         timeout_s: float | None,
         heartbeats: Heartbeats | None,
-        stop: threading.Event | None,
+        stop: "Stop | None",
+        on_poll: Callable[[], None] | None = None,
     ) -> None:
         submitted = time.monotonic()
         deadline = None if timeout_s is None else submitted + timeout_s
@@ -519,12 +624,16 @@ class ProcessGroup:
             # that failed just after the look at failures pass as done, and its exception
             # reach the caller as the training code's, past the restarts (seen once in a CI
             # run of --max-restarts: the script's exit 5 was not restarted).
-            pending = [future for future in futures if not future.done()]
+            undone = [rank for rank, future in enumerate(futures) if not future.done()]
             failure = self._failure(futures)
             if failure is not None:
                 raise self._root_cause(futures, failure)
+            # Those not done before the look, but for ranks whose workers left gracefully in it.
+            pending = [futures[rank] for rank in undone if rank not in self._departed]
             if not pending:
                 return
+            if on_poll is not None:
+                on_poll()
             if stop is not None and stop.is_set():
                 raise JobStopped("the job was asked to stop")
             silent = (
@@ -546,6 +655,8 @@ class ProcessGroup:
         """The first failure in sight: a rank that raised, or a worker that left."""
         failures = []
         for rank, future in enumerate(futures):
+            if rank in self._departed:
+                continue
             if future.status == "error":
                 failures.append(self._raised(rank, future))
             elif future.status == "cancelled":
@@ -559,19 +670,26 @@ class ProcessGroup:
         if any(not future.done() for future in futures) or failures:
             alive = set(self._alive_workers())
             for rank, address in enumerate(self.workers):
-                if address not in alive:
-                    return RankFailed(
-                        f"rank {rank}'s worker {address} left the cluster",
-                        rank=rank,
-                        worker=address,
-                    )
+                if address in alive or rank in self._departed:
+                    continue
+                graceful = self._left_gracefully
+                if graceful is not None and not futures[rank].done() and graceful(address):
+                    # Retired: its rank stops at the step boundary with the others.
+                    logger.info("rank %d's worker %s left gracefully", rank, address)
+                    self._departed.add(rank)
+                    continue
+                return WorkerLost(
+                    f"rank {rank}'s worker {address} left the cluster",
+                    rank=rank,
+                    worker=address,
+                )
         return failures[0] if failures else None
 
     def _root_cause(self, futures: list[Future], first: RankFailed) -> RankFailed:
         """A communication error is often the echo of another rank's failure (its peer died, or
         raised and left): look a little longer for an error of the training code, or a lost
         worker, before blaming the network."""
-        if not first.infrastructure or "left the cluster" in str(first):
+        if not first.infrastructure or isinstance(first, WorkerLost):
             return first
         deadline = time.monotonic() + self.config.settle_s
         while time.monotonic() < deadline:
@@ -584,7 +702,7 @@ class ProcessGroup:
                 else:
                     time.sleep(RELEASE_POLL_S)
             found = self._failure(futures)
-            if found is not None and (not found.infrastructure or "left the cluster" in str(found)):
+            if found is not None and (not found.infrastructure or isinstance(found, WorkerLost)):
                 return found
         return first
 
@@ -646,9 +764,22 @@ def hold_workers(client: Client, admission: Admission, selection: WorkerSelectio
 def ranks_for(client: Client, config: LaunchConfig) -> int:
     """How many ranks a job of ``config`` has: ``config.world_size``, or every worker of its
     selection the cluster has now (at least one). The one place a job's size is resolved."""
-    if config.world_size:
-        return config.world_size
-    return max(1, len(select_workers(live_workers(client), config.workers)))
+    low, high = requested_ranks(client, config)
+    if low != high:
+        raise LaunchError(
+            f"launch.world_size: the range {low}:{high} has no single size here; this path "
+            "runs a fixed number of ranks"
+        )
+    return low
+
+
+def requested_ranks(client: Client, config: LaunchConfig) -> tuple[int, int]:
+    """The fewest and the most ranks a job of ``config`` runs on: ``config.world_range``, or
+    every worker of its selection the cluster has now (at least one)."""
+    if config.world_range is not None:
+        return config.world_range
+    every = max(1, len(select_workers(live_workers(client), config.workers)))
+    return every, every
 
 
 def admit(
@@ -662,13 +793,15 @@ def admit(
 ) -> Admission:
     """A job's place in the scheduler's queue: ``config.world_size`` workers of its selection
     (none: every eligible worker the cluster has now)."""
-    wanted = ranks_for(client, config)
+    low, high = requested_ranks(client, config)
     request = Request(
         job_id=job_id,
         name=name,
         client=client.id,
-        minimum=wanted,
-        maximum=wanted,
+        minimum=low,
+        maximum=high,
+        priority=config.priority,
+        elastic=config.elastic,
         selection=config.workers,
         lease_s=config.lease_s,
         plugins=(plugin_name(job_id),),

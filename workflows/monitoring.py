@@ -3,12 +3,19 @@ and serves the latest figures of every job as Prometheus gauges at the dashboard
 """
 
 import threading
+import time
 import weakref
 from typing import Any
 
 from distributed import Scheduler, SchedulerPlugin
 
-from workflows.dashboard import ROUTE, TrainingPage, add_to_navigation, training_page_url
+from workers.compat.distributed_private import dashboard_page_template
+from workflows.dashboard import (
+    ROUTE,
+    TrainingPage,
+    add_to_navigation,
+    training_page_url,
+)
 from workflows.events import REPORT_BOOKKEEPING
 
 EVENT_PREFIX = "dask-train-"
@@ -19,6 +26,10 @@ SWEEP_PREFIX = "dask-train-sweep-"
 # The client's records of a job's wait for workers: the queue itself (workflows/admission.py)
 # is what the page and /metrics show, not these.
 QUEUE_KINDS = frozenset({"queued", "admitted"})
+# The records that say how many ranks a job runs on: the controller's when the job's first group
+# forms ("world") and at each change of an elastic job ("resized"), and the built-in trainer's
+# "start" (alone, before any controller's, for a job that sends none).
+WORLD_KINDS = frozenset({"world", "resized"})
 PLUGIN_NAME = "dask-train-metrics"
 KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
 KEEP_EPOCHS = 1000  # and this many epoch records of each, for the Training page's curves
@@ -41,6 +52,12 @@ GAUGES = (
     ("dask_train_samples_per_second", "samples_per_s", "Training samples per second, all ranks"),
     ("dask_train_learning_rate", "lr", "Current learning rate"),
     ("dask_train_world_size", "world_size", "Ranks in the job"),
+    (
+        "dask_train_job_world_size",
+        "world_size",
+        "Ranks the job runs on now; changes as an elastic job resizes",
+    ),
+    ("dask_train_job_resizes", "resizes", "Resizes of the job so far (an elastic job's)"),
     ("dask_train_recoveries", "recoveries", "Restarts from a checkpoint after a failure"),
 )
 # One gauge per rank, from each rank's last heartbeat: (metric, the job state's field, help).
@@ -77,7 +94,9 @@ class TrainingMetrics(SchedulerPlugin):
         # The Training page, on the scheduler's web server next to the dashboard's pages.
         application = getattr(scheduler, "http_application", None)
         if application is not None:
-            application.add_handlers(".*$", [(ROUTE, TrainingPage, {"snapshot": self.page})])
+            # Under the dashboard's navigation bar, which then lists the page too.
+            page = {"snapshot": self.page, "navigation": dashboard_page_template(scheduler)}
+            application.add_handlers(".*$", [(ROUTE, TrainingPage, page)])
             add_to_navigation(scheduler)
 
     async def close(self) -> None:
@@ -97,6 +116,7 @@ class TrainingMetrics(SchedulerPlugin):
             if job not in self.jobs and len(self.jobs) >= KEEP_JOBS:
                 del self.jobs[next(iter(self.jobs))]  # the oldest job's series go
             state = self.jobs.setdefault(job, {})
+            state["last_seen"] = time.time()  # where the page's world-size line ends
             if heartbeat:
                 if isinstance(msg.get("samples_per_s"), int | float):
                     ranks = state.setdefault("ranks", {})
@@ -115,7 +135,16 @@ class TrainingMetrics(SchedulerPlugin):
                 state.update({k: v for k, v in fields.items() if isinstance(v, int | float)})
                 state.setdefault("strategy", "launch")
                 return
-            state.update({k: v for k, v in msg.items() if isinstance(v, int | float | str)})
+            if msg.get("kind") in WORLD_KINDS:
+                _record_world(state, msg)
+                return
+            fields = {k: v for k, v in msg.items() if isinstance(v, int | float | str)}
+            if msg.get("kind") == "start" and isinstance(msg.get("world_size"), int):
+                if any(point["kind"] in WORLD_KINDS for point in state.get("world", [])):
+                    del fields["world_size"]  # the controller's records say it, in order
+                else:
+                    _record_world(state, msg)
+            state.update(fields)
             if msg.get("kind") == "epoch":
                 history = state.setdefault("history", [])
                 if not any(r.get("epoch") == msg.get("epoch") for r in history):
@@ -151,9 +180,35 @@ class TrainingMetrics(SchedulerPlugin):
                     "memory": dict(state.get("memory", {})),
                     "history": list(state.get("history", [])),
                     "reports": list(state.get("reports", [])),
+                    "world": list(state.get("world", [])),
                 }
                 for job, state in self.jobs.items()
             }
+
+
+def _record_world(state: dict[str, Any], msg: dict[str, Any]) -> None:
+    """A job's world size from a "world", "resized" or "start" record: the gauges' value now
+    and a point of the page's world-size line (the record's time, else its arrival's)."""
+    kind = msg["kind"]
+    size = msg.get("to") if kind == "resized" else msg.get("world_size")
+    if not isinstance(size, int):
+        return
+    at = msg.get("at")
+    point = {
+        "kind": kind,
+        "at": float(at) if isinstance(at, int | float) else time.time(),
+        "world_size": size,
+    }
+    if kind == "resized":
+        fields = ("from", "step", "cause", "pause_s", "redone_steps")
+        point.update({k: msg[k] for k in fields if isinstance(msg.get(k), int | float | str)})
+        state["resizes"] = state.get("resizes", 0) + 1
+    state.setdefault("resizes", 0)
+    world = state.setdefault("world", [])
+    world.append(point)
+    world.sort(key=lambda p: p["at"])  # the client's and the ranks' records may cross
+    del world[:-KEEP_EPOCHS]
+    state["world_size"] = world[-1]["world_size"]
 
 
 class _Exporter:

@@ -345,6 +345,7 @@ class RunDirectory:
         summary = {
             "name": result.name,
             "recoveries": result.recoveries,
+            "resizes": result.resizes,
             "strategy": result.strategy,
             "world_size": result.world_size,
             "split_points": list(result.split_points) if result.split_points else None,

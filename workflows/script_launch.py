@@ -106,6 +106,8 @@ def launch_script(
                 final_records=_final_output if spec is not None else None,
                 # torchrun's contract: any failure of a script restarts it, within the bound.
                 retry_code_errors=spec is not None,
+                # An elastic script restarts at a resize; a function resizes at ctx.step_done.
+                step_boundaries=spec is None,
             )
     finally:
         for file in (log, metrics):

@@ -20,9 +20,15 @@ Scheduler and client side (``workflows/`` imports this module; ``workers/`` neve
 
 - ``Scheduler.handlers["adaptive_target"]``, wrapped in place: the workers waiting jobs need
   count in the target of any adaptive deployment (``cluster.adapt()`` asks the scheduler
-  through this handler), for which distributed has no hook. Held workers are kept from being
-  retired through the public ``SchedulerPlugin.valid_workers_downscaling``.
+  through this handler), for which distributed has no hook. Which held workers may be retired
+  (an elastic job's above its minimum) goes through the public
+  ``SchedulerPlugin.valid_workers_downscaling``.
 - ``Cluster._adaptive``: the adaptive maximum of a cluster started here.
+- ``distributed.dashboard.components.scheduler.env`` and
+  ``distributed.dashboard.scheduler.template_variables``: the dashboard's page template and
+  its navigation bar, around the Training page (``workflows/dashboard.py``); distributed
+  renders its bar nowhere else. Imported when the page is served: without Bokeh there is no
+  dashboard.
 """
 
 from collections.abc import Callable
@@ -100,3 +106,16 @@ def raise_adaptive_target(scheduler: Scheduler, floor: Callable[[], int]) -> Non
 def adaptive_of(cluster: Any) -> Any:
     """The ``Adaptive`` that ``cluster.adapt()`` made, or None."""
     return getattr(cluster, "_adaptive", None)
+
+
+def dashboard_page_template(scheduler: Scheduler) -> tuple[Any, dict[str, Any]] | None:
+    """distributed's Jinja template of its dashboard's Bokeh pages (``simple.html``: the
+    navigation bar above one document) and the variables it renders ``scheduler``'s bar from
+    (``template_variables``: memoized per scheduler, the very dict its pages render from);
+    None without Bokeh, where the dashboard has no pages."""
+    try:
+        from distributed.dashboard.components.scheduler import env
+        from distributed.dashboard.scheduler import template_variables
+    except ImportError:
+        return None
+    return env.get_template("simple.html"), template_variables(scheduler)

@@ -10,4 +10,5 @@ from workers.strategies import StrategyPlan, register_plan
 @register_plan
 class DDPPlan(StrategyPlan):
     name = "ddp"
+    elastic = True
     runtime = f"{__name__}.replicas"

@@ -1,0 +1,514 @@
+"""Elastic jobs (``launch.world_size = "min:max"``) on real clusters: workers joining, retired,
+closed by SIGTERM, SIGKILLed, taken back by a queued job and by an adaptive cluster; the
+parameters equal one process's on the same global batches, with no step redone."""
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.reference import Reference, assert_equivalent, train_in_one_process
+from tests.test_launch import _data, _model
+from workers.data import open_store, rank_epoch_indices
+from workflows import launch, start_cluster, train
+from workflows.admission import Request, WorkerQueue
+from workflows.cluster import live_workers
+from workflows.config import ConfigError, load_config
+from workflows.launcher import LaunchConfig, WorkerSelection
+
+GLOBAL_BATCH = 60  # every world from 1 to 5 splits it evenly: DDP's mean is the batch's
+WAIT_S = 60.0  # each phase of a test: the cluster and the job must get there within it
+
+
+def _batch(step: int, n: int) -> torch.Tensor:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(step // (n // GLOBAL_BATCH)))
+    start = (step % (n // GLOBAL_BATCH)) * GLOBAL_BATCH
+    return order[start : start + GLOBAL_BATCH]
+
+
+def elastic_loop(ctx, stop_file: str, delay_s: float) -> tuple[dict, int]:
+    """A user's DDP loop for any world: each rank takes its share of every global batch. It
+    trains until ``stop_file`` exists (the ranks agree on it every 5 steps), then returns its
+    parameters and the steps taken."""
+    x, y = _data()
+    model = DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = ctx.restore({"model": model, "optimizer": optimizer}) or 0
+    share = GLOBAL_BATCH // ctx.world_size
+    while True:
+        index = _batch(step, len(y))[ctx.rank * share : (ctx.rank + 1) * share]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        optimizer.step()
+        step += 1
+        ctx.report(step=step, world=ctx.world_size)
+        ctx.step_done(step)  # last in the step: the world may change here
+        if step % 5 == 0:
+            stop = torch.tensor([float(os.path.exists(stop_file))])
+            dist.all_reduce(stop)
+            if stop.item():
+                return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, step
+        time.sleep(delay_s)
+
+
+def _one_process(steps: int, dtype: torch.dtype, repeat: int | None = None) -> dict:
+    """The reference: each global batch in one pass; ``repeat``: that step done twice (a
+    resize that redid it)."""
+    x, y = _data()
+    x = x.to(dtype)
+    model = _model().to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    schedule = list(range(steps))
+    if repeat is not None:
+        schedule.insert(repeat, repeat)
+    for step in schedule:
+        index = _batch(step, len(y))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+class Watch:
+    """The job's records as they arrive, and bounded waits for what the test needs."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self._changed = threading.Condition()
+
+    def __call__(self, record: dict) -> None:
+        with self._changed:
+            self.records.append(record)
+            self._changed.notify_all()
+
+    def until(self, what: str, ready: Callable[[list[dict]], bool]) -> None:
+        with self._changed:
+            failed = lambda: any(r["kind"] == "failed" for r in self.records)  # noqa: E731
+            done = self._changed.wait_for(lambda: ready(self.records) or failed(), WAIT_S)
+            if failed():
+                error = next(r.get("error") for r in self.records if r["kind"] == "failed")
+                raise AssertionError(f"the job failed before: {what}") from error
+            if not done:
+                kinds = [(r["kind"], r.get("world"), r.get("step")) for r in self.records[-5:]]
+                raise AssertionError(f"not within {WAIT_S:g} s: {what} (last records: {kinds})")
+
+    def world(self, size: int, *, after: int = 0) -> Callable[[list[dict]], bool]:
+        """Reports from a world of ``size`` that come after ``after`` records."""
+        return lambda records: any(
+            r["kind"] == "report" and r["world"] == size for r in records[after:]
+        )
+
+
+def _no_restart(dask_worker) -> None:
+    """Run on a nanny: when its worker process dies, it closes instead of starting another."""
+    dask_worker.close_gracefully(reason="a spot instance reclaimed")
+
+
+def _victim(client) -> tuple[str, int]:
+    """A worker holding a rank other than 0 (the last in rank order), and its process id."""
+    workers = live_workers(client)
+    address = max(workers, key=lambda a: int(workers[a]["name"]))
+    return address, client.run(os.getpid, workers=[address])[address]
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(240)
+def test_a_job_grows_on_join_and_shrinks_by_sigkill_sigterm_and_retire_redoing_nothing(
+    tmp_path,
+):
+    stop_file = tmp_path / "stop"
+    watch = Watch()
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        client = training_cluster.client
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = launch(
+                    elastic_loop,
+                    str(stop_file),
+                    0.02,
+                    cluster=training_cluster,
+                    world_size="2:5",
+                    on_event=watch,
+                    config={"worker_wait_s": 120.0},
+                )
+            except BaseException as error:  # raised in the test below
+                outcome["error"] = error
+                watch({"kind": "failed", "error": error})
+
+        job = threading.Thread(target=run)
+        job.start()
+        try:
+            watch.until("2 ranks training", watch.world(2))
+            training_cluster.cluster.scale(5)
+            watch.until("grown to 5", watch.world(5))
+            address, _ = _victim(client)
+            seen = len(watch.records)
+            client.retire_workers([address])
+            watch.until("4 ranks after retire_workers", watch.world(4, after=seen))
+            address, pid = _victim(client)
+            seen = len(watch.records)
+            os.kill(pid, signal.SIGTERM)  # a spot instance's notice
+            watch.until("3 ranks after the SIGTERM", watch.world(3, after=seen))
+            address, pid = _victim(client)
+            # Gone for good, as a spot instance is: its nanny does not start it again.
+            client.run(_no_restart, nanny=True, workers=[address])
+            seen = len(watch.records)
+            os.kill(pid, signal.SIGKILL)
+            watch.until("2 ranks after the SIGKILL", watch.world(2, after=seen))
+        finally:
+            stop_file.touch()
+            job.join(timeout=WAIT_S)
+        if "error" in outcome:
+            raise outcome["error"]
+    result = outcome["result"]
+    causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
+    assert causes == [
+        (2, 5, "joined"),
+        (5, 4, "retired"),
+        (4, 3, "retired"),
+        (3, 2, "lost"),
+    ], result.resizes
+    # A live replica holds every step: none is done again, not even after the SIGKILL.
+    assert [r["redone_steps"] for r in result.resizes] == [0] * 4
+    assert all(r["pause_s"] is not None and r["pause_s"] >= 0 for r in result.resizes)
+    resized = [r for r in watch.records if r["kind"] == "resized"]
+    assert [r["cause"] for r in resized] == [c for *_, c in causes]  # on_event saw each one
+    # Rank 0 (never a victim) reported every step once, in order, across the five worlds.
+    _, steps = result.results[0]
+    assert [r["step"] for r in result.metrics[0]] == list(range(1, steps + 1))
+    assert {r["world"] for r in result.metrics[0]} == {2, 3, 4, 5}
+    reference = Reference.of(lambda dtype: _one_process(steps, dtype), steps=steps)
+    planted = {
+        "a step redone at a resize": _one_process(steps, torch.float64, repeat=steps // 2),
+        "the last step skipped": _one_process(steps - 1, torch.float64),
+    }
+    for rank_parameters, rank_steps in result.results:
+        assert rank_steps == steps
+        assert_equivalent(rank_parameters, reference, planted=planted)
+
+
+def _fixed_job(ctx) -> int:
+    ctx.report(world=ctx.world_size)
+    return ctx.world_size
+
+
+@pytest.mark.timeout(180)
+def test_a_queued_job_takes_workers_from_an_elastic_job_which_grows_back_after(tmp_path):
+    stop_file = tmp_path / "stop"
+    watch = Watch()
+    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = launch(
+                    elastic_loop,
+                    str(stop_file),
+                    0.02,
+                    cluster=training_cluster,
+                    world_size="2:4",
+                    on_event=watch,
+                )
+            except BaseException as error:
+                outcome["error"] = error
+                watch({"kind": "failed", "error": error})
+
+        job = threading.Thread(target=run)
+        job.start()
+        try:
+            watch.until("4 ranks training", watch.world(4))
+            seen = len(watch.records)
+            queued = launch(_fixed_job, cluster=training_cluster, world_size=2)
+            assert queued.results == [2, 2]
+            # Its ranks started once the elastic job gave two workers back at a step boundary.
+            assert 0 < queued.first_step_s <= queued.wall_s
+            watch.until("the elastic job on 2", watch.world(2, after=seen))
+            seen = next(i for i, r in enumerate(watch.records) if i >= seen and r.get("world") == 2)
+            watch.until("grown back to 4", watch.world(4, after=seen))
+        finally:
+            stop_file.touch()
+            job.join(timeout=WAIT_S)
+        if "error" in outcome:
+            raise outcome["error"]
+    causes = [(r["from"], r["to"], r["cause"]) for r in outcome["result"].resizes]
+    assert causes[:2] == [(4, 2, "yielded"), (2, 4, "joined")], causes
+
+
+@pytest.mark.timeout(120)
+def test_an_adaptive_cluster_takes_an_elastic_jobs_extra_workers_away(tmp_path):
+    stop_file = tmp_path / "stop"
+    watch = Watch()
+    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = launch(
+                    elastic_loop,
+                    str(stop_file),
+                    0.02,
+                    cluster=training_cluster,
+                    world_size="2:4",
+                    on_event=watch,
+                )
+            except BaseException as error:
+                outcome["error"] = error
+                watch({"kind": "failed", "error": error})
+
+        job = threading.Thread(target=run)
+        job.start()
+        try:
+            watch.until("4 ranks training", watch.world(4))
+            seen = len(watch.records)
+            training_cluster.cluster.adapt(minimum=2, maximum=2, interval="200ms", wait_count=1)
+            watch.until("the elastic job down to 2", watch.world(2, after=seen))
+        finally:
+            stop_file.touch()
+            job.join(timeout=WAIT_S)
+        if "error" in outcome:
+            raise outcome["error"]
+    resizes = outcome["result"].resizes
+    assert {r["cause"] for r in resizes} == {"retired"}, resizes
+    assert resizes[-1]["to"] == 2 and all(r["redone_steps"] == 0 for r in resizes)
+
+
+# -- the queue's decisions, on a real scheduler ------------------------------------------------
+
+
+def _ask(requests: list[Request], dask_scheduler) -> dict:
+    queue = dask_scheduler.plugins.get("dask-train-queue")
+    if queue is None:
+        queue = WorkerQueue()
+        queue.scheduler = dask_scheduler
+        dask_scheduler.plugins[queue.name] = queue
+    queue.entries.clear()
+    statuses = {}
+    for request in requests:
+        statuses[request.job_id] = queue.request(request)
+    return {job_id: queue.status(job_id) for job_id in statuses}
+
+
+def _request(job_id: str, low: int, high: int, priority: int = 0) -> Request:
+    return Request(
+        job_id=job_id,
+        name=job_id,
+        client="test",
+        minimum=low,
+        maximum=high,
+        selection=WorkerSelection(),
+        priority=priority,
+        elastic=low < high,
+    )
+
+
+def test_the_queue_asks_elastic_jobs_above_their_minimum_never_fixed_ones_by_priority(cluster):
+    client = cluster.client  # 2 workers
+    # An elastic 1:2 job holds both; a fixed 1-rank job arriving later gets one at its boundary.
+    status = client.run_on_scheduler(_ask, [_request("e", 1, 2), _request("f", 1, 1)])
+    assert len(status["e"]["granted"]) == 2 and len(status["e"]["yielding"]) == 1
+    assert status["f"]["waiting"]
+    # A fixed job is never asked to give a worker back.
+    status = client.run_on_scheduler(_ask, [_request("a", 2, 2), _request("f", 1, 1)])
+    assert status["a"]["yielding"] == [] and status["f"]["waiting"]
+    # An elastic job of higher priority keeps its workers for a lower one ...
+    status = client.run_on_scheduler(_ask, [_request("e", 1, 2, 5), _request("f", 1, 1, 0)])
+    assert status["e"]["yielding"] == []
+    # ... and a higher priority is served first: the later job gets what the earlier waits for.
+    status = client.run_on_scheduler(
+        _ask, [_request("a", 2, 2), _request("low", 2, 2, 0), _request("high", 2, 2, 1)]
+    )
+    queued = client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["dask-train-queue"].queued()
+    )
+    assert [q["job_id"] for q in queued] == ["high", "low"]
+    client.run_on_scheduler(_ask, [])  # leave the queue empty for the next test
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("3:2", "min (3) is above max (2)"),
+        ("0:2", "at least 1 rank"),
+        ("two:four", "neither a number of ranks nor a range"),
+        ((2, 3, 4), "neither a number of ranks nor a range"),
+    ],
+)
+def test_a_world_size_range_that_cannot_hold_is_refused_naming_the_field(given, message):
+    with pytest.raises(ConfigError, match=rf"^launch\.world_size: .*{re.escape(message)}"):
+        launch(_fixed_job, cluster=None, world_size=given)
+
+
+def test_a_world_size_is_an_int_or_a_range():
+    assert LaunchConfig(world_size="2:8").world_range == (2, 8)
+    assert LaunchConfig(world_size=[2, 8]).elastic
+    assert LaunchConfig(world_size="4").world_size == 4 and not LaunchConfig(world_size=4).elastic
+    assert LaunchConfig(world_size="3:3").world_size == 3
+
+
+# -- the built-in trainer -----------------------------------------------------------------------
+
+
+class _Paced(nn.Module):
+    """Lets the test act while the job trains: each forward waits ``pause_s`` until
+    ``released`` exists (the one-process reference never waits)."""
+
+    def __init__(self, released: str, pause_s: float) -> None:
+        super().__init__()
+        self.released, self.pause_s = released, pause_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not os.path.exists(self.released):
+            time.sleep(self.pause_s)
+        return x
+
+
+def paced_model(num_classes: int, in_features: int, released: str = "", pause_s: float = 0.0):
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_features, 32),
+        nn.Tanh(),
+        nn.Linear(32, num_classes),
+        _Paced(released, pause_s),
+    )
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(240)
+def test_the_trainer_resized_2_4_3_2_equals_one_process_on_the_same_global_batches(
+    make_config, tmp_path
+):
+    released = tmp_path / "released"
+    config = make_config(
+        {
+            "name": "elastic-trainer",
+            "launch": {"world_size": "2:4"},
+            "data": {"drop_last": True},
+            # 0.2 s a step until the test is done resizing: 11 s for it, whatever the load.
+            "model": {"kwargs": {"released": str(released), "pause_s": 0.2}},
+        },
+        strategy="ddp",
+        # Two epochs: over many more, float32's rounding of this model grows as large as the
+        # difference between two orders of batches, and the check could tell nothing apart.
+        epochs=2,
+        batch_size=48,
+        lr=0.05,
+        momentum=0.9,
+        log_every_steps=1,
+    )
+    watch = Watch()
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        client = training_cluster.client
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = train(
+                    config, cluster=training_cluster, model=paced_model, on_event=watch
+                )
+            except BaseException as error:
+                outcome["error"] = error
+                watch({"kind": "failed", "error": error})
+
+        def world(size: int, after: int = 0) -> Callable[[list[dict]], bool]:
+            return lambda records: any(
+                r["kind"] == "resized" and r["to"] == size for r in records[after:]
+            )
+
+        job = threading.Thread(target=run)
+        job.start()
+        try:
+            watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
+            training_cluster.cluster.scale(4)
+            watch.until("grown to 4", world(4))
+            address, _ = _victim(client)
+            client.retire_workers([address])
+            watch.until("3 after retire_workers", world(3))
+            address, pid = _victim(client)
+            client.run(_no_restart, nanny=True, workers=[address])
+            os.kill(pid, signal.SIGKILL)
+            watch.until("2 after the SIGKILL", world(2))
+        finally:
+            released.touch()
+            job.join(timeout=WAIT_S)
+        if "error" in outcome:
+            raise outcome["error"]
+    result = outcome["result"]
+    assert [(r["from"], r["to"], r["cause"]) for r in result.resizes] == [
+        (2, 4, "joined"),
+        (4, 3, "retired"),
+        (3, 2, "lost"),
+    ]
+    assert [r["redone_steps"] for r in result.resizes] == [0, 0, 0]
+    steps = result.history[-1]["step"]
+    assert steps == 2 * (len(_digits_train(config)) // 48)  # the epochs' every global batch
+    # The same global batches in the same order as one process (the elastic order is a
+    # one-rank run's): equal parameters. Had the ranks read a fixed world's shares (their
+    # own part of the epoch each, as a 2-rank run does), it would show.
+    def one_process(dtype: torch.dtype, world_size: int = 1) -> dict:
+        return train_in_one_process(
+            config, world_size=world_size, steps=steps, factory=paced_model, dtype=dtype
+        )
+
+    assert_equivalent(
+        result.state_dict,
+        Reference.of(one_process, steps=steps),
+        planted={"a fixed 2-rank world's batches": one_process(torch.float64, world_size=2)},
+    )
+
+
+def _digits_train(config) -> np.ndarray:
+    return open_store(config.data.resolved().store_url).train.labels
+
+
+def test_every_sample_of_an_epoch_is_trained_once_across_resizes():
+    n, global_batch = 1000, 60
+    taken: list[int] = []
+    # The world changes after batches 3 and 7 of the epoch: 2 ranks, then 4, then 3.
+    for batch in range(n // global_batch):
+        world = 2 if batch < 3 else 4 if batch < 7 else 3
+        share = global_batch // world
+        for rank in range(world):
+            mine = rank_epoch_indices(
+                n,
+                world_size=world,
+                rank=rank,
+                epoch=1,
+                seed=7,
+                chunk_size=64,
+                shuffle_window=4,
+                drop_last=True,
+                global_batch=global_batch,
+            )
+            taken += mine[batch * share : (batch + 1) * share].tolist()
+    assert len(taken) == len(set(taken)) == (n // global_batch) * global_batch
+    # ... in the order a fixed world reads them: one rank's order is the epoch's.
+    alone = rank_epoch_indices(
+        n, world_size=1, rank=0, epoch=1, seed=7, chunk_size=64, shuffle_window=4, drop_last=True
+    )
+    assert taken == alone[: len(taken)].tolist()
+
+
+@pytest.mark.parametrize(
+    ("training", "message"),
+    [
+        ({"strategy": "fsdp"}, "training.strategy 'fsdp' lays its model out once"),
+        ({"strategy": "pipeline"}, "training.strategy 'pipeline' lays its model out once"),
+        ({"batch_size": 64}, "includes 3 ranks, and training.batch_size: 64 must be a multiple"),
+    ],
+)
+def test_a_trainer_range_that_cannot_hold_is_refused_before_anything_runs(training, message):
+    with pytest.raises(ConfigError, match=rf"^launch\.world_size: 2:4 .*{re.escape(message)}"):
+        load_config({"launch": {"world_size": "2:4"}, "training": {"batch_size": 48} | training})
+    assert load_config({"launch": {"world_size": [2, 4]}, "training": {"batch_size": 48}})

@@ -1,0 +1,326 @@
+"""Elastic jobs: what each change of a job's world costs, against the anchors' way of resizing
+(stop, and start again at the new size from the newest checkpoint: torchrun --nnodes=min:max,
+Ray Train v2's ScalingConfig(num_workers=(min, max))), in the same run.
+
+    python -m workflows.benchmarks.elastic [--step-ms 30] [--checkpoint-every 10]
+
+A DDP job of 2:4 ranks (a 3-layer MLP; each step sleeps --step-ms besides, the compute of a
+real step) on a cluster of 2 workers: it grows 2 -> 4 when two workers join
+(``cluster.scale(4)``), shrinks 4 -> 3 by ``retire_workers``, 3 -> 2 by a SIGKILL (the worker
+not started again, as a reclaimed spot instance). Then, on 4 workers, a queued fixed 2-rank job
+takes 2 workers from the 2:4 job holding them all. The same three changes again the anchors'
+way: a fixed-size job checkpointing every --checkpoint-every steps, stopped (or failed, for the
+SIGKILL) and launched again at the new size from its newest checkpoint, on the same warm
+workers (torchrun and Ray start new processes as well: their pause is longer still).
+
+Pause: from the last step before the change to the first step after. Redone: steps finished
+before it that are trained again after. Also measured: what the elastic job's per-step vote
+costs, steps/s of a 2:4 job on 2 workers against a fixed 2-rank one.
+"""
+
+import argparse
+import contextlib
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from workflows.cluster import TrainingCluster, live_workers, start_cluster
+from workflows.jobs import launch
+
+GLOBAL_BATCH = 96  # split evenly by 2, 3 and 4 ranks
+WAIT_S = 120.0
+
+
+def mlp_loop(ctx, stop_file: str, step_s: float, checkpoint_every: int) -> int:
+    """Train until ``stop_file`` exists (the ranks agree every 5 steps); returns the steps."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = {"model": model, "optimizer": optimizer}
+    step = ctx.restore(state) or 0
+    share = GLOBAL_BATCH // ctx.world_size
+    while True:
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(GLOBAL_BATCH, 64, generator=generator)[ctx.rank * share :][:share]
+        y = torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)[ctx.rank * share :][:share]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        step += 1
+        ctx.report(step=step, world=ctx.world_size, at=time.time())
+        ctx.step_done(step)
+        if checkpoint_every and step % checkpoint_every == 0:
+            ctx.save(state, step=step)
+        if step % 5 == 0:
+            stop = torch.tensor([float(os.path.exists(stop_file))])
+            dist.all_reduce(stop)
+            if stop.item():
+                return step
+        time.sleep(step_s)
+
+
+def first_step(ctx) -> None:
+    ctx.report(step=1)
+
+
+class Steps:
+    """The job's step reports as they arrive, with bounded waits."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, Any]] = []
+        self.resizes: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        with self._changed:
+            if record.get("kind") == "report" and record.get("rank") == 0:
+                self.reports.append(record)
+            elif record.get("kind") == "resized":
+                self.resizes.append(record)
+            self._changed.notify_all()
+
+    def wait(self, what: str, ready: Any) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: ready(self), WAIT_S):
+                raise TimeoutError(f"not within {WAIT_S:g} s: {what}")
+
+    def world(self, size: int, *, steps_after: int = 5) -> Any:
+        """Ready once rank 0 reported ``steps_after`` steps in a world of ``size``."""
+        return lambda s: sum(r["world"] == size for r in s.reports[-steps_after:]) >= steps_after
+
+
+def _last_worker(client) -> str:
+    workers = live_workers(client)
+    return max(workers, key=lambda a: int(workers[a]["name"]))
+
+
+def _no_restart(dask_worker) -> None:
+    dask_worker.close_gracefully(reason="a spot instance reclaimed")
+
+
+def _kill_for_good(client) -> None:
+    address = _last_worker(client)
+    pid = client.run(os.getpid, workers=[address])[address]
+    client.run(_no_restart, nanny=True, workers=[address])
+    os.kill(pid, signal.SIGKILL)
+
+
+CHANGES = (
+    ("grow 2 -> 4: two workers join", 4, lambda cluster: cluster.cluster.scale(4)),
+    (
+        "shrink 4 -> 3: retire_workers",
+        3,
+        lambda cluster: cluster.client.retire_workers([_last_worker(cluster.client)]),
+    ),
+    ("shrink 3 -> 2: SIGKILL", 2, lambda cluster: _kill_for_good(cluster.client)),
+)
+
+
+def elastic(step_s: float, folder: Path) -> list[dict[str, Any]]:
+    """The three changes of one 2:4 job; its resize records."""
+    stop = folder / "stop-elastic"
+    steps = Steps()
+    with start_cluster(n_workers=2, dashboard_port=0) as cluster:
+        done: dict[str, Any] = {}
+        job = threading.Thread(
+            target=lambda: done.update(
+                result=launch(
+                    mlp_loop,
+                    str(stop),
+                    step_s,
+                    0,
+                    cluster=cluster,
+                    world_size="2:4",
+                    on_event=steps,
+                    config={"worker_wait_s": WAIT_S},
+                )
+            )
+        )
+        job.start()
+        steps.wait("2 ranks", steps.world(2))
+        for _, size, change in CHANGES:
+            change(cluster)
+            steps.wait(f"{size} ranks", steps.world(size))
+        stop.touch()
+        job.join(WAIT_S)
+    return done["result"].resizes
+
+
+def restarted(step_s: float, checkpoint_every: int, folder: Path) -> list[dict[str, Any]]:
+    """The same changes the anchors' way: a fixed-size job, stopped (or failed, for the
+    SIGKILL) and launched again at the new size from its newest checkpoint. One dict per
+    change: pause_s, redone_steps."""
+    checkpoints, stop_file = folder / "checkpoints", folder / "stop-restarted"
+    measured: list[dict[str, Any]] = []
+    with start_cluster(n_workers=2, dashboard_port=0) as cluster:
+        size, stopped = 2, None
+        for index in range(len(CHANGES) + 1):
+            steps, stop = Steps(), threading.Event()
+            job = threading.Thread(
+                target=_until_stopped,
+                args=(cluster, size, steps, stop, stop_file, step_s, checkpoint_every, checkpoints),
+            )
+            job.start()
+            steps.wait(f"{size} ranks", lambda s: len(s.reports) >= 1)
+            if stopped is not None:
+                first = steps.reports[0]
+                measured.append(
+                    {
+                        "pause_s": first["at"] - stopped["at"],
+                        "redone_steps": stopped["step"] - (first["step"] - 1),
+                    }
+                )
+            if index == len(CHANGES):
+                stop_file.touch()
+                job.join(WAIT_S)
+                break
+            steps.wait("steps", steps.world(size, steps_after=checkpoint_every + 3))
+            _, size, change = CHANGES[index]
+            if index == 0:  # torchrun restarts once the new workers have joined
+                change(cluster)
+                cluster.client.wait_for_workers(size, timeout=WAIT_S)
+                stop.set()
+            elif index == 1:  # a graceful leave: stopped, then the worker goes
+                stop.set()
+                job.join(WAIT_S)
+                change(cluster)
+            else:  # the SIGKILL fails the job
+                change(cluster)
+            job.join(WAIT_S)
+            stopped = steps.reports[-1]
+            while len(live_workers(cluster.client)) != size:
+                time.sleep(0.01)
+    return measured
+
+
+def _until_stopped(
+    cluster: TrainingCluster,
+    size: int,
+    steps: Steps,
+    stop: threading.Event,
+    stop_file: Path,
+    step_s: float,
+    checkpoint_every: int,
+    checkpoints: Path,
+) -> None:
+    # Stopped, or failed by the SIGKILL: main launches it again.
+    with contextlib.suppress(Exception):
+        launch(
+            mlp_loop,
+            str(stop_file),
+            step_s,
+            checkpoint_every,
+            cluster=cluster,
+            world_size=size,
+            checkpoint_dir=checkpoints,
+            on_event=steps,
+            stop=stop,
+            config={"max_failures": 0},
+        )
+
+
+def queued_first_step(step_s: float, folder: Path) -> tuple[float, float, float]:
+    """A fixed 2-rank job called while a 2:4 job holds all 4 workers: its call-to-first-step,
+    the elastic job's pause as it yields, and the same call on an idle cluster."""
+    stop = folder / "stop-queued"
+    steps = Steps()
+    with start_cluster(n_workers=4, dashboard_port=0) as cluster:
+        for _ in range(2):  # warm: imports, plugins, connections
+            launch(first_step, cluster=cluster, world_size=2)
+        idle = launch(first_step, cluster=cluster, world_size=2).first_step_s
+        done: dict[str, Any] = {}
+        job = threading.Thread(
+            target=lambda: done.update(
+                result=launch(
+                    mlp_loop,
+                    str(stop),
+                    step_s,
+                    0,
+                    cluster=cluster,
+                    world_size="2:4",
+                    on_event=steps,
+                )
+            )
+        )
+        job.start()
+        steps.wait("4 ranks", steps.world(4))
+        queued = launch(first_step, cluster=cluster, world_size=2).first_step_s
+        stop.touch()
+        job.join(WAIT_S)
+    yielded = next(r for r in done["result"].resizes if r["cause"] == "yielded")
+    return queued, yielded["pause_s"], idle
+
+
+def vote_cost(cluster: TrainingCluster, folder: Path, steps: int) -> tuple[float, float]:
+    """Steps/s of a fixed 2-rank job and of a 2:4 one on the same 2 workers, no sleep."""
+    rates = []
+    for world in (2, "2:4"):
+        stop = folder / f"stop-{world}".replace(":", "-")
+        counter = Steps()
+
+        def stop_after(record: dict[str, Any], counter: Steps = counter, stop: Path = stop) -> None:
+            counter(record)
+            if len(counter.reports) >= steps:
+                stop.touch()
+
+        result = launch(
+            mlp_loop, str(stop), 0.0, 0, cluster=cluster, world_size=world, on_event=stop_after
+        )
+        reports = counter.reports
+        rates.append((len(reports) - 10) / (reports[-1]["at"] - reports[9]["at"]))
+        del result
+    return rates[0], rates[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-ms", type=float, default=30.0)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--vote-steps", type=int, default=300)
+    args = parser.parse_args()
+    step_s = args.step_ms / 1000
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder)
+        with start_cluster(n_workers=2, dashboard_port=0) as cluster:
+            fixed_rate, elastic_rate = vote_cost(cluster, path, args.vote_steps)
+        ours = elastic(step_s, path)
+        theirs = restarted(step_s, args.checkpoint_every, path)
+        queued, yielded_pause, idle = queued_first_step(step_s, path)
+    print(
+        f"DDP job 2:4 ranks, a step = compute + {args.step_ms:g} ms; checkpoints every "
+        f"{args.checkpoint_every} steps for the restart"
+    )
+    print(
+        "| change | dask-train elastic: pause | redone steps | restart from checkpoint: "
+        "pause | redone steps |"
+    )
+    print("|---|---|---|---|---|")
+    for (what, _, _), resize, anchor in zip(CHANGES, ours, theirs, strict=True):
+        print(
+            f"| {what} | {resize['pause_s']:.2f} s | {resize['redone_steps']} | "
+            f"{anchor['pause_s']:.2f} s | {anchor['redone_steps']} |"
+        )
+    print(
+        f"| a queued 2-rank job takes 2 of 4 | {yielded_pause:.2f} s | 0 | | |\n"
+        f"queued job, call to first step: {queued:.2f} s (idle cluster: {idle:.2f} s)\n"
+        f"per-step vote: {elastic_rate:.0f} steps/s elastic vs {fixed_rate:.0f} fixed "
+        f"({elastic_rate / fixed_rate:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,677 @@
+"""A job's control loop on the client, as a state machine.
+
+    queued -> forming -> running -> done
+                 ^          |
+                 |          +-> resizing ---+    (an elastic job's world changes)
+                 |          +-> recovering -+    (a worker lost, a rank hung)
+                 +--------------------------+
+                            +-> stopping -> failed
+
+Each pass through ``forming`` is one generation of the process group, over the workers the job
+holds then; ``running`` ends in one of four ways, each handled by one method: every rank
+returned (``done``), every rank stopped at the same step boundary for a resize (``resizing``),
+a failure worth another attempt (``recovering``), or one that is not (``failed``). Failures are
+typed where they are caught (``workflows/launcher.py``: `WorkerLost`, `RankHung`, `RankFailed`
+with the training code's own exception), and the decision is
+`workflows.failure_policy.FailurePolicy`'s. Every state change is a `Transition`; every resize
+a record of kind ``resized`` to ``on_event``, the run directory and the Training page.
+
+An elastic job (``launch.world_size = "min:max"``) resizes without redoing a step: a watcher
+thread follows the job's entry in the scheduler's queue (`workflows.admission.WorkerQueue`)
+and, when workers join, a queued job needs some back, or a held worker closes gracefully, asks
+the ranks to stop at their next step boundary (`workers.elastic`); the next generation, on the
+new set of workers, receives the state from a live rank.
+"""
+
+import contextlib
+import enum
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import CodeType, TracebackType
+from typing import Any
+
+import cloudpickle
+from distributed import Client
+
+from workers import elastic, live_recovery
+from workers.checkpoint import latest_good_checkpoint
+from workers.live_recovery import LiveSource
+from workers.rank_context import RankJob, RankOutcome, run_pickled
+from workers.remote_traceback import rebuilt_traceback
+from workflows.admission import Admission
+from workflows.code_shipping import ship_code
+from workflows.events import EventRelay
+from workflows.failure_policy import Decision, FailurePolicy
+from workflows.job_spec import JobSpec
+from workflows.launcher import (
+    GroupFormationError,
+    Heartbeats,
+    JobStopped,
+    LaunchConfig,
+    LaunchError,
+    ProcessGroup,
+    RankFailed,
+    WorkerLost,
+    run_bounded,
+)
+
+logger = logging.getLogger(__name__)
+DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for code that travels by value
+WATCH_POLL_S = 1.0  # one long poll of the queue by an elastic job's watcher
+
+
+class TrainingFailed(RuntimeError):
+    """The run failed more often than ``launch.max_failures`` allows, or the lost worker
+    never came back."""
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    FORMING = "forming"
+    RUNNING = "running"
+    RESIZING = "resizing"
+    RECOVERING = "recovering"
+    STOPPING = "stopping"
+    DONE = "done"
+    FAILED = "failed"
+
+
+# Which state may follow which: anything else is a bug of the controller.
+ALLOWED = {
+    State.QUEUED: {State.FORMING, State.STOPPING},
+    State.FORMING: {State.RUNNING, State.RECOVERING, State.STOPPING},
+    State.RUNNING: {State.DONE, State.RESIZING, State.RECOVERING, State.STOPPING},
+    State.RESIZING: {State.FORMING, State.STOPPING},
+    State.RECOVERING: {State.FORMING, State.STOPPING},
+    State.STOPPING: {State.FAILED},
+    State.DONE: set(),
+    State.FAILED: set(),
+}
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One change of a job's state: to what, when (epoch seconds), and why."""
+
+    state: State
+    at: float
+    reason: str = ""
+
+
+@dataclass
+class Recovery:
+    """One restart: what failed, and what the next attempt continued from: a surviving
+    replica's kept state (``"replica"``), the newest checkpoint (``"checkpoint"``), or the
+    beginning (``"start"``)."""
+
+    failure: str
+    detected_at: float
+    resumed_from_step: int
+    redo_s: float  # training since the state continued from, done again
+    recovered_from: str = "checkpoint"
+    restart_s: float | None = None  # from detection to the resumed attempt's first step
+
+    def from_replica(self, source: LiveSource) -> None:
+        self.recovered_from, self.resumed_from_step = "replica", source.step
+        # Only the step in flight when the worker was lost is done again.
+        self.redo_s = max(0.0, self.detected_at - source.done_at)
+
+    def finish(self, *, first_step_at: float) -> None:
+        self.restart_s = max(0.0, first_step_at - self.detected_at)
+
+    def describe(self) -> str:
+        if self.recovered_from == "replica":
+            where = "a surviving replica's state"
+        else:
+            where = "the newest checkpoint" if self.recovered_from == "checkpoint" else "the start"
+        return f"{self.failure}; resuming at step {self.resumed_from_step} from {where}"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "failure": self.failure,
+            "detected_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.detected_at)),
+            "detected_at_s": self.detected_at,
+            "recovered_from": self.recovered_from,
+            "resumed_from_step": self.resumed_from_step,
+            "redo_s": self.redo_s,
+            "restart_s": self.restart_s,
+            "seconds_lost": self.redo_s + (self.restart_s or 0.0),
+        }
+
+
+@dataclass
+class Failure:
+    message: str
+    detected_at: float
+    attempt_started_at: float
+
+    def recovered_at(self, resume: tuple[Path, dict[str, Any]] | None) -> Recovery:
+        saved_at = resume[1]["written_at"] if resume else self.attempt_started_at
+        return Recovery(
+            failure=self.message,
+            detected_at=self.detected_at,
+            resumed_from_step=resume[1]["step"] if resume else 0,
+            redo_s=max(0.0, self.detected_at - max(saved_at, self.attempt_started_at)),
+            recovered_from="checkpoint" if resume else "start",
+        )
+
+
+@dataclass
+class Resize:
+    """One change of an elastic job's world: ``cause`` is ``joined`` (workers joined or were
+    freed), ``yielded`` (a queued job needed them), ``retired`` (a worker closed gracefully)
+    or ``lost`` (a worker died; the job went on without waiting for a replacement)."""
+
+    cause: str
+    before: int
+    detected_at: float
+    after: int = 0
+    step: int = 0  # the step the new world continues from
+    stopped_at: float = math.nan  # wall clock of that step on the ranks
+    pause_s: float | None = None  # the last step before to the first step after
+    redone_steps: int | None = 0  # steps finished before that the new world does again
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "kind": "resized",
+            "from": self.before,
+            "to": self.after,
+            "step": self.step,
+            "cause": self.cause,
+            "pause_s": self.pause_s,
+            "redone_steps": self.redone_steps,
+            "at": self.detected_at,
+        }
+
+
+@dataclass
+class Finished:
+    """What the controller hands back once the job is done."""
+
+    outcomes: list[RankOutcome]
+    recoveries: list[Recovery]
+    resizes: list[Resize]
+    attempts: int
+    first_step_at: float
+    transitions: list[Transition] = field(default_factory=list)
+
+
+class JobController:
+    """Runs one job's generations until it is done (see the module's text).
+
+    ``hold`` is the job's place in the scheduler's queue (`workflows.jobs.JobHold`), ``events``
+    its relay of records; ``job`` the `RankJob` every rank receives, whose generation-specific
+    fields the controller fills in for each generation.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        spec: JobSpec,
+        *,
+        settings: LaunchConfig,
+        admission: Admission,
+        events: EventRelay,
+        job: RankJob,
+        task_prefix: str,
+        checkpoint_dir: str | None,
+        signing_key_file: str | None,
+        retry_code_errors: bool,
+        stop: threading.Event | None,
+        fn: Callable[..., Any],
+        queued_once: Callable[[], bool],
+        step_boundaries: bool = True,
+    ) -> None:
+        self.client, self.spec, self.settings = client, spec, settings
+        self.admission, self.events, self.job = admission, events, job
+        self.task_prefix, self.checkpoint_dir = task_prefix, checkpoint_dir
+        self.signing_key_file, self.stop, self.fn = signing_key_file, stop, fn
+        self._queued_once = queued_once
+        # Ranks that pass step boundaries resize there; others (scripts) restart, as under
+        # torchrun, from their own checkpoints.
+        self.step_boundaries = step_boundaries
+        self.policy = FailurePolicy(settings.max_failures, retry_code_errors)
+        self.state = State.QUEUED
+        self.transitions: list[Transition] = [Transition(State.QUEUED, time.time())]
+        self.recoveries: list[Recovery] = []
+        self.resizes: list[Resize] = []
+        self.attempt = 0
+        self.failures = 0  # those launch.max_failures bounds
+        self.failure: Failure | None = None
+        self.resize: Resize | None = None  # the one the next generation completes
+        self.unreported: Resize | None = None  # completed, waiting for its first step
+        self.workers: list[str] = []  # the latest generation's, in rank order
+        self.outcomes: list[RankOutcome] = []
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> Finished:
+        """Generations until every rank returned; raises what ends the job otherwise."""
+        try:
+            while self.state is not State.DONE:
+                self.move(State.FORMING)
+                self.generation()
+        except BaseException as error:
+            if isinstance(error, Exception):  # not Ctrl-C, which must not wait
+                self._forget_kept()
+            if self.state is not State.STOPPING:
+                self.move(State.STOPPING, type(error).__name__)
+            self.move(State.FAILED, str(error)[:200])
+            raise
+        reported = [o.first_report_at for o in self.outcomes if not math.isnan(o.first_report_at)]
+        first_step_at = min(reported, default=math.nan)
+        if self.recoveries:
+            # The work lost includes the restart: until the resumed attempt's first step.
+            self.recoveries[-1].finish(first_step_at=first_step_at)
+        self._report_resize(first_step_at if self.unreported else None)
+        return Finished(
+            outcomes=self.outcomes,
+            recoveries=self.recoveries,
+            resizes=self.resizes,
+            attempts=self.attempt,
+            first_step_at=first_step_at,
+            transitions=self.transitions,
+        )
+
+    def move(self, state: State, reason: str = "") -> None:
+        """One state change, checked against ``ALLOWED`` and kept as a `Transition`."""
+        if state not in ALLOWED[self.state]:
+            raise RuntimeError(f"job {self.spec.job_id}: no way from {self.state} to {state}")
+        self.state = state
+        self.transitions.append(Transition(state, time.time(), reason))
+        logger.debug("job %s: %s %s", self.spec.job_id, state.value, reason)
+
+    def generation(self) -> None:
+        """Form one generation over the held workers, run every rank, and decide what next."""
+        directory = self.checkpoint_dir
+        resume = latest_good_checkpoint(directory, self.signing_key_file) if directory else None
+        if resume:
+            # Records the checkpoint already holds were delivered by the run that wrote it.
+            self.events.skip(resume[1].get("history", []))
+        recovery = self.failure.recovered_at(resume) if self.failure is not None else None
+        if recovery is not None:
+            self.recoveries.append(recovery)
+        self.failure = None
+        started = time.time()
+        heartbeats = Heartbeats()
+        self.client.subscribe_topic(self.spec.heartbeat_topic, heartbeats.record)
+        watcher: _Watcher | None = None
+        restart = threading.Event()  # an elastic script's resize: every rank stops now
+        try:
+            group = ProcessGroup(
+                self.client,
+                self.settings,
+                admission=self.admission,
+                step_boundaries=self.step_boundaries,
+            )
+            with group:
+                assert group.spec is not None
+                self.workers = group.workers
+                if self.attempt == 0 and self._queued_once():
+                    self.events.emit(
+                        {
+                            "kind": "admitted",
+                            "job_id": self.spec.job_id,
+                            "waited_s": self.admission.waited_s,
+                        }
+                    )
+                if self.attempt == 0:
+                    self.events.emit(
+                        {
+                            "kind": "world",
+                            "job_id": self.spec.job_id,
+                            "world_size": len(group.workers),
+                        }
+                    )
+                source = self._continue_from(resume, recovery)
+                job = self._rank_job(group.spec.generation, resume, source)
+                payload = cloudpickle.dumps(job)
+                if self.attempt == 0:
+                    ship_code(self.client, payload)  # what the workers cannot import
+                self.move(State.RUNNING, f"{len(group.workers)} ranks")
+                if self.settings.elastic:
+                    watcher = _Watcher(self, group.spec.generation, group.workers, restart)
+                outcomes = group.run(
+                    run_pickled,
+                    payload,
+                    name=f"{self.task_prefix}-{self.spec.name}",
+                    heartbeats=heartbeats,
+                    stop=_Either(self.stop, restart),
+                    left_gracefully=watcher.left_gracefully if watcher else None,
+                    on_poll=lambda: self._report_resize(heartbeats.first_step_at),
+                )
+                if watcher is not None:
+                    watcher.close()
+            self.attempt += 1
+            self._ended(outcomes, watcher, started)
+        except LaunchError as error:
+            if recovery is None and not self.resizes:
+                raise  # the cluster cannot hold this run: a configuration error
+            raise TrainingFailed(
+                f"{recovery.failure if recovery else 'a resize'}; no replacement worker "
+                f"arrived: {error}"
+            ) from error
+        except (RankFailed, GroupFormationError) as error:
+            self.attempt += 1
+            self._failed(error, started)
+        except JobStopped:
+            if not restart.is_set() or (self.stop is not None and self.stop.is_set()):
+                raise
+            self.attempt += 1
+            self._ended([None] * len(self.workers), watcher, started, restarted=True)
+        finally:
+            if watcher is not None:
+                watcher.close()
+            self.client.unsubscribe_topic(self.spec.heartbeat_topic)
+        self._report_resize(heartbeats.first_step_at)
+
+    # -- one decision each ------------------------------------------------------------------
+
+    def _ended(
+        self,
+        outcomes: list[RankOutcome | None],
+        watcher: "_Watcher | None",
+        started: float,
+        *,
+        restarted: bool = False,
+    ) -> None:
+        """Every rank is back: done, or stopped together at a step boundary for a resize
+        (``restarted``: stopped where they stood, for ranks without boundaries)."""
+        stopped = [o for o in outcomes if o is not None and o.resized_at is not None]
+        if not stopped and not restarted:
+            missing = [rank for rank, o in enumerate(outcomes) if o is None]
+            if missing:  # a rank's worker retired as the job ended: its return value is gone
+                logger.warning("ranks %s retired as job %s ended", missing, self.spec.job_id)
+            self.outcomes = [
+                o if o is not None else RankOutcome(rank=rank, value=None)
+                for rank, o in enumerate(outcomes)
+            ]
+            self.move(State.DONE)
+            return
+        cause = (watcher.cause if watcher else None) or "retired"
+        asked_at = watcher.asked_at if watcher else math.nan
+        self.resize = Resize(
+            cause=cause,
+            before=len(outcomes),
+            detected_at=asked_at if not math.isnan(asked_at) else time.time(),
+        )
+        where = "restarted" if restarted else f"at step {stopped[0].resized_at}"
+        self.move(State.RESIZING, f"{cause} {where}")
+        self.outcomes = []
+
+    def _failed(self, error: RankFailed | GroupFormationError, started: float) -> None:
+        """A failure: another attempt (``recovering``), or the exception that ends the job."""
+        # An elastic job that loses a worker shrinks (or takes a replacement): a resize of
+        # its world, not one of the failures launch.max_failures bounds.
+        if self.settings.elastic and isinstance(error, WorkerLost):
+            logger.warning("job %s: %s; going on without it", self.spec.job_id, error)
+            self.failure = Failure(str(error), error.detected_at, started)
+        else:
+            self.failure = _next_failure(error, started, self.policy, self.failures, self.fn)
+            self.failures += 1
+        if self.settings.elastic:
+            before = len(self.workers)
+            self.resize = Resize(cause="lost", before=before, detected_at=self.failure.detected_at)
+        self.move(State.RECOVERING, self.failure.message[:200])
+
+    def _continue_from(
+        self, resume: tuple[Path, dict[str, Any]] | None, recovery: Recovery | None
+    ) -> LiveSource | None:
+        """The live rank the new generation receives its state from, if any; the records of
+        the recovery or the resize this generation completes."""
+        source = None
+        reached: int | None = None
+        wanted = recovery is not None or self.resize is not None
+        if wanted and (self.settings.recovery == "replica" or recovery is None):
+            source, reached = _live_source(
+                self.client, self.spec.job_id, self.workers, resume, self.settings
+            )
+        if recovery is not None:
+            if source is not None:
+                recovery.from_replica(source)
+            logger.warning("recovery %d: %s", len(self.recoveries), recovery.describe())
+            # The dashboard counts them; on_event handlers see a "recovery" record.
+            self.events.emit(
+                {"kind": "recovery", "recoveries": len(self.recoveries), **recovery.summary()}
+            )
+        resize, self.resize = self.resize, None
+        if resize is not None:
+            resize.after = len(self.workers)
+            if resize.after == resize.before and resize.cause == "lost":
+                return source  # a replacement arrived: a recovery, not a resize
+            if source is not None:
+                resize.step, resize.stopped_at = source.step, source.done_at
+            else:
+                resize.step = resume[1]["step"] if resume else 0
+            resize.redone_steps = max(0, reached - resize.step) if reached is not None else None
+            self.resizes.append(resize)
+            self.unreported = resize
+            logger.warning(
+                "job %s resized %d -> %d (%s) at step %d",
+                self.spec.job_id,
+                resize.before,
+                resize.after,
+                resize.cause,
+                resize.step,
+            )
+        return source
+
+    def _report_resize(self, first_step_at: float | None) -> None:
+        """The resize record goes out once the new world's first step is done (its pause)."""
+        resize = self.unreported
+        if resize is None or first_step_at is None or math.isnan(first_step_at):
+            return
+        self.unreported = None
+        start = resize.stopped_at if not math.isnan(resize.stopped_at) else resize.detected_at
+        resize.pause_s = max(0.0, first_step_at - start)
+        self.events.emit({"job_id": self.spec.job_id, **resize.record()})
+
+    def _rank_job(
+        self, generation: str, resume: tuple[Path, dict[str, Any]] | None, source: LiveSource | None
+    ) -> RankJob:
+        from dataclasses import replace
+
+        return replace(
+            self.job,
+            generation=generation,
+            attempt=self.attempt,
+            resume_from=str(resume[0]) if resume and source is None else None,
+            live_source=source,
+            elastic=self.settings.elastic,
+        )
+
+    def _forget_kept(self) -> None:
+        """The job ends without another attempt: its ranks' workers drop the states they kept."""
+        if not self.workers:
+            return
+        with contextlib.suppress(Exception):
+            run_bounded(
+                self.client,
+                live_recovery.forget,
+                self.spec.job_id,
+                workers=self.workers,
+                timeout_s=5.0,
+            )
+
+
+class _Watcher:
+    """An elastic job's eye on its entry in the scheduler's queue while a generation runs:
+    when workers join, a queued job needs some back, or a held one closes gracefully, it asks
+    the ranks to stop at their next step boundary."""
+
+    def __init__(
+        self,
+        controller: JobController,
+        generation: str,
+        workers: list[str],
+        restart: threading.Event,
+    ) -> None:
+        self.controller, self.generation, self.workers = controller, generation, workers
+        self.restart = restart
+        self.cause: str | None = None
+        self.asked_at = math.nan
+        self.retired: set[str] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._follow, name=f"dask-train-elastic-{generation}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def left_gracefully(self, worker: str) -> bool:
+        """Whether ``worker``, gone from the cluster, was retired (asked the queue: its
+        status change came before its removal)."""
+        if worker in self.retired:
+            return True
+        with contextlib.suppress(Exception):
+            status = self.controller.admission.status()
+            self.retired |= set(status.get("retired", [])) | set(status.get("retiring", []))
+        if worker in self.retired:
+            self._ask("retired")
+            return True
+        return False
+
+    def _follow(self) -> None:
+        version = -1
+        admission, maximum = self.controller.admission, self.controller.admission.request.maximum
+        while not self._done.is_set():
+            try:
+                status = admission.watch(version, WATCH_POLL_S)
+            except Exception as error:  # the scheduler is busy or gone: the ranks will tell
+                logger.info("elastic watcher of %s: %s", self.controller.spec.job_id, error)
+                self._done.wait(WATCH_POLL_S)
+                continue
+            if not status.get("known") or self._done.is_set():
+                return
+            version = status["version"]
+            mine = set(self.workers)
+            leaving = set(status["retired"]) | set(status["retiring"])
+            self.retired |= leaving
+            if mine & leaving:
+                self._ask("retired")
+            elif mine & set(status["yielding"]):
+                self._ask("yielded")
+            elif set(status["granted"]) - mine and len(self.workers) < maximum:
+                self._ask("joined")
+
+    def _ask(self, cause: str) -> None:
+        if self.cause is not None:
+            return
+        self.cause, self.asked_at = cause, time.time()
+        logger.info("job %s: resizing (%s)", self.controller.spec.job_id, cause)
+        if not self.controller.step_boundaries:
+            self.restart.set()  # torchrun's way: every rank stops, and starts again
+            return
+        with contextlib.suppress(Exception):  # a rank gone meanwhile: the others still stop
+            run_bounded(
+                self.controller.client,
+                elastic.request_resize,
+                self.generation,
+                cause,
+                workers=self.workers,
+                timeout_s=self.controller.settings.init_timeout_s,
+            )
+
+
+class _Either:
+    """Set when either event is: the caller's ``stop``, or a restart for a resize."""
+
+    def __init__(self, *events: threading.Event | None) -> None:
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+
+def _live_source(
+    client: Client,
+    job_id: str,
+    workers: list[str],
+    resume: tuple[Path, dict[str, Any]] | None,
+    settings: LaunchConfig,
+) -> tuple[LiveSource | None, int | None]:
+    """The rank whose kept state is newest, if it is at least as new as the checkpoint (None:
+    continue from the checkpoint or the start), and the newest step any rank kept."""
+    try:
+        answers = run_bounded(
+            client, live_recovery.held, job_id, workers=workers, timeout_s=settings.init_timeout_s
+        )
+    except TimeoutError:
+        return None, None
+    held = [a if isinstance(a := answers.get(w), dict) else None for w in workers]
+    steps = [h["step"] for h in held if h is not None]
+    source = live_recovery.choose_source(
+        held, checkpoint_step=resume[1]["step"] if resume else None
+    )
+    return source, max(steps, default=None)
+
+
+def _next_failure(
+    error: RankFailed | GroupFormationError,
+    attempt_started: float,
+    policy: FailurePolicy,
+    recoveries: int,
+    fn: Callable[..., Any],
+) -> Failure:
+    """The failure to recover from, or the exception that ends the launch."""
+    infrastructure = getattr(error, "infrastructure", True)
+    decision = policy.decide(infrastructure=infrastructure, failures_so_far=recoveries)
+    user_error = error.error if isinstance(error, RankFailed) and not infrastructure else None
+    if decision is Decision.RAISE and user_error is not None:
+        # The training code's own exception, with its remote traceback: raised here.
+        assert isinstance(error, RankFailed)
+        retried = f"after {recoveries} restarts" if policy.retry_code_errors else "not retried"
+        user_error.add_note(
+            f"dask-train: raised by rank {error.rank} on worker {error.worker}; {retried} "
+            "(an exception of the training code, not of the cluster)"
+        )
+        raise user_error.with_traceback(_with_source_files(user_error, fn)) from None
+    if decision is Decision.RAISE:
+        raise TrainingFailed(
+            f"{error} (at {time.strftime('%H:%M:%S')}); giving up after {recoveries} "
+            f"recoveries (launch.max_failures = {policy.max_failures})"
+        ) from error
+    logger.warning("attempt failed, restarting: %s", error)
+    return Failure(str(error), getattr(error, "detected_at", time.time()), attempt_started)
+
+
+def _with_source_files(error: BaseException, fn: Callable[..., Any]) -> TracebackType | None:
+    """``error``'s remote traceback with the user's file names back in it, and each frame's
+    ``^^^^`` markers where the rank had them.
+
+    Functions defined in a script's ``__main__`` or a notebook travel by value, and cloudpickle
+    names their code ``<dynamic-code>`` (line numbers stay right); the client still has the
+    code, so each such frame gets the file of the function of that name here.
+    """
+    files = _code_files(fn)
+
+    def file_of(file: str, function: str) -> str:
+        return files.get(function, file) if file == DYNAMIC_CODE else file
+
+    return rebuilt_traceback(error, file_of)
+
+
+def _code_files(fn: Callable[..., Any]) -> dict[str, str]:
+    """Function name -> source file, for ``fn`` and what its module defines."""
+    files: dict[str, str] = {}
+    roots = [fn, *getattr(fn, "__globals__", {}).values()]
+    seen: set[int] = set()
+    stack = [getattr(r, "__code__", None) for r in roots]
+    for root in roots:  # methods of classes defined next to fn
+        if isinstance(root, type):
+            stack += [getattr(v, "__code__", None) for v in vars(root).values()]
+    while stack:
+        code = stack.pop()
+        if not isinstance(code, CodeType) or id(code) in seen:
+            continue
+        seen.add(id(code))
+        files.setdefault(code.co_name, code.co_filename)
+        stack += [c for c in code.co_consts if isinstance(c, CodeType)]
+    return files
