@@ -55,14 +55,15 @@ def rank_epoch_indices(
         windows.append(rng.permutation(np.concatenate(members)))
     order = np.concatenate(windows)
     if global_batch is not None:
-        if global_batch % world_size:
-            raise ValueError(f"a global batch of {global_batch} does not split into {world_size}")
         batches = n // global_batch if drop_last else math.ceil(n / global_batch)
         if len(order) < batches * global_batch:  # the last batch filled up with repeats
             order = np.concatenate([order, order[: batches * global_batch - len(order)]])
-        share = global_batch // world_size
-        by_batch = order[: batches * global_batch].reshape(batches, world_size, share)
-        return by_batch[:, rank, :].reshape(-1)
+        # Rank r's part of each batch: the rows from its start, the first ranks one more
+        # where the world does not divide the batch (Layout.share_of).
+        base, extra = divmod(global_batch, world_size)
+        start = rank * base + min(rank, extra)
+        by_batch = order[: batches * global_batch].reshape(batches, global_batch)
+        return by_batch[:, start : start + base + (rank < extra)].reshape(-1)
     if drop_last:
         order = order[: (n // world_size) * world_size]
     else:
@@ -265,17 +266,18 @@ class RankBatches:
         batch_size: int,
         seed: int,
         pin_memory: bool | None = None,
-        elastic: bool = False,
+        global_batch: int | None = None,
     ) -> None:
-        """``elastic``: the epoch's order is cut into global batches, the same on any number
-        of ranks (``rank_epoch_indices``), so that a job resized within an epoch goes on where
-        it stood. ``pin_memory``: hand out batches in page-locked memory, so that
+        """``global_batch``: an elastic job's, of which ``batch_size`` is this rank's share;
+        the epoch's order is cut into global batches, the same on any number of ranks
+        (``rank_epoch_indices``), so that a job resized within an epoch goes on where it
+        stood. ``pin_memory``: hand out batches in page-locked memory, so that
         ``.to(device, non_blocking=True)`` copies them to the GPU asynchronously (from pageable
         memory that copy is synchronous). None: when CUDA is available, which is exactly when a
         rank's device is a GPU (``workers/devices.py``)."""
         self.split, self.config = split, config
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
-        self.elastic = elastic
+        self.global_batch = global_batch
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         if config.in_memory:
             # Read once every chunk this rank could ever need: with shuffled chunks, that is all.
@@ -294,16 +296,15 @@ class RankBatches:
             chunk_size=self.split.chunk_size,
             shuffle_window=self.config.shuffle_window,
             drop_last=self.config.drop_last,
-            global_batch=self.batch_size * self.world_size if self.elastic else None,
+            global_batch=self.global_batch,
         )
 
     @property
     def _share(self) -> int:
         """Samples per rank and epoch: the split cut (drop_last) or padded to equal shares
         (of whole global batches, in an elastic job)."""
-        n, world = len(self.split), self.world_size
-        if self.elastic:
-            whole = self.batch_size * world
+        n, world, whole = len(self.split), self.world_size, self.global_batch
+        if whole is not None:
             return (n // whole if self.config.drop_last else -(-n // whole)) * self.batch_size
         return n // world if self.config.drop_last else -(-n // world)
 
@@ -314,7 +315,10 @@ class RankBatches:
 
     def job_rows(self, batch: int) -> int:
         """Rows all replicas together train on in step ``batch`` of an epoch: every replica
-        holds an equal share (padded or cut), so this rank's batch times the replicas."""
+        holds an equal share (padded or cut), so this rank's batch times the replicas; an
+        elastic job's batches are all whole."""
+        if self.global_batch is not None:
+            return self.global_batch
         return min(self.batch_size, self._share - batch * self.batch_size) * self.world_size
 
     def epoch(

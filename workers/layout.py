@@ -29,6 +29,9 @@ class Layout:
     stages_per_rank: int = 1
     dp_shard: int = 1  # 1: every dp rank holds a whole copy
     tp: int = 1  # ranks that split each layer of one copy
+    # An elastic job's world need not divide the batch: each replica's share is batch_size //
+    # dp rows or one more (share_of), and its loss is weighted by its share of the batch.
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         names = ("world_size", "pp", "dp", "batch_size", "n_microbatches", "stages_per_rank", "tp")
@@ -44,7 +47,12 @@ class Layout:
             raise ValueError(
                 f"layout: {self.dp} data-parallel ranks do not split into shards of {self.dp_shard}"
             )
-        if self.batch_size % (self.dp * self.n_microbatches):
+        if self.elastic and self.batch_size < self.dp * self.n_microbatches:
+            raise ValueError(
+                f"layout: the batch of {self.batch_size} gives {self.dp} replicas x "
+                f"{self.n_microbatches} micro-batches less than a row each"
+            )
+        if not self.elastic and self.batch_size % (self.dp * self.n_microbatches):
             raise ValueError(
                 f"layout: the batch of {self.batch_size} does not split into {self.dp} replicas "
                 f"x {self.n_microbatches} micro-batches"
@@ -58,6 +66,11 @@ class Layout:
     def per_rank_batch(self) -> int:
         """Rows one rank handles per step: a pipeline's stages all see their replica's share."""
         return self.batch_size // self.dp
+
+    def share_of(self, dp_rank: int) -> int:
+        """Rows replica ``dp_rank`` handles per step: ``per_rank_batch``, or one more for the
+        first ``batch_size % dp`` replicas of an elastic job."""
+        return self.batch_size // self.dp + (dp_rank < self.batch_size % self.dp)
 
     @property
     def micro_batch(self) -> int:

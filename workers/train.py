@@ -276,7 +276,6 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
             ),
             restore=_continue(ctx),
             collections=job.collections,
-            elastic=job.layouts is not None,
         )
 
 
@@ -339,10 +338,9 @@ def train(
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
-    elastic: bool = False,
 ) -> RankResult:
-    """Train on this rank of an initialized process group laid out as ``layout``;
-    ``elastic``: in an elastic job's order of global batches (``RankBatches``)."""
+    """Train on this rank of an initialized process group laid out as ``layout`` (an elastic
+    job's layout: in its order of global batches, ``RankBatches``)."""
     # One measure per process: the kernel's high-water mark has one reset.
     peak_memory = hooks.peak_memory or PeakMemory.start(membership.device).bytes
     trainer = build(
@@ -355,7 +353,6 @@ def train(
         factory=factory,
         restore=restore,
         collections=collections,
-        elastic=elastic,
     )
     if membership.rank != layout.reporting_rank:
         hooks = replace(hooks, report=None)  # one rank speaks for the job
@@ -390,7 +387,6 @@ def build(
     factory: Callable[..., nn.Module] | None = None,
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
-    elastic: bool = False,
 ) -> Trainer:
     """The model laid out by the strategy, this rank's data shard, the optimizer and the LR
     schedule, continued from ``restore``'s checkpoint when given. Collective."""
@@ -428,9 +424,9 @@ def build(
             data_config,
             rank=layout.dp_rank(rank),
             world_size=layout.dp,
-            batch_size=layout.per_rank_batch,
+            batch_size=layout.share_of(layout.dp_rank(rank)),
             seed=config.seed,
-            elastic=elastic,
+            global_batch=layout.batch_size if layout.elastic else None,
         )
         val = store.val
     else:

@@ -129,12 +129,9 @@ class RunConfig(BaseModel):
         layouts = {}
         for world in range(low, high + 1):
             try:
-                layouts[world] = self.strategy_plan.layout(self, world)
+                layouts[world] = self.strategy_plan.layout(self, world, elastic=True)
             except ValueError as error:
-                raise ValueError(
-                    f"{given} includes {world} ranks, and {error} (every size in the range must "
-                    "split the global batch)"
-                ) from None
+                raise ValueError(f"{given} includes {world} ranks, and {error}") from None
         return layouts
 
     def layout(self, world_size: int) -> Layout:

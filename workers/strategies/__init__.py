@@ -65,11 +65,16 @@ class StrategyPlan:
         planned)."""
         config.layout(world_size or 1)
 
-    def layout(self, config: "RunConfig", world_size: int) -> Layout:
+    def layout(self, config: "RunConfig", world_size: int, *, elastic: bool = False) -> Layout:
         """How ``world_size`` ranks share ``config``'s model and batch; a ``ValueError``
-        naming the field where they cannot."""
+        naming the field where they cannot. ``elastic``: one world of an elastic job's range,
+        whose replicas may hold shares that differ by a row."""
         return self.degrees(
-            config.training, config.pipeline, world_size=world_size, parallel=config.parallel
+            config.training,
+            config.pipeline,
+            world_size=world_size,
+            parallel=config.parallel,
+            elastic=elastic,
         )
 
     def degrees(
@@ -79,6 +84,7 @@ class StrategyPlan:
         *,
         world_size: int,
         parallel: "ParallelConfig | None" = None,
+        elastic: bool = False,
     ) -> Layout:
         """The layout of this strategy on ``world_size`` ranks, from the sections alone; a
         ``ValueError`` naming the config field where they cannot share the work."""
@@ -98,7 +104,7 @@ class StrategyPlan:
                 f"training.batch_size: {batch} is smaller than the {readers} {dp}; every "
                 "rank needs at least one sample per step"
             )
-        if batch % (dp * training.grad_accum_steps):
+        if not elastic and batch % (dp * training.grad_accum_steps):
             raise ValueError(
                 f"training.batch_size: {batch} must be a multiple of {readers} x "
                 f"grad_accum_steps = {dp} x {training.grad_accum_steps}"
@@ -111,6 +117,7 @@ class StrategyPlan:
             n_microbatches=training.grad_accum_steps,
             dp_shard=shard,
             tp=tp,
+            elastic=elastic,
         )
 
     def refuse_fp16(self, config: "RunConfig") -> None:

@@ -173,6 +173,8 @@ class WholeModel(Strategy):
         self, x: torch.Tensor, y: torch.Tensor, *, precision: Precision, sums: EpochSums
     ) -> torch.Tensor:
         size = self.layout.micro_batch
+        if self.layout.elastic:  # this replica's share may be a row more than per_rank_batch
+            size = -(-len(x) // self.layout.n_microbatches)
         micro_batches = list(zip(x.split(size), y.split(size), strict=True))
         for i, (mx, my) in enumerate(micro_batches):
             # Only the last micro-batch all-reduces; the others accumulate locally.
@@ -180,10 +182,18 @@ class WholeModel(Strategy):
                 with self._autocast(precision):
                     logits = self.wrapped(mx)
                     loss = self.criterion(logits, my)
-                # Weight by share of the rank's batch: accumulation equals one batch.
-                precision.scale(loss * (len(my) / len(y))).backward()
+                precision.scale(loss * self._weight(len(my), len(y))).backward()
             sums.add(loss, logits, my)
         return loss
+
+    def _weight(self, rows: int, rank_rows: int) -> float:
+        """A micro-batch's share of what this rank contributes, so that the replicas' average
+        is the batch's mean loss: of the rank's batch (accumulation equals one batch), or,
+        where an elastic job's replicas hold shares that differ by a row, of the global batch
+        times the replicas (a larger share weighs more)."""
+        if self.layout.elastic:
+            return rows * self.layout.dp / self.layout.batch_size
+        return rows / rank_rows
 
     def _gradient_sync(self, last: bool) -> AbstractContextManager:
         """Around one micro-batch's forward and backward: reduce gradients on the last only."""

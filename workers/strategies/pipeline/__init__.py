@@ -198,7 +198,8 @@ class PipelinePlan(StrategyPlan):
         sample = zero_samples(micro_batch, data.sample_shape, tokens=data.tokens)
         return check_cut(model, sample, p.split_points)
 
-    def layout(self, config: "RunConfig", world_size: int) -> Layout:
+    def layout(self, config: "RunConfig", world_size: int, *, elastic: bool = False) -> Layout:
+        # Stages are laid out once: no elastic world (StrategyPlan.elastic is False).
         layout = super().layout(config, world_size)
         points = config.pipeline.split_points
         if points is not None and len(points) + 1 != layout.n_stages:
@@ -217,6 +218,7 @@ class PipelinePlan(StrategyPlan):
         *,
         world_size: int,
         parallel: "ParallelConfig | None" = None,
+        elastic: bool = False,
     ) -> Layout:
         batch = training.batch_size
         tp = self.tp_degree(parallel, world_size=world_size)
