@@ -509,7 +509,7 @@ def test_every_sample_of_an_epoch_is_trained_once_across_resizes():
 @pytest.mark.parametrize(
     ("training", "message"),
     [
-        ({"strategy": "fsdp"}, "training.strategy 'fsdp' lays its model out once"),
+        ({"strategy": "fsdp"}, "an elastic fsdp run hands its shards from one world"),
         ({"strategy": "pipeline"}, "training.strategy 'pipeline' lays its model out once"),
         ({"batch_size": 3}, "includes 4 ranks, and training.batch_size: 3 is smaller than"),
     ],
@@ -518,3 +518,74 @@ def test_a_trainer_range_that_cannot_hold_is_refused_before_anything_runs(traini
     with pytest.raises(ConfigError, match=rf"^launch\.world_size: 2:4 .*{re.escape(message)}"):
         load_config({"launch": {"world_size": "2:4"}, "training": {"batch_size": 48} | training})
     assert load_config({"launch": {"world_size": [2, 4]}, "training": {"batch_size": 48}})
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(240)
+def test_fsdp_resized_hands_its_shards_on_through_a_checkpoint_redoing_nothing(
+    make_config, tmp_path
+):
+    released = tmp_path / "released"
+    config = make_config(
+        {
+            "name": "elastic-fsdp",
+            "launch": {"world_size": "2:3"},
+            "data": {"drop_last": True},
+            "checkpoint": {"directory": str(tmp_path / "checkpoints")},
+            "model": {"kwargs": {"released": str(released), "pause_s": 0.2}},
+        },
+        strategy="fsdp",
+        epochs=2,
+        batch_size=50,  # 3 ranks: 17, 17 and 16 rows
+        lr=0.05,
+        momentum=0.9,
+        log_every_steps=1,
+    )
+    watch = Watch()
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = train(
+                    config, cluster=training_cluster, model=paced_model, on_event=watch
+                )
+            except BaseException as error:
+                outcome["error"] = error
+                watch({"kind": "failed", "error": error})
+
+        def resized_to(size: int) -> Callable[[list[dict]], bool]:
+            return lambda records: any(r["kind"] == "resized" and r["to"] == size for r in records)
+
+        job = threading.Thread(target=run)
+        job.start()
+        try:
+            watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
+            training_cluster.cluster.scale(3)
+            watch.until("grown to 3", resized_to(3))
+            training_cluster.cluster.scale(2)  # the newest worker retires
+            watch.until("2 after scale(2)", resized_to(2))
+        finally:
+            released.touch()
+            job.join(timeout=WAIT_S)
+        if "error" in outcome:
+            raise outcome["error"]
+    result = outcome["result"]
+    assert [(r["from"], r["to"], r["cause"]) for r in result.resizes] == [
+        (2, 3, "joined"),
+        (3, 2, "retired"),
+    ]
+    # The shards went to the next world through a checkpoint of the very step they stopped at.
+    assert [r["redone_steps"] for r in result.resizes] == [0, 0]
+    steps = result.history[-1]["step"]
+
+    def one_process(dtype: torch.dtype, world_size: int = 1) -> dict:
+        return train_in_one_process(
+            config, world_size=world_size, steps=steps, factory=paced_model, dtype=dtype
+        )
+
+    assert_equivalent(
+        result.state_dict,
+        Reference.of(one_process, steps=steps),
+        planted={"a fixed 2-rank world's batches": one_process(torch.float64, world_size=2)},
+    )

@@ -30,6 +30,7 @@ from workers.collection_shard import (
 )
 from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store, zero_samples
+from workers.elastic import ResizeBoundary
 from workers.layout import Layout
 from workers.losses import Criterion
 from workers.malloc import freed_memory_returned
@@ -506,7 +507,11 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     for batch, (x, y) in enumerate(batches, start_batch):
         loss = train_step(trainer, x, y, sums=sums)
         if hooks.step_done:
-            hooks.step_done(Position(epoch, batch + 1, trainer.step, sums, trainer.history))
+            _step_done(
+                trainer,
+                Position(epoch, batch + 1, trainer.step, sums, trainer.history),
+                hooks=hooks,
+            )
         if hooks.heartbeat:
             hooks.heartbeat(trainer.step)
         trainer.throughput.step_done(trainer.batches.job_rows(batch), epoch_started=epoch_started)
@@ -550,7 +555,9 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         trainer.history.append(record)
     if hooks.step_done:
         empty = EpochSums(device=trainer.device, criterion=trainer.criterion)
-        hooks.step_done(Position(epoch + 1, 0, trainer.step, empty, trainer.history))
+        _step_done(
+            trainer, Position(epoch + 1, 0, trainer.step, empty, trainer.history), hooks=hooks
+        )
     if hooks.report:
         hooks.report(record)
     if checkpoints and (checkpoints.at_epoch_end or trainer.step >= trainer.total_steps):
@@ -589,6 +596,26 @@ def close(trainer: Trainer, *, peak_memory_bytes: int | None = None) -> RankResu
         state_dict=state_dict,
         peak_memory_bytes=peak_memory_bytes,
     )
+
+
+def _step_done(trainer: Trainer, position: Position, *, hooks: Hooks) -> None:
+    """``hooks.step_done``; where an elastic job's world changes at this step and no rank keeps
+    the whole state (sharded), a checkpoint of it first, which the next world loads
+    resharded (collective: every rank stops at the same step)."""
+    assert hooks.step_done is not None
+    try:
+        hooks.step_done(position)
+    except ResizeBoundary:
+        if hooks.checkpoints is not None and not trainer.strategy.replicated:
+            at = Progress(
+                position.epoch,
+                position.batch,
+                position.step,
+                position.sums.tolist(),
+                position.history,
+            )
+            _save(trainer, at, hooks=hooks)
+        raise
 
 
 def _save(trainer: Trainer, progress: Progress, *, hooks: Hooks) -> None:

@@ -15,7 +15,15 @@ dropped hold first tears the job's worker plugins down (which stops its ranks), 
 workers.
 
 On an adaptive deployment the workers that waiting jobs need count in the scheduler's adaptive
-target, so the cluster grows for them; held workers are never chosen to be retired.
+target, so the cluster grows for them; a fixed job's workers are never chosen to be retired.
+
+Elastic jobs (``Request.elastic``: ``launch.world_size = "min:max"``) hold between ``minimum``
+and ``maximum`` workers. Workers nobody waits for go to running elastic jobs below their
+maximum; a waiting job that free workers cannot serve asks elastic jobs of no higher priority
+for those above their minimum (``yielding``); a held worker that closes gracefully is marked
+``retiring``. The job's holder follows its entry (``watch``), stops its ranks at their next
+step boundary, and gives the workers back by asking again (``request``). Waiting jobs are served
+by priority, then first come, first served.
 """
 
 import asyncio

@@ -121,10 +121,20 @@ class RunConfig(BaseModel):
             return None
         low, high = self.launch.world_size
         given = f"launch.world_size: {low}:{high}"
-        if not self.strategy_plan.elastic:
+        plan = self.strategy_plan
+        if not plan.elastic:
             raise ValueError(
                 f"{given} is a range, but training.strategy {self.training.strategy!r} lays its "
-                "model out once, on a fixed number of ranks; give an int, or use strategy 'ddp'"
+                "model out once, on a fixed number of ranks; give an int, or use strategy "
+                "'ddp', 'fsdp' or 'hsdp'"
+            )
+        if not plan.replicated and (
+            self.checkpoint.directory is None or self.checkpoint.resume != "auto"
+        ):
+            raise ValueError(
+                f"{given} is a range, and an elastic {plan.name} run hands its shards from one "
+                "world to the next through a checkpoint written at the step boundary; set "
+                "checkpoint.directory (with checkpoint.resume = 'auto')"
             )
         layouts = {}
         for world in range(low, high + 1):

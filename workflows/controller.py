@@ -175,6 +175,7 @@ class Resize:
     stopped_at: float = math.nan  # wall clock of that step on the ranks
     pause_s: float | None = None  # the last step before to the first step after
     redone_steps: int | None = 0  # steps finished before that the new world does again
+    reached: int | None = None  # the step the ranks stopped at together (not after a loss)
 
     def record(self) -> dict[str, Any]:
         return {
@@ -399,6 +400,7 @@ class JobController:
             cause=cause,
             before=len(outcomes),
             detected_at=asked_at if not math.isnan(asked_at) else time.time(),
+            reached=max((o.resized_at for o in stopped if o.resized_at is not None), default=None),
         )
         where = "restarted" if restarted else f"at step {stopped[0].resized_at}"
         self.move(State.RESIZING, f"{cause} {where}")
@@ -446,8 +448,11 @@ class JobController:
                 return source  # a replacement arrived: a recovery, not a resize
             if source is not None:
                 resize.step, resize.stopped_at = source.step, source.done_at
-            else:
+            else:  # sharded: the checkpoint the ranks wrote as they stopped, or an older one
+                # (the pause then counts from when the resize was asked: a step at most early)
                 resize.step = resume[1]["step"] if resume else 0
+            if resize.reached is not None:
+                reached = resize.reached
             resize.redone_steps = max(0, reached - resize.step) if reached is not None else None
             self.resizes.append(resize)
             self.unreported = resize

@@ -41,8 +41,10 @@ class StrategyPlan:
     staged: ClassVar[bool] = False  # cuts the model into stages on several ranks
     splits_layers: ClassVar[bool] = False  # composes with tensor parallelism (parallel.tp)
     # Runs on a world that changes between steps (launch.world_size = "min:max"): every rank
-    # holds the whole state, so a live one hands it to the new world.
+    # holds the whole state, so a live one hands it to the new world (replicated), or the
+    # ranks' shards go to the new world through a checkpoint written at the step boundary.
     elastic: ClassVar[bool] = False
+    replicated: ClassVar[bool] = False
 
     def defaults(self, raw: dict[str, Any]) -> dict[str, Any]:
         """``raw``, a config's sections before validation, with what this strategy assumes

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from workers.data import StoreSplit, eval_batches
 from workers.layout import Layout
@@ -94,6 +95,11 @@ class Strategy(ABC):
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.modules for p in module.parameters()]
 
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole state, so that a live rank can hand it on."""
+        return False
+
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)
@@ -163,6 +169,11 @@ class WholeModel(Strategy):
     @property
     def modules(self) -> list[nn.Module]:
         return [self.wrapped]
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole state (DDP): a live rank can hand it on."""
+        return isinstance(self.wrapped, DistributedDataParallel)
 
     @property
     def plain(self) -> nn.Module:

@@ -11,4 +11,5 @@ from workers.strategies import StrategyPlan, register_plan
 class DDPPlan(StrategyPlan):
     name = "ddp"
     elastic = True
+    replicated = True
     runtime = f"{__name__}.replicas"

@@ -51,6 +51,7 @@ class FSDPPlan(StrategyPlan):
     name = "fsdp"
     runtime = f"{__name__}.sharding"
     splits_layers = True
+    elastic = True  # resharded through a checkpoint at the resize's step boundary
 
     def settings(self, config: "RunConfig") -> ShardingSettings:
         return ShardingSettings(fsdp=config.fsdp, tp_plan=config.model.resolved_tp_plan)
