@@ -2,6 +2,7 @@
 closed by SIGTERM, SIGKILLed, taken back by a queued job and by an adaptive cluster; the
 parameters equal one process's on the same global batches, with no step redone."""
 
+import itertools
 import os
 import re
 import signal
@@ -102,11 +103,72 @@ class Watch:
                 kinds = [(r["kind"], r.get("world"), r.get("step")) for r in self.records[-5:]]
                 raise AssertionError(f"not within {WAIT_S:g} s: {what} (last records: {kinds})")
 
+    def resized_to(self, size: int) -> Callable[[list[dict]], bool]:
+        """A resize record to a world of ``size``."""
+        return lambda records: any(r["kind"] == "resized" and r["to"] == size for r in records)
+
     def world(self, size: int, *, after: int = 0) -> Callable[[list[dict]], bool]:
         """Reports from a world of ``size`` that come after ``after`` records."""
         return lambda records: any(
             r["kind"] == "report" and r["world"] == size for r in records[after:]
         )
+
+
+class Background:
+    """``job(on_event)`` (a ``launch`` or a ``train``) on a thread while the test changes the
+    cluster. On leaving, ``release`` is touched (the job's stop file, or its pacing's), the
+    job is waited for, and what it raised is raised here; ``result`` is what it returned."""
+
+    def __init__(self, job: Callable[[Watch], object], release: "os.PathLike[str]") -> None:
+        self.watch, self.release = Watch(), release
+        self.result: object = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(job,))
+
+    def _run(self, job: Callable[[Watch], object]) -> None:
+        try:
+            self.result = job(self.watch)
+        except BaseException as error:
+            self._error = error
+            self.watch({"kind": "failed", "error": error})
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self.watch
+
+    def __exit__(self, *exc: object) -> None:
+        open(self.release, "a").close()
+        self._thread.join(timeout=WAIT_S)
+        if self._error is not None and exc[0] is None:
+            raise self._error
+
+
+def elastic_job(cluster, stop_file, world_size: str, **launch_kwargs) -> Background:
+    """``elastic_loop`` on ``cluster`` in the background until ``stop_file`` exists."""
+    return Background(
+        lambda watch: launch(
+            elastic_loop,
+            str(stop_file),
+            0.02,
+            cluster=cluster,
+            world_size=world_size,
+            on_event=watch,
+            **launch_kwargs,
+        ),
+        stop_file,
+    )
+
+
+def _grown(resizes: list[tuple[int, int, str]], low: int, high: int) -> bool:
+    """Whether ``resizes`` (from, to, cause) grew the job from ``low`` to ``high`` as workers
+    joined: new workers of one scale-up may join over a while, a resize for each."""
+    return (
+        bool(resizes)
+        and all(cause == "joined" for *_, cause in resizes)
+        and resizes[0][0] == low
+        and resizes[-1][1] == high
+        and all(a[1] == b[0] for a, b in itertools.pairwise(resizes))
+    )
 
 
 def _no_restart(dask_worker) -> None:
@@ -127,29 +189,10 @@ def test_a_job_grows_on_join_and_shrinks_by_sigkill_sigterm_and_retire_redoing_n
     tmp_path,
 ):
     stop_file = tmp_path / "stop"
-    watch = Watch()
     with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
         client = training_cluster.client
-        outcome: dict = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = launch(
-                    elastic_loop,
-                    str(stop_file),
-                    0.02,
-                    cluster=training_cluster,
-                    world_size="2:5",
-                    on_event=watch,
-                    config={"worker_wait_s": 120.0},
-                )
-            except BaseException as error:  # raised in the test below
-                outcome["error"] = error
-                watch({"kind": "failed", "error": error})
-
-        job = threading.Thread(target=run)
-        job.start()
-        try:
+        job = elastic_job(training_cluster, stop_file, "2:5", config={"worker_wait_s": 120.0})
+        with job as watch:
             watch.until("2 ranks training", watch.world(2))
             training_cluster.cluster.scale(5)
             watch.until("grown to 5", watch.world(5))
@@ -167,21 +210,12 @@ def test_a_job_grows_on_join_and_shrinks_by_sigkill_sigterm_and_retire_redoing_n
             seen = len(watch.records)
             os.kill(pid, signal.SIGKILL)
             watch.until("2 ranks after the SIGKILL", watch.world(2, after=seen))
-        finally:
-            stop_file.touch()
-            job.join(timeout=WAIT_S)
-        if "error" in outcome:
-            raise outcome["error"]
-    result = outcome["result"]
+    result = job.result
     causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
-    assert causes == [
-        (2, 5, "joined"),
-        (5, 4, "retired"),
-        (4, 3, "retired"),
-        (3, 2, "lost"),
-    ], result.resizes
+    assert causes[-3:] == [(5, 4, "retired"), (4, 3, "retired"), (3, 2, "lost")], causes
+    assert _grown(causes[:-3], 2, 5), causes
     # A live replica holds every step: none is done again, not even after the SIGKILL.
-    assert [r["redone_steps"] for r in result.resizes] == [0] * 4
+    assert {r["redone_steps"] for r in result.resizes} == {0}
     assert all(r["pause_s"] is not None and r["pause_s"] >= 0 for r in result.resizes)
     resized = [r for r in watch.records if r["kind"] == "resized"]
     assert [r["cause"] for r in resized] == [c for *_, c in causes]  # on_event saw each one
@@ -205,29 +239,11 @@ def _fixed_job(ctx) -> int:
 
 
 @pytest.mark.timeout(180)
-def test_a_queued_job_takes_workers_from_an_elastic_job_which_grows_back_after(tmp_path):
+def test_a_queued_job_then_an_adaptive_cluster_take_workers_from_an_elastic_job(tmp_path):
     stop_file = tmp_path / "stop"
-    watch = Watch()
     with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
-        outcome: dict = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = launch(
-                    elastic_loop,
-                    str(stop_file),
-                    0.02,
-                    cluster=training_cluster,
-                    world_size="2:4",
-                    on_event=watch,
-                )
-            except BaseException as error:
-                outcome["error"] = error
-                watch({"kind": "failed", "error": error})
-
-        job = threading.Thread(target=run)
-        job.start()
-        try:
+        job = elastic_job(training_cluster, stop_file, "2:4")
+        with job as watch:
             watch.until("4 ranks training", watch.world(4))
             seen = len(watch.records)
             queued = launch(_fixed_job, cluster=training_cluster, world_size=2)
@@ -237,51 +253,17 @@ def test_a_queued_job_takes_workers_from_an_elastic_job_which_grows_back_after(t
             watch.until("the elastic job on 2", watch.world(2, after=seen))
             seen = next(i for i, r in enumerate(watch.records) if i >= seen and r.get("world") == 2)
             watch.until("grown back to 4", watch.world(4, after=seen))
-        finally:
-            stop_file.touch()
-            job.join(timeout=WAIT_S)
-        if "error" in outcome:
-            raise outcome["error"]
-    causes = [(r["from"], r["to"], r["cause"]) for r in outcome["result"].resizes]
-    assert causes[:2] == [(4, 2, "yielded"), (2, 4, "joined")], causes
-
-
-@pytest.mark.timeout(120)
-def test_an_adaptive_cluster_takes_an_elastic_jobs_extra_workers_away(tmp_path):
-    stop_file = tmp_path / "stop"
-    watch = Watch()
-    with start_cluster(n_workers=4, dashboard_port=0) as training_cluster:
-        outcome: dict = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = launch(
-                    elastic_loop,
-                    str(stop_file),
-                    0.02,
-                    cluster=training_cluster,
-                    world_size="2:4",
-                    on_event=watch,
-                )
-            except BaseException as error:
-                outcome["error"] = error
-                watch({"kind": "failed", "error": error})
-
-        job = threading.Thread(target=run)
-        job.start()
-        try:
-            watch.until("4 ranks training", watch.world(4))
+            # An adaptive cluster may retire what an elastic job holds above its minimum.
             seen = len(watch.records)
             training_cluster.cluster.adapt(minimum=2, maximum=2, interval="200ms", wait_count=1)
-            watch.until("the elastic job down to 2", watch.world(2, after=seen))
-        finally:
-            stop_file.touch()
-            job.join(timeout=WAIT_S)
-        if "error" in outcome:
-            raise outcome["error"]
-    resizes = outcome["result"].resizes
-    assert {r["cause"] for r in resizes} == {"retired"}, resizes
-    assert resizes[-1]["to"] == 2 and all(r["redone_steps"] == 0 for r in resizes)
+            watch.until("the elastic job down to 2 again", watch.world(2, after=seen))
+    causes = [(r["from"], r["to"], r["cause"]) for r in job.result.resizes]
+    assert causes[0] == (4, 2, "yielded"), causes
+    retired = [i for i, c in enumerate(causes) if c[2] == "retired"]
+    assert _grown(causes[1 : retired[0]], 2, 4), causes
+    assert causes[retired[0]][0] == 4 and causes[-1][1] == 2, causes
+    assert all(c[2] == "retired" for c in causes[retired[0] :]), causes
+    assert {r["redone_steps"] for r in job.result.resizes} == {0}
 
 
 # -- the queue's decisions, on a real scheduler ------------------------------------------------
@@ -384,21 +366,19 @@ def paced_model(num_classes: int, in_features: int, released: str = "", pause_s:
     )
 
 
-@pytest.mark.equivalence
-@pytest.mark.timeout(240)
-def test_the_trainer_resized_2_4_3_2_equals_one_process_on_the_same_global_batches(
-    make_config, tmp_path
-):
-    released = tmp_path / "released"
-    config = make_config(
+def elastic_run(make_config, folder, world_size: str, strategy: str, **sections) -> object:
+    """A paced digits run of the built-in trainer on an elastic world: ``folder/released``
+    ends its pacing."""
+    return make_config(
         {
-            "name": "elastic-trainer",
-            "launch": {"world_size": "2:4"},
+            "name": f"elastic-{strategy}",
+            "launch": {"world_size": world_size},
             "data": {"drop_last": True},
             # 0.2 s a step until the test is done resizing: 11 s for it, whatever the load.
-            "model": {"kwargs": {"released": str(released), "pause_s": 0.2}},
+            "model": {"kwargs": {"released": str(folder / "released"), "pause_s": 0.2}},
+            **sections,
         },
-        strategy="ddp",
+        strategy=strategy,
         # Two epochs: over many more, float32's rounding of this model grows as large as the
         # difference between two orders of batches, and the check could tell nothing apart.
         epochs=2,
@@ -409,56 +389,22 @@ def test_the_trainer_resized_2_4_3_2_equals_one_process_on_the_same_global_batch
         momentum=0.9,
         log_every_steps=1,
     )
-    watch = Watch()
-    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
-        client = training_cluster.client
-        outcome: dict = {}
 
-        def run() -> None:
-            try:
-                outcome["result"] = train(
-                    config, cluster=training_cluster, model=paced_model, on_event=watch
-                )
-            except BaseException as error:
-                outcome["error"] = error
-                watch({"kind": "failed", "error": error})
 
-        def world(size: int, after: int = 0) -> Callable[[list[dict]], bool]:
-            return lambda records: any(
-                r["kind"] == "resized" and r["to"] == size for r in records[after:]
-            )
+def trainer_job(cluster, config, folder) -> Background:
+    return Background(
+        lambda watch: train(config, cluster=cluster, model=paced_model, on_event=watch),
+        folder / "released",
+    )
 
-        job = threading.Thread(target=run)
-        job.start()
-        try:
-            watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
-            training_cluster.cluster.scale(4)
-            watch.until("grown to 4", world(4))
-            address, _ = _victim(client)
-            client.retire_workers([address])
-            watch.until("3 after retire_workers", world(3))
-            address, pid = _victim(client)
-            client.run(_no_restart, nanny=True, workers=[address])
-            os.kill(pid, signal.SIGKILL)
-            watch.until("2 after the SIGKILL", world(2))
-        finally:
-            released.touch()
-            job.join(timeout=WAIT_S)
-        if "error" in outcome:
-            raise outcome["error"]
-    result = outcome["result"]
-    assert [(r["from"], r["to"], r["cause"]) for r in result.resizes] == [
-        (2, 4, "joined"),
-        (4, 3, "retired"),
-        (3, 2, "lost"),
-    ]
-    assert [r["redone_steps"] for r in result.resizes] == [0, 0, 0]
+
+def assert_one_process_on_the_same_batches(result, config) -> None:
+    """The same global batches in the same order as one process (an elastic epoch's order
+    is one rank's alone): equal parameters. Had the ranks read a fixed world's shares (their
+    own part of the epoch each, as a 2-rank run does), it would show."""
     steps = result.history[-1]["step"]
     assert steps == 2 * (len(_digits_train(config)) // 50)  # the epochs' every global batch
 
-    # The same global batches in the same order as one process (the elastic order is a
-    # one-rank run's): equal parameters. Had the ranks read a fixed world's shares (their
-    # own part of the epoch each, as a 2-rank run does), it would show.
     def one_process(dtype: torch.dtype, world_size: int = 1) -> dict:
         return train_in_one_process(
             config, world_size=world_size, steps=steps, factory=paced_model, dtype=dtype
@@ -469,6 +415,34 @@ def test_the_trainer_resized_2_4_3_2_equals_one_process_on_the_same_global_batch
         Reference.of(one_process, steps=steps),
         planted={"a fixed 2-rank world's batches": one_process(torch.float64, world_size=2)},
     )
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(240)
+def test_the_trainer_resized_2_4_3_2_equals_one_process_on_the_same_global_batches(
+    make_config, tmp_path
+):
+    config = elastic_run(make_config, tmp_path, "2:4", "ddp")
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        client = training_cluster.client
+        job = trainer_job(training_cluster, config, tmp_path)
+        with job as watch:
+            watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
+            training_cluster.cluster.scale(4)
+            watch.until("grown to 4", watch.resized_to(4))
+            address, _ = _victim(client)
+            client.retire_workers([address])
+            watch.until("3 after retire_workers", watch.resized_to(3))
+            address, pid = _victim(client)
+            client.run(_no_restart, nanny=True, workers=[address])
+            os.kill(pid, signal.SIGKILL)
+            watch.until("2 after the SIGKILL", watch.resized_to(2))
+    result = job.result
+    causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
+    assert causes[-2:] == [(4, 3, "retired"), (3, 2, "lost")], causes
+    assert _grown(causes[:-2], 2, 4), causes
+    assert {r["redone_steps"] for r in result.resizes} == {0}
+    assert_one_process_on_the_same_batches(result, config)
 
 
 def _digits_train(config) -> np.ndarray:
@@ -525,67 +499,21 @@ def test_a_trainer_range_that_cannot_hold_is_refused_before_anything_runs(traini
 def test_fsdp_resized_hands_its_shards_on_through_a_checkpoint_redoing_nothing(
     make_config, tmp_path
 ):
-    released = tmp_path / "released"
-    config = make_config(
-        {
-            "name": "elastic-fsdp",
-            "launch": {"world_size": "2:3"},
-            "data": {"drop_last": True},
-            "checkpoint": {"directory": str(tmp_path / "checkpoints")},
-            "model": {"kwargs": {"released": str(released), "pause_s": 0.2}},
-        },
-        strategy="fsdp",
-        epochs=2,
-        batch_size=50,  # 3 ranks: 17, 17 and 16 rows
-        lr=0.05,
-        momentum=0.9,
-        log_every_steps=1,
-    )
-    watch = Watch()
+    checkpoint = {"directory": str(tmp_path / "checkpoints")}
+    config = elastic_run(make_config, tmp_path, "2:3", "fsdp", checkpoint=checkpoint)
     with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
-        outcome: dict = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = train(
-                    config, cluster=training_cluster, model=paced_model, on_event=watch
-                )
-            except BaseException as error:
-                outcome["error"] = error
-                watch({"kind": "failed", "error": error})
-
-        def resized_to(size: int) -> Callable[[list[dict]], bool]:
-            return lambda records: any(r["kind"] == "resized" and r["to"] == size for r in records)
-
-        job = threading.Thread(target=run)
-        job.start()
-        try:
+        job = trainer_job(training_cluster, config, tmp_path)
+        with job as watch:
             watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
             training_cluster.cluster.scale(3)
-            watch.until("grown to 3", resized_to(3))
+            watch.until("grown to 3", watch.resized_to(3))
             training_cluster.cluster.scale(2)  # the newest worker retires
-            watch.until("2 after scale(2)", resized_to(2))
-        finally:
-            released.touch()
-            job.join(timeout=WAIT_S)
-        if "error" in outcome:
-            raise outcome["error"]
-    result = outcome["result"]
+            watch.until("2 after scale(2)", watch.resized_to(2))
+    result = job.result
     assert [(r["from"], r["to"], r["cause"]) for r in result.resizes] == [
         (2, 3, "joined"),
         (3, 2, "retired"),
     ]
     # The shards went to the next world through a checkpoint of the very step they stopped at.
     assert [r["redone_steps"] for r in result.resizes] == [0, 0]
-    steps = result.history[-1]["step"]
-
-    def one_process(dtype: torch.dtype, world_size: int = 1) -> dict:
-        return train_in_one_process(
-            config, world_size=world_size, steps=steps, factory=paced_model, dtype=dtype
-        )
-
-    assert_equivalent(
-        result.state_dict,
-        Reference.of(one_process, steps=steps),
-        planted={"a fixed 2-rank world's batches": one_process(torch.float64, world_size=2)},
-    )
+    assert_one_process_on_the_same_batches(result, config)

@@ -63,6 +63,7 @@ from workflows.launcher import (
 logger = logging.getLogger(__name__)
 DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for code that travels by value
 WATCH_POLL_S = 1.0  # one long poll of the queue by an elastic job's watcher
+JOIN_SETTLE_S = 0.5  # after a worker joins, how long to wait for the rest of a scale-up
 
 
 class TrainingFailed(RuntimeError):
@@ -545,26 +546,41 @@ class _Watcher:
 
     def _follow(self) -> None:
         version = -1
-        admission, maximum = self.controller.admission, self.controller.admission.request.maximum
+        admission = self.controller.admission
         while not self._done.is_set():
             try:
                 status = admission.watch(version, WATCH_POLL_S)
+                version = status["version"] if status.get("known") else version
+                cause = self._cause(status)
+                if cause == "joined":
+                    # Workers of one scale-up join over a second or so: one resize for all.
+                    if self._done.wait(JOIN_SETTLE_S):
+                        return
+                    cause = self._cause(admission.status())
             except Exception as error:  # the scheduler is busy or gone: the ranks will tell
                 logger.info("elastic watcher of %s: %s", self.controller.spec.job_id, error)
                 self._done.wait(WATCH_POLL_S)
                 continue
             if not status.get("known") or self._done.is_set():
                 return
-            version = status["version"]
-            mine = set(self.workers)
-            leaving = set(status["retired"]) | set(status["retiring"])
-            self.retired |= leaving
-            if mine & leaving:
-                self._ask("retired")
-            elif mine & set(status["yielding"]):
-                self._ask("yielded")
-            elif set(status["granted"]) - mine and len(self.workers) < maximum:
-                self._ask("joined")
+            if cause is not None:
+                self._ask(cause)
+
+    def _cause(self, status: dict[str, Any]) -> str | None:
+        """Why the queue's view of the job calls for a resize now, if it does."""
+        if not status.get("known"):
+            return None
+        mine = set(self.workers)
+        leaving = set(status["retired"]) | set(status["retiring"])
+        self.retired |= leaving
+        if mine & leaving:
+            return "retired"
+        if mine & set(status["yielding"]):
+            return "yielded"
+        grown = set(status["granted"]) - mine
+        if grown and len(self.workers) < self.controller.admission.request.maximum:
+            return "joined"
+        return None
 
     def _ask(self, cause: str) -> None:
         if self.cause is not None:

@@ -130,34 +130,43 @@ CHANGES = (
 )
 
 
-def elastic(step_s: float, folder: Path) -> list[dict[str, Any]]:
-    """The three changes of one 2:4 job; its resize records."""
-    stop = folder / "stop-elastic"
-    steps = Steps()
-    with start_cluster(n_workers=2, dashboard_port=0) as cluster:
-        done: dict[str, Any] = {}
-        job = threading.Thread(
-            target=lambda: done.update(
+class ElasticJob:
+    """A 2:4 ``mlp_loop`` job on a thread while the benchmark changes the cluster; ``stop()``
+    ends it and returns its resize records."""
+
+    def __init__(self, cluster: TrainingCluster, step_s: float, stop_file: Path) -> None:
+        self.steps, self.stop_file, self._done = Steps(), stop_file, {}
+        self._thread = threading.Thread(
+            target=lambda: self._done.update(
                 result=launch(
                     mlp_loop,
-                    str(stop),
+                    str(stop_file),
                     step_s,
                     0,
                     cluster=cluster,
                     world_size="2:4",
-                    on_event=steps,
+                    on_event=self.steps,
                     config={"worker_wait_s": WAIT_S},
                 )
             )
         )
-        job.start()
-        steps.wait("2 ranks", steps.world(2))
+        self._thread.start()
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.stop_file.touch()
+        self._thread.join(WAIT_S)
+        return self._done["result"].resizes
+
+
+def elastic(step_s: float, folder: Path) -> list[dict[str, Any]]:
+    """The three changes of one 2:4 job; its resize records."""
+    with start_cluster(n_workers=2, dashboard_port=0) as cluster:
+        job = ElasticJob(cluster, step_s, folder / "stop-elastic")
+        job.steps.wait("2 ranks", job.steps.world(2))
         for _, size, change in CHANGES:
             change(cluster)
-            steps.wait(f"{size} ranks", steps.world(size))
-        stop.touch()
-        job.join(WAIT_S)
-    return done["result"].resizes
+            job.steps.wait(f"{size} ranks", job.steps.world(size))
+        return job.stop()
 
 
 def restarted(step_s: float, checkpoint_every: int, folder: Path) -> list[dict[str, Any]]:
@@ -236,32 +245,15 @@ def _until_stopped(
 def queued_first_step(step_s: float, folder: Path) -> tuple[float, float, float]:
     """A fixed 2-rank job called while a 2:4 job holds all 4 workers: its call-to-first-step,
     the elastic job's pause as it yields, and the same call on an idle cluster."""
-    stop = folder / "stop-queued"
-    steps = Steps()
     with start_cluster(n_workers=4, dashboard_port=0) as cluster:
         for _ in range(2):  # warm: imports, plugins, connections
             launch(first_step, cluster=cluster, world_size=2)
         idle = launch(first_step, cluster=cluster, world_size=2).first_step_s
-        done: dict[str, Any] = {}
-        job = threading.Thread(
-            target=lambda: done.update(
-                result=launch(
-                    mlp_loop,
-                    str(stop),
-                    step_s,
-                    0,
-                    cluster=cluster,
-                    world_size="2:4",
-                    on_event=steps,
-                )
-            )
-        )
-        job.start()
-        steps.wait("4 ranks", steps.world(4))
+        job = ElasticJob(cluster, step_s, folder / "stop-queued")
+        job.steps.wait("4 ranks", job.steps.world(4))
         queued = launch(first_step, cluster=cluster, world_size=2).first_step_s
-        stop.touch()
-        job.join(WAIT_S)
-    yielded = next(r for r in done["result"].resizes if r["cause"] == "yielded")
+        resizes = job.stop()
+    yielded = next(r for r in resizes if r["cause"] == "yielded")
     return queued, yielded["pause_s"], idle
 
 
@@ -277,12 +269,9 @@ def vote_cost(cluster: TrainingCluster, folder: Path, steps: int) -> tuple[float
             if len(counter.reports) >= steps:
                 stop.touch()
 
-        result = launch(
-            mlp_loop, str(stop), 0.0, 0, cluster=cluster, world_size=world, on_event=stop_after
-        )
-        reports = counter.reports
+        launch(mlp_loop, str(stop), 0.0, 0, cluster=cluster, world_size=world, on_event=stop_after)
+        reports = counter.reports  # the first 10 steps warm up
         rates.append((len(reports) - 10) / (reports[-1]["at"] - reports[9]["at"]))
-        del result
     return rates[0], rates[1]
 
 
