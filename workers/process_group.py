@@ -309,7 +309,10 @@ class ProcessGroupPlugin(WorkerPlugin):
     def handle_sigterm(self, worker: Worker) -> None:
         """A SIGTERM (a spot instance's notice) closes the worker gracefully: the scheduler
         retires it, and the rank hands off first (``_hand_off``). Only while an elastic
-        job's rank is here; otherwise the signal keeps its default."""
+        job's rank is here, and only where nothing else handles the signal (``dask worker``
+        does, closing the worker, which hands the rank off all the same)."""
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
         loop = asyncio.get_running_loop()
 
         def closing() -> None:
