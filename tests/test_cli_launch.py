@@ -131,6 +131,9 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path):
     assert len(missing.stderr.strip().splitlines()) == 1
     zero = _launch("--world-size", "0", str(tmp_path / "x.py"))
     assert zero.returncode == 2
+    backwards = _launch("--world-size", "3:2", str(tmp_path / "x.py"))
+    assert backwards.returncode == 2
+    assert "min (3) is above max (2)" in backwards.stderr
 
 
 def test_a_refused_launch_leaves_no_process_behind(tmp_path):
