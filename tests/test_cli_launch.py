@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 
 from tests.commands import dask_train, session_leftovers
+from tests.test_elastic import no_restart
 
 ROOT = Path(__file__).parents[1]
 
@@ -204,11 +205,6 @@ def _process(pid: int) -> psutil.Process | None:
         return None
 
 
-def _no_restart(dask_worker) -> None:
-    """Run on a nanny: when its worker process dies, it closes instead of starting another."""
-    dask_worker.close_gracefully(reason="a spot instance reclaimed")
-
-
 def test_an_elastic_script_goes_on_with_the_survivor_when_a_worker_is_lost(tmp_path, own_cluster):
     # torchrun --nnodes=1:2's contract: the script is restarted (TORCHELASTIC_RESTART_COUNT
     # raised) on the workers left, without waiting for a replacement.
@@ -253,7 +249,7 @@ def test_an_elastic_script_goes_on_with_the_survivor_when_a_worker_is_lost(tmp_p
         pid = int(victim.read_text())
         client = own_cluster.client
         worker = next(a for a, p in client.run(os.getpid).items() if p == pid)
-        client.run(_no_restart, nanny=True, workers=[worker])
+        client.run(no_restart, nanny=True, workers=[worker])
         os.kill(pid, signal.SIGKILL)
         stdout, stderr = process.communicate(timeout=120)
     finally:

@@ -171,7 +171,7 @@ def _grown(resizes: list[tuple[int, int, str]], low: int, high: int) -> bool:
     )
 
 
-def _no_restart(dask_worker) -> None:
+def no_restart(dask_worker) -> None:
     """Run on a nanny: when its worker process dies, it closes instead of starting another."""
     dask_worker.close_gracefully(reason="a spot instance reclaimed")
 
@@ -206,7 +206,7 @@ def test_a_job_grows_on_join_and_shrinks_by_sigkill_sigterm_and_retire_redoing_n
             watch.until("3 ranks after the SIGTERM", watch.world(3, after=seen))
             address, pid = _victim(client)
             # Gone for good, as a spot instance is: its nanny does not start it again.
-            client.run(_no_restart, nanny=True, workers=[address])
+            client.run(no_restart, nanny=True, workers=[address])
             seen = len(watch.records)
             os.kill(pid, signal.SIGKILL)
             watch.until("2 ranks after the SIGKILL", watch.world(2, after=seen))
@@ -434,7 +434,7 @@ def test_the_trainer_resized_2_4_3_2_equals_one_process_on_the_same_global_batch
             client.retire_workers([address])
             watch.until("3 after retire_workers", watch.resized_to(3))
             address, pid = _victim(client)
-            client.run(_no_restart, nanny=True, workers=[address])
+            client.run(no_restart, nanny=True, workers=[address])
             os.kill(pid, signal.SIGKILL)
             watch.until("2 after the SIGKILL", watch.resized_to(2))
     result = job.result

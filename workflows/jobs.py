@@ -245,11 +245,10 @@ class JobHold:
     ) -> None:
         self.client, self.settings, self.on_event = client, settings, on_event
         self.spec = JobSpec.mint(name)
-        self.job_id, self.topic = self.spec.job_id, self.spec.event_topic
         # Until launch_on's relay exists, a record goes to the topic and on_event directly.
         self.emit: Callable[[dict[str, Any]], None] = self._emit_directly
         self.admission = admit(
-            client, settings, job_id=self.job_id, name=name, on_queued=self._queued, stop=stop
+            client, settings, job_id=self.spec.job_id, name=name, on_queued=self._queued, stop=stop
         )
 
     def workers(self) -> list[str]:
@@ -258,10 +257,10 @@ class JobHold:
 
     def _queued(self, status: dict[str, Any]) -> None:
         # on_event handlers, the Training page and /metrics see the job waiting.
-        self.emit({"kind": "queued", "job_id": self.job_id, **status})
+        self.emit({"kind": "queued", "job_id": self.spec.job_id, **status})
 
     def _emit_directly(self, record: dict[str, Any]) -> None:
-        self.client.log_event(self.topic, record)
+        self.client.log_event(self.spec.event_topic, record)
         if self.on_event is not None:
             self.on_event(record)
 
