@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-gpt gpu-check test-shuffled clean
+.PHONY: install demo test docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -97,11 +97,23 @@ bench-sweep: $(STAMP)
 bench-fsdp: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.fsdp
 
+# FSDP2, TP and PP on the built-in GPT, 2 CPU ranks: dask-train's trainer and the hand-written
+# torchrun script under dask-train launch, each against the same script under torchrun.
+bench-strategies: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.strategies
+
+# Synchronous against asynchronous checkpoints of 101 M parameters, on local disk and on a
+# local S3 server (moto's, as the tests start it).
+bench-checkpoint: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.checkpoint
+
 # The built-in GPT on the standard library's sources: under DDP against torchrun, then its
-# peak memory under FSDP against DDP at 101 M parameters.
+# peak memory under FSDP against DDP at 101 M parameters, then its loss under SGD and AdamW
+# (the plot in docs/assets/).
 bench-gpt: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.ddp_vs_torchrun --model gpt --steps 40
 	$(BIN)/python -m workflows.benchmarks.fsdp --model gpt
+	$(BIN)/python -m workflows.benchmarks.optimizers --plot docs/assets/gpt_optimizers.png
 
 # The GPU checks (.ci/gpu-check): the gpu tests and a short DDP benchmark on nccl, within
 # 10 minutes on one GPU. In this project's .venv by default; `make gpu-check PYTHON_ENV=system`

@@ -205,3 +205,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3-compatible server for the session (moto's, a process on loopback; see
+    workflows/benchmarks/local_s3.py); each module makes its own bucket on it. Started in ~1 s,
+    so only when a test asks for it."""
+    from workflows.benchmarks.local_s3 import s3_server
+
+    with s3_server(tmp_path_factory.mktemp("s3") / "moto.log") as server:
+        yield server

@@ -46,6 +46,7 @@ from torch import nn
 from workers.data import as_features, open_store, rank_epoch_indices
 from workers.losses import Criterion
 from workers.models import build_model
+from workers.optimizers import build_optimizer, build_schedule
 from workflows.config import RunConfig
 
 Parameters = Mapping[str, torch.Tensor]
@@ -164,8 +165,9 @@ def train_in_one_process(
     dtype: torch.dtype = torch.float32,
     bug: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``steps`` SGD steps on the full global batches that ``world_size`` ranks would see, on
-    ``device`` in ``dtype``; the parameters come back on the CPU. ``then=(world_size, steps)``:
+    """``steps`` optimizer steps (the config's optimizer and schedule, as the ranks build
+    them) on the full global batches that ``world_size`` ranks would see, on ``device`` in
+    ``dtype``; the parameters come back on the CPU. ``then=(world_size, steps)``:
     that many more steps on what another world size's ranks read from the same place in the
     epoch, as a run resumed at that size from a checkpoint continues. ``bug``: one of
     PLANTED_BUGS, made on purpose.
@@ -203,9 +205,8 @@ def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict
         input_shape=tuple(images.shape[1:]),
         factory=factory,
     ).to(device, dtype)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
-    )
+    # The worker's own builder (workers/optimizers.py): the same optimizer, groups and rates.
+    optimizer = build_optimizer(config=t, parameters=model.parameters())
     total = steps + (then[1] if then else 0)
     before_last_step: dict[str, torch.Tensor] = {}
     done, epoch, batch = 0, 0, 0  # batch: the next one of that epoch
@@ -216,6 +217,7 @@ def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict
             with torch.no_grad():
                 first.view(-1)[:half] = before_last_step[name].view(-1)[:half]
         per_rank, goal = t.batch_size // ranks, done + phase_steps
+        schedule = None  # each phase's ranks build their own, as a resumed run does
         while done < goal:
             shards = [
                 rank_epoch_indices(
@@ -232,6 +234,14 @@ def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict
             ]
             n = len(shards[0])
             batches = n // per_rank if d.drop_last else -(-n // per_rank)
+            if schedule is None:
+                # As each rank builds it at the start of a phase (workers/train.py build):
+                # over the run's steps at these ranks' batches per epoch, from the step reached.
+                run_steps = t.epochs * batches
+                run_steps = run_steps if t.max_steps is None else min(run_steps, t.max_steps)
+                schedule = build_schedule(
+                    optimizer=optimizer, config=t, total_steps=run_steps, step=done
+                )
             while batch < batches and done < goal:
                 start = batch * per_rank
                 optimizer.zero_grad()
@@ -255,6 +265,7 @@ def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict
                 before_last_step = {k: v.detach().clone() for k, v in model.named_parameters()}
                 if not (bug == STEP_SKIPPED and done + 1 == total):
                     optimizer.step()
+                schedule.step()
                 done, batch = done + 1, batch + 1
             if batch == batches:
                 epoch, batch = epoch + 1, 0

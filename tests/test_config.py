@@ -136,3 +136,18 @@ def test_train_from_python_refuses_a_missing_data_root_before_it_starts_a_cluste
     assert "\n" not in str(error.value)
     # No worker, nanny or scheduler was started for it.
     assert {child.pid for child in psutil.Process().children(recursive=True)} <= before
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {"training": {"optimizer": "adamw", "lr_schedule": "cosine", "warmup_steps": 2}},
+        {"training": {"lr_schedule": "step", "lr_step_size": 5, "lr_gamma": 0.5}},
+        {"launch": {"world_size": "2:4", "elastic_batch": "per_rank"}},
+    ],
+)
+def test_a_config_written_out_whole_loads_back_the_same(sections):
+    """A run's config.json holds every field, defaults included: predict and --resume load it."""
+    config = load_config(sections)
+    assert load_config(config.model_dump(mode="json")) == config

@@ -20,7 +20,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import Reference, assert_equivalent, train_in_one_process
 from tests.test_launch import _data, _model
-from workers.data import open_store, rank_epoch_indices
+from workers.data import (
+    as_features,
+    epoch_blocks,
+    epoch_order,
+    open_store,
+    rank_block_indices,
+    rank_epoch_indices,
+)
+from workers.models import build_model
 from workflows import launch, start_cluster, train
 from workflows.admission import Request, WorkerQueue
 from workflows.cluster import live_workers
@@ -366,13 +374,15 @@ def paced_model(num_classes: int, in_features: int, released: str = "", pause_s:
     )
 
 
-def elastic_run(make_config, folder, world_size: str, strategy: str, **sections) -> object:
+def elastic_run(
+    make_config, folder, world_size: str, strategy: str, elastic_batch: str = "global", **sections
+) -> object:
     """A paced digits run of the built-in trainer on an elastic world: ``folder/released``
     ends its pacing."""
     return make_config(
         {
             "name": f"elastic-{strategy}",
-            "launch": {"world_size": world_size},
+            "launch": {"world_size": world_size, "elastic_batch": elastic_batch},
             "data": {"drop_last": True},
             # 0.2 s a step until the test is done resizing: 11 s for it, whatever the load.
             "model": {"kwargs": {"released": str(folder / "released"), "pause_s": 0.2}},
@@ -480,6 +490,34 @@ def test_every_sample_of_an_epoch_is_trained_once_across_resizes():
     assert taken == alone[: len(taken)].tolist()
 
 
+def test_with_per_rank_batches_every_sample_of_an_epoch_is_trained_once_across_resizes():
+    n, block = 1000, 25  # 40 blocks: 2 ranks take 2 a step, 4 take 4, 3 take 3
+    taken: list[int] = []
+    position, step = 0, 0
+    # The world changes after steps 3 and 7 of the epoch: 2 ranks, then 4, then 3; 3 ranks
+    # end it with 40 - 6 - 16 = 18 blocks, 6 steps.
+    while position < epoch_blocks(n, block=block, drop_last=True):
+        world = 2 if step < 3 else 4 if step < 7 else 3
+        for rank in range(world):
+            mine = rank_block_indices(
+                n,
+                replicas=world,
+                rank=rank,
+                start_block=position,
+                block=block,
+                epoch=1,
+                seed=7,
+                chunk_size=64,
+                shuffle_window=4,
+                drop_last=True,
+            )
+            taken += mine[:block].tolist()  # this step's block: the rest follow at this world
+        position, step = position + world, step + 1
+    assert step == 3 + 4 + 6 and position == 40
+    order = epoch_order(n, epoch=1, seed=7, chunk_size=64, shuffle_window=4)
+    assert taken == order.tolist()  # every sample once, in the epoch's order
+
+
 @pytest.mark.parametrize(
     ("training", "message"),
     [
@@ -517,3 +555,90 @@ def test_fsdp_resized_hands_its_shards_on_through_a_checkpoint_redoing_nothing(
     # The shards went to the next world through a checkpoint of the very step they stopped at.
     assert [r["redone_steps"] for r in result.resizes] == [0, 0]
     assert_one_process_on_the_same_batches(result, config)
+
+
+def _one_process_on_blocks(config, worlds: list[int], dtype: torch.dtype) -> dict:
+    """The reference of a run that keeps each rank's batch: step ``s`` on ``worlds[s]`` blocks
+    of the epoch's order, from where the last step left it, each block's mean loss weighing 1 /
+    the blocks (DDP's average of the replicas); an epoch ends where a step's blocks run out."""
+    t, d = config.training, config.data.resolved()
+    store = open_store(d.store_url)
+    images = torch.from_numpy(as_features(store.train.images[:], tokens=False)).to(dtype)
+    labels = torch.from_numpy(store.train.labels)
+    model = build_model(
+        config.model,
+        num_classes=store.num_classes,
+        seed=t.seed,
+        input_shape=tuple(images.shape[1:]),
+        factory=paced_model,
+    ).to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum)
+    block = t.batch_size // config.launch.world_size[0]
+    blocks = epoch_blocks(len(labels), block=block, drop_last=True)
+    epoch, position = 0, 0
+    for world in worlds:
+        if position + world > blocks:
+            epoch, position = epoch + 1, 0
+        order = epoch_order(
+            len(labels),
+            epoch=epoch,
+            seed=t.seed,
+            chunk_size=store.train.chunk_size,
+            shuffle_window=d.shuffle_window,
+        )
+        optimizer.zero_grad()
+        for b in range(position, position + world):
+            rows = torch.from_numpy(order[b * block : (b + 1) * block])
+            (F.cross_entropy(model(images[rows]), labels[rows]) / world).backward()
+        optimizer.step()
+        position += world
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worlds(result) -> list[int]:
+    """The world of each step, from the resize records: ``step`` is where the new one begins."""
+    steps, resizes = result.history[-1]["step"], result.resizes
+    worlds, world = [], resizes[0]["from"]
+    for step in range(steps):
+        while resizes and resizes[0]["step"] <= step:
+            world = resizes.pop(0)["to"]
+        worlds.append(world)
+    return worlds
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(240)
+def test_the_trainer_keeping_each_ranks_batch_resized_2_3_2_equals_one_process_on_its_blocks(
+    make_config, tmp_path
+):
+    config = elastic_run(make_config, tmp_path, "2:3", "ddp", elastic_batch="per_rank")
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        job = trainer_job(training_cluster, config, tmp_path)
+        with job as watch:
+            watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
+            training_cluster.cluster.scale(3)
+            watch.until("grown to 3", watch.resized_to(3))
+            training_cluster.cluster.scale(2)
+            watch.until("2 after scale(2)", watch.resized_to(2))
+    result = job.result
+    causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
+    assert causes == [(2, 3, "joined"), (3, 2, "retired")], causes
+    worlds = _worlds(result)
+    assert worlds.count(3) > 0 and worlds[0] == worlds[-1] == 2, worlds
+    # Each rank kept its 25 rows: the epochs took fewer steps while 3 ranks trained.
+    blocks = epoch_blocks(len(_digits_train(config)), block=25, drop_last=True)
+    assert len(worlds) < 2 * (blocks // 2)
+
+    def one_process(dtype: torch.dtype) -> dict:
+        return _one_process_on_blocks(config, worlds, dtype)
+
+    assert_equivalent(
+        result.state_dict,
+        Reference.of(one_process, steps=len(worlds)),
+        # Had the ranks kept the global batch instead, each step would take 2 blocks.
+        planted={
+            "the global batch kept": _one_process_on_blocks(
+                config, [2] * len(worlds), torch.float64
+            )
+        },
+    )

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -194,6 +195,11 @@ def test_a_worker_killed_mid_run_under_fsdp_is_recovered_from_the_sharded_checkp
 
     def kill_after_step_5(record: dict) -> None:
         if not killed and record["kind"] == "step" and record["step"] >= 5:
+            # Once step 4's checkpoint is committed (saves are asynchronous: its upload may
+            # still be in flight a moment after the step).
+            deadline = time.monotonic() + 60
+            while not list_checkpoints(tmp_path / "killed") and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(victim, signal.SIGKILL)
             killed.append(record["step"])
 

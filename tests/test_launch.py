@@ -159,6 +159,8 @@ def counted_then_raises(ctx, calls: str, error: str) -> None:
     if ctx.rank == 1:
         if error == "value":
             raise ValueError("the user's own bug on rank 1")
+        if error == "worded":  # worded as gloo words a lost peer: told apart by evidence
+            raise RuntimeError("Connection closed by peer: the user's own words, timed out")
         torch.ones(2, 3) @ torch.ones(2, 3)  # a shape error: torch raises RuntimeError
     value = torch.ones(1)
     dist.all_reduce(value)  # rank 0 waits here for a peer that never comes
@@ -167,7 +169,7 @@ def counted_then_raises(ctx, calls: str, error: str) -> None:
 # Rank 0 waits in a collective whose timeout is launch's default 600 s: it must be released
 # by the launcher, or the test times out.
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("error", ["value", "shape"])
+@pytest.mark.parametrize("error", ["value", "shape", "worded"])
 def test_a_user_exception_is_raised_once_and_never_retried(cluster, tmp_path, error):
     calls = tmp_path / "calls"
     pids = _pids(cluster)

@@ -29,6 +29,7 @@ from tornado.iostream import StreamClosedError
 from tests.commands import CONFIGS, dask_train
 from tests.reference import train_in_one_process
 from workers.process_group import current_membership
+from workflows.benchmarks.local_s3 import s3_server
 from workflows.cluster import live_workers, start_cluster
 from workflows.config import ConfigError, load_config
 from workflows.driver import train
@@ -245,10 +246,17 @@ def test_a_missing_interface_or_too_few_matching_workers_fail_fast_naming_the_fi
         assert too_many.spec is None
 
 
-def _cli(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _cli(
+    *args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     command = [*prefix, *dask_train(*args)]
     return subprocess.run(
-        command, capture_output=True, text=True, timeout=240, cwd=ROOT, env=_environment()
+        command,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=_environment() | (env or {}),
     )
 
 
@@ -412,20 +420,42 @@ def _namespace_group(scheduler: str) -> None:
     print(json.dumps({"master": master, "results": results}))
 
 
+def _bucket_in(namespace: tuple[str, ...], options: dict[str, str], name: str) -> None:
+    made = _cli_python(
+        f"import s3fs; s3fs.S3FileSystem(**{options!r}).mkdir({name!r})", prefix=namespace
+    )
+    assert made.returncode == 0, made.stderr
+
+
+def _read_from(namespace: tuple[str, ...], options: dict[str, str], path: str) -> str:
+    read = _cli_python(
+        f"import s3fs, sys; sys.stdout.write(s3fs.S3FileSystem(**{options!r}).cat_file("
+        f"{path!r}).decode())",
+        prefix=namespace,
+    )
+    assert read.returncode == 0, read.stderr
+    return read.stdout
+
+
 @pytest.mark.slow
-def test_ddp_across_two_namespace_hosts_rendezvous_at_rank0s_namespace_address(
-    two_hosts, store_dir, tmp_path
-):
+def test_ddp_across_two_namespace_hosts_rendezvous_at_rank0s_namespace_address(two_hosts, tmp_path):
     in_a = ("ip", "netns", "exec", two_hosts["ns_a"])
     in_b = ("ip", "netns", "exec", two_hosts["ns_b"])
     a, b = two_hosts["a"], two_hosts["b"]
     workers = {"host-a": ["--host", a], "host-b": ["--host", b]}
     placement = {"scheduler": in_a, "host-a": in_a, "host-b": in_b}
-    # The scheduler listens on A's address only: B reaches it over the veth pair.
-    with _stock_cluster(tmp_path, workers, scheduler_host=a, worker_hosts=placement) as (
-        address,
-        _,
+    # The scheduler listens on A's address only: B reaches it over the veth pair. The hosts
+    # share no folder: the store, the checkpoints and the run directory are in a bucket that
+    # both reach over the same pair (moto's S3 server on A's address).
+    with (
+        s3_server(tmp_path / "moto.log", host=a, prefix=in_a) as bucket_server,
+        _stock_cluster(tmp_path, workers, scheduler_host=a, worker_hosts=placement) as (
+            address,
+            _,
+        ),
     ):
+        options = bucket_server.storage_options
+        _bucket_in(in_a, options, "shared")
         assert address.startswith(f"tcp://{a}:")
         group = _cli_python(
             f"from tests.test_multihost import _namespace_group; _namespace_group({address!r})",
@@ -440,16 +470,35 @@ def test_ddp_across_two_namespace_hosts_rendezvous_at_rank0s_namespace_address(
         for r in seen["results"]:
             assert set(r["remote"]) <= {a, b, "127.0.0.1"}, r
 
+        # Credentials in the config, for the workers (never written out); the client's own
+        # (its run directory's copy) in its environment.
+        table = "{" + ", ".join(f"{k} = '{v}'" for k, v in options.items()) + "}"
         run = _cli(
             *("-v", "run", str(CONFIGS / "digits_ddp.toml"), "--scheduler", address),
-            *("--set", f"data.store='{store_dir / 'digits'}'", "--set", "training.epochs=1"),
+            *("--set", "data.store='s3://shared/stores/digits'", "--set", "training.epochs=1"),
+            *("--set", f"data.storage_options={table}"),
+            *("--set", f"checkpoint.storage_options={table}"),
             *("--set", "launch.socket_ifname='dt0'", "--set", "launch.world_size=2"),
-            *("--output", str(tmp_path / "run")),
+            *("--output", "s3://shared/runs/digits"),
             prefix=in_a,
+            env={
+                "AWS_ACCESS_KEY_ID": options["key"],
+                "AWS_SECRET_ACCESS_KEY": options["secret"],
+                "AWS_ENDPOINT_URL": options["endpoint_url"],
+            },
         )
         assert run.returncode == 0, run.stderr
         assert "done: ddp on 2 ranks" in run.stdout
-        assert f"master {a}:" in (tmp_path / "run" / "run.log").read_text()
+        log = _read_from(in_a, options, "shared/runs/digits/run.log")
+        assert f"master {a}:" in log
+        summary = json.loads(_read_from(in_a, options, "shared/runs/digits/summary.json"))
+        assert summary["world_size"] == 2 and summary["store"]["url"].startswith("s3://shared/")
+        config = _read_from(in_a, options, "shared/runs/digits/config.json")
+        assert options["secret"] not in config
+        # Nothing of the run landed in a folder: only the cluster's own logs are here.
+        assert {p.name for p in tmp_path.iterdir()} <= {"moto.log", "scheduler.json"} | {
+            p.name for p in tmp_path.glob("*.log")
+        }
 
 
 def _cli_python(code: str, prefix: tuple[str, ...]) -> subprocess.CompletedProcess:

@@ -1,18 +1,31 @@
 """Checkpoints of the whole training state with ``torch.distributed.checkpoint`` (DCP).
 
-A checkpoint is a directory ``step-<n>`` under the run's checkpoint folder:
+A checkpoint is a directory ``step-<n>`` under the run's checkpoint folder, on local disk or on
+any filesystem fsspec reaches (``s3://bucket/ckpt``, ``gs://``, ``abfs://``; its options in
+``checkpoint.storage_options``):
 
   step-000000120/
     .metadata, __<rank>_0.distcp   DCP's files: every rank writes its own part (a pipeline
                                     stage, an FSDP shard; replicated tensors once)
     manifest.json                  progress, history and the SHA-256 of every file, written last
 
-Every rank writes into ``.step-<n>.partial``; once all have finished, rank 0 writes the
-manifest and renames the folder, so a checkpoint is visible only when complete. A damaged one
-(missing manifest, a file whose hash differs) is skipped. DCP's ``.metadata`` is a pickle,
-which ``torch.distributed.checkpoint`` would load with plain ``pickle.load``: here it is read
-with an unpickler that admits only DCP's own metadata classes, so a planted payload never runs;
-and items that are not tensors, which DCP would unpickle freely, are refused.
+On local disk every rank writes into ``.step-<n>.partial``; once all have finished, rank 0
+writes the manifest and renames the folder, so a checkpoint is visible only when complete. An
+object store has no rename (S3's is a copy of every byte), so there every rank writes straight
+into ``step-<n>/`` and the manifest is the commit marker: rank 0 writes it last, once every
+rank's files have been read back from the store and hashed. A folder without one (a writer
+killed mid-upload) is never listed, and the next commit deletes it once a newer good one exists.
+With ``checkpoint.async_save`` (:class:`AsyncCheckpoints`, the default) a save returns once each
+rank's part is serialized into memory; a thread writes it, and the manifest follows at the next
+save, an elastic resize or the run's end, once every rank's files are written. A job stopped
+meanwhile (Ctrl-C, SIGTERM, the launcher's stop) waits for the write within
+``launch.release_timeout_s`` and commits it, or abandons it without a manifest.
+
+A damaged checkpoint (missing manifest, a file whose hash differs) is skipped. DCP's
+``.metadata`` is a pickle, which ``torch.distributed.checkpoint`` would load with plain
+``pickle.load``: here it is read (from disk or through fsspec alike) with an unpickler that
+admits only DCP's own metadata classes, so a planted payload never runs; and items that are not
+tensors, which DCP would unpickle freely, are refused.
 
 The hashes catch accidental damage only: whoever can write the folder can rewrite them. With
 ``checkpoint.signing_key_file`` the manifest also carries an HMAC-SHA256 of its content, and a
@@ -20,6 +33,7 @@ checkpoint without the right one is refused.
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -31,10 +45,13 @@ import os
 import pathlib
 import pickle
 import shutil
+import threading
 import time
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +61,7 @@ from workers.compat.cpython_private import PurePythonUnpickler
 
 # torch.distributed.checkpoint is imported where it is used: it costs ~0.7 s, and the client
 # imports this module to find the checkpoint a run continues from, which needs none of it.
+# fsspec too (~60 ms), which only a URL needs.
 # Re-exported: the section's model lives in a torch-free module, for config checks.
 from workers.config_models import CheckpointConfig as CheckpointConfig
 
@@ -52,10 +70,51 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 SIGNATURE = "signature"
 PREFIX = "step-"
+METADATA = ".metadata"
+
+# A checkpoint or a folder of them: a local path, or a URL as the user wrote it.
+Location = Path | str
+StorageOptions = Mapping[str, Any] | None
 
 
 class CheckpointDamaged(ValueError):
     """A checkpoint that must not be loaded: incomplete, altered, or carrying foreign code."""
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A folder on a filesystem other than local disk, reached through fsspec."""
+
+    fs: Any  # fsspec.AbstractFileSystem
+    path: str  # as the filesystem names it (no protocol)
+    url: str  # as the user wrote it: what is handed back, and what DCP's fsspec classes take
+
+    def child(self, name: str) -> "_Remote":
+        return _Remote(self.fs, f"{self.path}/{name}", f"{self.url}/{name}")
+
+
+def _where(location: str | os.PathLike[str], storage_options: StorageOptions) -> Path | _Remote:
+    """A local folder as a Path (``file://`` URLs included: local disk keeps its renames),
+    anything else fsspec names as its filesystem and path."""
+    if isinstance(location, os.PathLike) or ("://" not in location and "::" not in location):
+        return Path(location)
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = url_to_fs(location, **dict(storage_options or {}))
+    if isinstance(fs, LocalFileSystem):
+        return Path(path)
+    return _Remote(fs, path.rstrip("/"), location.rstrip("/"))
+
+
+def _label(where: Path | _Remote) -> str:
+    """``where`` for messages: the path, or the URL as written."""
+    return str(where) if isinstance(where, Path) else where.url
+
+
+def _name(where: Path | _Remote, name: str) -> str:
+    """``name`` inside ``where``, for messages."""
+    return f"{_label(where)}/{name}"
 
 
 @dataclass
@@ -95,12 +154,16 @@ def save_checkpoint(
     keep: int,
     commit: bool = True,
     signing_key_file: str | None = None,
-) -> Path | None:
+    storage_options: StorageOptions = None,
+    writer: "AsyncCheckpoints | None" = None,
+) -> Location | None:
     """Write this rank's part of the built-in trainer's checkpoint; every rank of the default
     group must call it.
 
     Returns the committed folder on rank 0. ``commit=False`` stops after writing, the state a
-    crash between write and commit leaves behind.
+    crash between write and commit leaves behind. With ``writer`` (``checkpoint.async_save``)
+    it returns once the state is serialized, and the writer commits it later (``directory``,
+    ``keep`` and the key are the writer's then).
     """
     rank = dist.get_rank()
     state = _state(modules, optimizer, scaler)
@@ -109,6 +172,9 @@ def save_checkpoint(
     state[f"sums.rank{rank}"] = torch.tensor(progress.sums, dtype=torch.float64)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     fields = {"epoch": progress.epoch, "batch": progress.batch, "history": progress.history}
+    if writer is not None:
+        writer.save(state, step=progress.step, fields=fields)
+        return None
     return write_checkpoint(
         directory,
         state,
@@ -117,6 +183,7 @@ def save_checkpoint(
         fields=fields,
         commit=commit,
         signing_key_file=signing_key_file,
+        storage_options=storage_options,
     )
 
 
@@ -129,14 +196,29 @@ def write_checkpoint(
     fields: dict[str, Any],
     commit: bool = True,
     signing_key_file: str | None = None,
-) -> Path | None:
-    """The one way a checkpoint is written (collective): each rank's ``tensors`` through DCP
-    into ``.step-<n>.partial``, then rank 0 adds the manifest (``fields`` plus the hash of
-    every file, signed with the key in ``signing_key_file`` if given) and renames the folder,
-    so it is visible only when complete."""
-    rank = dist.get_rank()
-    root = Path(directory)
+    storage_options: StorageOptions = None,
+) -> Location | None:
+    """The one way a checkpoint is written (collective): each rank's ``tensors`` through DCP,
+    then rank 0 adds the manifest (``fields`` plus the hash of every file, signed with the key
+    in ``signing_key_file`` if given), so it is visible only when complete: on local disk by
+    renaming ``.step-<n>.partial`` into place, on an object store by writing the manifest last
+    into ``step-<n>/``. ``storage_options``: the fsspec filesystem's, for a URL."""
+    where = _where(directory, storage_options)
     name = f"{PREFIX}{step:09d}"
+    if isinstance(where, _Remote):
+        return _write_remote(
+            where,
+            name,
+            tensors,
+            step=step,
+            keep=keep,
+            fields=fields,
+            commit=commit,
+            signing_key_file=signing_key_file,
+            storage_options=storage_options,
+        )
+    rank = dist.get_rank()
+    root = where
     partial = root / f".{name}.partial"
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -148,42 +230,521 @@ def write_checkpoint(
     dist.barrier()  # every rank's files are on disk
     final = None
     if rank == 0 and commit:
-        manifest = {
-            "step": step,
-            **fields,
-            "world_size": dist.get_world_size(),
-            "written_at": time.time(),
-            "files": {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.name != MANIFEST},
-        }
-        if signing_key_file is not None:
-            manifest[SIGNATURE] = _signature(manifest, _read_key(signing_key_file))
-        _write_durably(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
-        final = root / name
-        shutil.rmtree(final, ignore_errors=True)  # a stale one from before a restart
-        os.rename(partial, final)
-        for old in list_checkpoints(root)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        files = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.name != MANIFEST}
+        manifest = _manifest(step, fields, files, signing_key_file, sizes=_sizes(partial))
+        final = _commit_local(root, name, manifest, keep)
     dist.barrier()
     return final
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Committed checkpoints, newest first (partial ones start with a dot and are not listed)."""
-    root = Path(directory)
-    if not root.is_dir():
+def _commit_local(root: Path, name: str, manifest: bytes, keep: int) -> Path:
+    """Rank 0: the manifest into ``.<name>.partial``, then the folder renamed into place."""
+    partial = root / f".{name}.partial"
+    _write_durably(partial / MANIFEST, manifest)
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)  # a stale one from before a restart
+    os.rename(partial, final)
+    for old in list_checkpoints(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _commit_remote(root: _Remote, folder: _Remote, manifest: bytes, keep: int) -> str:
+    """Rank 0: the manifest into ``folder`` (the commit), then the old and partial ones gone."""
+    # One PUT, which a store makes visible whole or not at all: the commit.
+    folder.fs.pipe_file(f"{folder.path}/{MANIFEST}", manifest)
+    try:
+        _retain(root, keep)
+    except OSError as error:
+        # Housekeeping only: the checkpoint is committed, and the next commit tries again.
+        logger.warning("%s: could not delete old checkpoints (%s)", root.url, error)
+    return folder.url
+
+
+def _manifest(
+    step: int,
+    fields: dict[str, Any],
+    files: dict[str, str],
+    signing_key_file: str | None,
+    world_size: int | None = None,
+    sizes: dict[str, int] | None = None,
+) -> bytes:
+    manifest = {
+        "step": step,
+        **fields,
+        "world_size": dist.get_world_size() if world_size is None else world_size,
+        "written_at": time.time(),
+        "files": files,
+        # Each file's bytes: what verify_checkpoint compares on an object store (no download).
+        "sizes": sizes or {},
+    }
+    if signing_key_file is not None:
+        manifest[SIGNATURE] = _signature(manifest, _read_key(signing_key_file))
+    return json.dumps(manifest, indent=1).encode()
+
+
+def _write_remote(
+    root: _Remote,
+    name: str,
+    tensors: dict[str, Any],
+    *,
+    step: int,
+    keep: int,
+    fields: dict[str, Any],
+    commit: bool,
+    signing_key_file: str | None,
+    storage_options: StorageOptions,
+) -> str | None:
+    """:func:`write_checkpoint` on an object store: no rename, the manifest is the commit."""
+    rank = dist.get_rank()
+    folder = root.child(name)
+    if rank == 0:
+        # What a write of this step left before a restart (another world size's files among
+        # them) would mix with this one's: the manifest would not match the folder.
+        _remove(folder)
+    dist.barrier()
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=_fsspec_writer(folder.url, storage_options))
+    dist.barrier()  # every rank's upload returned
+    if not commit:
+        return None
+    files = _confirmed_files(folder)
+    committed = None
+    if rank == 0:
+        assert files is not None
+        manifest = _manifest(step, fields, files, signing_key_file, sizes=_sizes(folder))
+        committed = _commit_remote(root, folder, manifest, keep)
+    dist.barrier()  # no rank starts the next save (which may remove this folder) before
+    return committed
+
+
+def _confirmed_files(folder: _Remote) -> dict[str, str] | None:
+    """Every file of ``folder`` read back from the store and hashed, a share on each rank
+    (collective): name -> SHA-256 on rank 0, None on the others.
+
+    Reading them back is the confirmation that the store holds them: a file DCP's metadata
+    refers to that the store does not list fails the commit, so no manifest is written."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            names = sorted(_file_names(folder) - {MANIFEST})
+            referred = {info.relative_path for info in _metadata_of(folder).storage_data.values()}
+            missing = sorted(referred - set(names))
+            box = [names if not missing else f"{folder.url}: the store has no {missing}"]
+        except (CheckpointDamaged, FileNotFoundError) as error:
+            box = [f"{folder.url}: {error}"]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):  # every rank raises, none waits for the others
+        raise CheckpointDamaged(f"not committed: {box[0]}")
+    names = box[0]
+    mine = {name: _digest(folder, name) for name in names[rank::world]}
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    return dict(sorted(item for part in gathered for item in part.items()))
+
+
+def _step_folders(root: _Remote) -> dict[str, set[str]]:
+    """The step folders under ``root`` and the names of their files, in one listing."""
+    root.fs.invalidate_cache(root.path)  # other processes wrote here since this one looked
+    try:
+        found = root.fs.find(root.path)
+    except FileNotFoundError:
+        return {}
+    folders: dict[str, set[str]] = {}
+    prefix = root.path + "/"
+    for path in found:
+        folder, _, rest = path.removeprefix(prefix).partition("/")
+        if path.startswith(prefix) and folder.startswith(PREFIX) and rest:
+            folders.setdefault(folder, set()).add(rest)
+    return folders
+
+
+def _retain(root: _Remote, keep: int) -> None:
+    """Delete the good checkpoints beyond the newest ``keep``, and every partial one (no
+    manifest) older than the newest good one: the writes that were interrupted."""
+    folders = _step_folders(root)
+    good = sorted((n for n, files in folders.items() if MANIFEST in files), reverse=True)
+    doomed = good[keep:]
+    if good:
+        doomed += [n for n, files in folders.items() if MANIFEST not in files and n < good[0]]
+    for name in sorted(doomed):
+        _remove(root.child(name))
+
+
+def _remove(folder: _Remote) -> None:
+    # The manifest first: a reader meanwhile sees an uncommitted folder, never a manifest
+    # whose files are half gone.
+    with contextlib.suppress(FileNotFoundError):
+        folder.fs.rm_file(f"{folder.path}/{MANIFEST}")
+    folder.fs.invalidate_cache(folder.path)  # other processes' files are to go too
+    with contextlib.suppress(FileNotFoundError):
+        folder.fs.rm(folder.path, recursive=True)
+    folder.fs.invalidate_cache(folder.path)
+
+
+def _fsspec_writer(url: str, storage_options: StorageOptions) -> Any:
+    from workers.compat.torch_private import FSSPEC_WRITER
+
+    # No fsync: an object is durable once its upload completes, and its stream has no file
+    # descriptor (DCP would warn about it for every file).
+    return FSSPEC_WRITER(url, sync_files=False, **dict(storage_options or {}))
+
+
+# -- checkpoints that do not stop training --------------------------------------------------
+
+STAGING = "memory://dask-train-staging"  # fsspec's memory filesystem: this process's RAM
+# A rank stopped with its write in flight waits for it this share of launch.release_timeout_s
+# at most: the launcher's own wait for the rank to let go starts about when the stop lands,
+# and a rank still busy after it has its worker restarted.
+STOP_WAIT_SHARE = 0.8
+WRITTEN = ".written-rank"  # + <rank>: a rank's files are written (their hashes)
+JOIN_POLL_S = 0.1  # waits in slices: the launcher's stop lands between them
+# Rank 0's thread waits for the other ranks' notes at least this long, or as long again as its
+# own write took (they started together), before it leaves the commit to the next save.
+EAGER_WAIT_S = 5.0
+
+
+@dataclass
+class _Write:
+    """One checkpoint being written by a rank's thread."""
+
+    step: int
+    name: str  # step-<n>
+    fields: dict[str, Any]
+    target: Path | _Remote  # .step-<n>.partial on local disk, step-<n>/ on a store
+    staging: str
+    rank: int
+    world_size: int
+    thread: threading.Thread | None = None
+    hashes: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    # Set once the write no longer counts (the job stopped): the thread writes no more files.
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    # Set by the thread as it ends. Not Thread.is_alive(): a join that the launcher's stop
+    # interrupts marks a thread still running as stopped (CPython's bpo-45274 handling).
+    done: threading.Event = field(default_factory=threading.Event)
+    # Rank 0: what its thread committed as soon as every rank's files were written.
+    committed: "Location | None" = None
+
+
+def _join(write: _Write, timeout_s: float | None) -> bool:
+    """Wait for ``write``'s thread (``timeout_s`` at most; None: however long it takes) in
+    slices, so that the launcher's stop (an exception raised in this thread) lands; whether
+    it ended."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not write.done.is_set():
+        left = JOIN_POLL_S if deadline is None else min(JOIN_POLL_S, deadline - time.monotonic())
+        if left <= 0:
+            break
+        write.done.wait(left)
+    return write.done.is_set()
+
+
+class AsyncCheckpoints:
+    """Checkpoints that do not stop training (``checkpoint.async_save``), for one rank of a job.
+
+    ``save`` serializes this rank's part through DCP into memory (fsspec's memory filesystem,
+    so training waits for the copy, not for the disk or the network) and returns; a thread
+    then writes the files into ``step-<n>/`` (``.step-<n>.partial`` on local disk). At most one
+    write is in flight: the next ``save``, or ``finish``, waits for it, and only once every
+    rank's files are written does rank 0 add the manifest, the commit, so a checkpoint still
+    being written is never taken. A write that failed on any rank is a warning and a record in
+    ``failures`` (and ``on_failure``'s, on rank 0): it gets no manifest, the previous good
+    checkpoint stays the newest, and a later commit deletes what it left.
+
+    No second process group: the threads only write files; the ranks agree in ``save`` and
+    ``finish``, which every rank calls at the same point, as it would a synchronous save. A
+    job stopped with a write in flight (the launcher's stop, Ctrl-C, SIGTERM, a failure) has
+    no collective left: :meth:`interrupted` waits for it a bounded time, and commits it only
+    if every rank's files are written by then.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int,
+        signing_key_file: str | None = None,
+        storage_options: StorageOptions = None,
+        on_failure: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.directory, self.keep = directory, keep
+        self.signing_key_file, self.storage_options = signing_key_file, storage_options
+        self.failures: list[dict[str, Any]] = []
+        # Rank 0's record of each failed write ({"kind": "checkpoint_failed", "step", "error"}):
+        # the built-in trainer sends it to the client.
+        self.on_failure = on_failure
+        self._pending: _Write | None = None
+
+    def save(self, tensors: dict[str, Any], *, step: int, fields: dict[str, Any]) -> None:
+        """Commit the write in flight, if any, then stage ``tensors`` (this rank's) as the
+        checkpoint of ``step`` and start writing them (collective)."""
+        self.finish()
+        where = _where(self.directory, self.storage_options)
+        name = f"{PREFIX}{step:09d}"
+        target = where.child(name) if isinstance(where, _Remote) else where / f".{name}.partial"
+        if dist.get_rank() == 0:
+            _clear(target)  # what a write of this step left before a restart
+        dist.barrier()
+        import torch.distributed.checkpoint as dcp
+
+        from workers.compat.torch_private import FSSPEC_WRITER
+
+        # Each rank's own staging folder: the memory filesystem is per process, and the
+        # names DCP gives the files (__<rank>_0.distcp) keep them apart in the folder.
+        staging = f"{STAGING}/{uuid.uuid4().hex}"
+        dcp.save(tensors, storage_writer=FSSPEC_WRITER(staging, sync_files=False))
+        write = _Write(
+            step=step,
+            name=name,
+            fields=fields,
+            target=target,
+            staging=staging,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+        )
+        write.thread = threading.Thread(
+            target=self._write, args=(write,), name=f"checkpoint-{name}", daemon=True
+        )
+        write.thread.start()
+        self._pending = write
+
+    def _write(self, write: _Write) -> None:
+        """The thread: the staged files into the target, hashed on the way."""
+        from fsspec.core import url_to_fs
+
+        memory, staging = url_to_fs(write.staging)
+        try:
+            for path in sorted(memory.find(staging)):
+                if write.abandoned.is_set():
+                    write.error = "abandoned: the job stopped"
+                    return
+                data = memory.cat_file(path)
+                name = path.rsplit("/", 1)[-1]
+                self._put(write.target, name, data)
+                write.hashes[name] = hashlib.sha256(data).hexdigest()
+            # Committed as soon as every rank's files are written, not at the next save: a
+            # worker lost in between must find this checkpoint (no collective from here).
+            if write.rank != 0:
+                self._put(write.target, f"{WRITTEN}{write.rank}", json.dumps(write.hashes).encode())
+            else:
+                write.committed = self._commit_when_written(write)
+        except Exception as error:  # the record says what; the ranks decide in finish
+            write.error = f"{type(error).__name__}: {error}"
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                memory.rm(staging, recursive=True)
+            write.done.set()
+
+    def _commit_when_written(self, write: _Write) -> Location | None:
+        """Rank 0's thread: the commit, once every other rank's note is there; None when one
+        is not in time (a slower rank: ``finish`` commits it then, together) or the job
+        stopped."""
+        now = time.monotonic()
+        until = now + max(EAGER_WAIT_S, now - write.started)
+        files = dict(write.hashes)
+        try:
+            for rank in range(1, write.world_size):
+                files |= self._written_by(write, rank, until)
+        except _Abandoned:
+            return None
+        if write.abandoned.is_set():
+            return None
+        try:
+            return self._commit(write, dict(sorted(files.items())))
+        except (OSError, CheckpointDamaged) as error:
+            logger.warning("checkpoint of step %d: commit left to finish: %s", write.step, error)
+            return None
+
+    def _put(self, target: Path | _Remote, name: str, data: bytes) -> None:
+        if isinstance(target, _Remote):
+            target.fs.pipe_file(f"{target.path}/{name}", data)  # one PUT: whole or absent
+        else:
+            # Whole or absent on local disk too: a file appears by its rename.
+            part = target / f".{name}.{uuid.uuid4().hex[:8]}.part"
+            _write_durably(part, data)
+            os.replace(part, target / name)
+
+    def finish(self, timeout_s: float | None = None) -> Location | None:
+        """Wait for the write in flight (``timeout_s`` at most; None: however long it takes)
+        and commit it if every rank's succeeded (collective). Returns the committed
+        checkpoint on rank 0; None otherwise, and when nothing was in flight."""
+        write = self._pending
+        if write is None:
+            return None
+        assert write.thread is not None
+        # A stop landing in the wait leaves the write pending, for interrupted().
+        joined = _join(write, timeout_s)
+        self._pending = None
+        if not joined:  # abandoned: no manifest whenever it ends
+            write.abandoned.set()
+            outcome: dict[str, str] | str = f"still writing after {timeout_s:g} s"
+        else:
+            outcome = write.error or write.hashes
+        outcomes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+        failed = [f"rank {r}: {o}" for r, o in enumerate(outcomes) if isinstance(o, str)]
+        committed = None
+        if not failed and dist.get_rank() == 0:
+            files = dict(sorted(item for part in outcomes for item in part.items()))
+            try:
+                committed = write.committed or self._commit(write, files)
+            except (OSError, CheckpointDamaged) as error:
+                failed = [f"rank 0's commit: {type(error).__name__}: {error}"]
+        # Rank 0's verdict, its commit's included, to every rank; and no rank starts the next
+        # save (which may clear this folder) before it is committed.
+        verdict = [failed]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            self._failed(write, verdict[0])
+        return committed
+
+    def interrupted(self, timeout_s: float) -> Location | None:
+        """The job stops with a write in flight, no collective left (the launcher's stop,
+        Ctrl-C, SIGTERM, a failure): wait for this rank's write, ``timeout_s`` at most, then
+        commit it on rank 0 if every rank's files are written by then, else abandon it (no
+        manifest: never taken, deleted by a later commit). Every rank calls it, none waits for
+        another: a rank whose files are written says so in the folder (``.written-rank<r>``,
+        with their hashes), and rank 0 waits for those at most as long again as its own write
+        took (they started together), within ``timeout_s``. Returns the committed checkpoint
+        on rank 0; None otherwise, and when nothing was in flight."""
+        write, self._pending = self._pending, None
+        if write is None:
+            return None
+        assert write.thread is not None
+        deadline = time.monotonic() + timeout_s
+        committed = None
+        try:
+            if not _join(write, timeout_s):
+                raise _Abandoned(f"rank {write.rank}: still writing after {timeout_s:g} s")
+            if write.error:
+                raise _Abandoned(f"rank {write.rank}: {write.error}")
+            if write.rank != 0:
+                return None  # its thread left the note: rank 0 commits
+            if write.committed is not None:
+                return write.committed
+            files = dict(write.hashes)
+            now = time.monotonic()
+            until = min(deadline, now + max(1.0, now - write.started))
+            for rank in range(1, write.world_size):
+                files |= self._written_by(write, rank, until)
+            committed = self._commit(write, dict(sorted(files.items())))
+            logger.warning(
+                "job stopped: the checkpoint of step %d in flight was written and committed",
+                write.step,
+            )
+        except (_Abandoned, OSError, CheckpointDamaged) as error:
+            if write.rank == 0:
+                self._failed(write, [f"abandoned as the job stopped: {error}"])
+        finally:
+            write.abandoned.set()  # whatever happened, the thread writes no more
+        return committed
+
+    def _written_by(self, write: _Write, rank: int, until: float) -> dict[str, str]:
+        """The files ``rank`` says it wrote, once it says so (until ``until``)."""
+        while True:
+            try:
+                return json.loads(_read_bytes(write.target, f"{WRITTEN}{rank}"))
+            except _missing(write.target):
+                if time.monotonic() >= until:
+                    raise _Abandoned(f"rank {rank}: its files were not written in time") from None
+                time.sleep(JOIN_POLL_S)
+
+    def _failed(self, write: _Write, errors: list[str]) -> None:
+        self.failures.append({"step": write.step, "errors": errors, "at": time.time()})
+        logger.warning(
+            "checkpoint of step %d not written, the previous one stays the newest: %s",
+            write.step,
+            "; ".join(errors),
+        )
+        if write.rank == 0 and self.on_failure is not None:
+            record = {"kind": "checkpoint_failed", "step": write.step, "error": "; ".join(errors)}
+            try:
+                self.on_failure(record)
+            except Exception:  # the client may be gone (a stopped job): the warning stays
+                logger.exception("could not report the failed checkpoint of step %d", write.step)
+
+    def _commit(self, write: _Write, files: dict[str, str]) -> Location:
+        for rank in range(1, write.world_size):  # the notes are not the checkpoint's
+            _delete(write.target, f"{WRITTEN}{rank}")
+        # What the store lists is what the ranks wrote: nothing missing, nothing else.
+        present = _file_names(write.target) - {MANIFEST}
+        referred = {i.relative_path for i in _metadata_of(write.target).storage_data.values()}
+        if present != set(files) or not referred <= present:
+            raise CheckpointDamaged(
+                f"{_label(write.target)}: holds {sorted(present)}, the ranks wrote {sorted(files)}"
+            )
+        manifest = _manifest(
+            write.step,
+            write.fields,
+            files,
+            self.signing_key_file,
+            world_size=write.world_size,
+            sizes=_sizes(write.target),
+        )
+        if isinstance(write.target, _Remote):
+            root = _where(self.directory, self.storage_options)
+            assert isinstance(root, _Remote)
+            return _commit_remote(root, write.target, manifest, self.keep)
+        return _commit_local(write.target.parent, write.name, manifest, self.keep)
+
+
+class _Abandoned(Exception):
+    """A write in flight that will not be committed."""
+
+
+def _delete(where: Path | _Remote, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if isinstance(where, _Remote):
+            where.fs.rm_file(f"{where.path}/{name}")
+        else:
+            (where / name).unlink()
+
+
+def _clear(target: Path | _Remote) -> None:
+    """An empty folder for a checkpoint's files to be written into."""
+    if isinstance(target, _Remote):
+        _remove(target)
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+
+
+def list_checkpoints(
+    directory: str | Path, storage_options: StorageOptions = None
+) -> list[Location]:
+    """Committed checkpoints, newest first: local folders renamed into place (partial ones
+    start with a dot and are not listed), or on an object store the folders with a manifest
+    (URLs, as ``directory`` is written)."""
+    where = _where(directory, storage_options)
+    if isinstance(where, _Remote):
+        folders = _step_folders(where)
+        committed = [n for n, files in folders.items() if MANIFEST in files]
+        return [where.child(n).url for n in sorted(committed, reverse=True)]
+    if not where.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    found = [p for p in where.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def verify_checkpoint(path: str | Path, signing_key_file: str | None = None) -> dict[str, Any]:
+def verify_checkpoint(
+    path: str | Path, signing_key_file: str | None = None, storage_options: StorageOptions = None
+) -> dict[str, Any]:
     """The manifest of an intact checkpoint (signed with the key in ``signing_key_file``, when
-    given); raises :class:`CheckpointDamaged` otherwise."""
-    path = Path(path)
+    given); raises :class:`CheckpointDamaged` otherwise.
+
+    On an object store, a store that cannot be reached or refuses access raises its own error:
+    that is no damage, and no reason to pass over the checkpoint."""
+    where = _where(path, storage_options)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(_read_bytes(where, MANIFEST))
         files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, *_missing(where)) as error:
         raise CheckpointDamaged(f"{path}: no readable {MANIFEST} ({error})") from None
     if not isinstance(manifest, dict) or not isinstance(files, dict):
         raise CheckpointDamaged(f"{path}: {MANIFEST} is malformed")
@@ -199,25 +760,43 @@ def verify_checkpoint(path: str | Path, signing_key_file: str | None = None) -> 
                 f"{path}: {MANIFEST}'s signature does not match the key in "
                 "checkpoint.signing_key_file"
             )
-    present = {p.name for p in path.iterdir() if p.name != MANIFEST}
+    present = _file_names(where) - {MANIFEST}
     if present != set(files):
         raise CheckpointDamaged(
             f"{path}: files {sorted(present ^ set(files))} differ from the manifest"
         )
+    sizes = manifest.get("sizes")
+    if isinstance(where, _Remote) and signing_key_file is None and sizes:
+        # An object store checks each object's bytes as it takes them, and the commit read
+        # every file back and hashed it: here the sizes suffice, so that the client and every
+        # rank do not each download the whole checkpoint to hash it. A signing key asks for
+        # the hashes: whoever can write the bucket could change a file and keep its size.
+        found = _sizes(where)
+        wrong = sorted(name for name in files if found.get(name) != sizes.get(name))
+        if wrong:
+            raise CheckpointDamaged(f"{path}: files {wrong} are not the size the manifest says")
+        read_metadata(path, storage_options)  # refuses foreign pickles before DCP would
+        return manifest
     for name, digest in files.items():
-        if _sha256(path / name) != digest:
-            raise CheckpointDamaged(f"{path / name}: checksum differs from the manifest")
-    read_metadata(path)  # refuses foreign pickles before DCP would load them
+        try:
+            found = _digest(where, name)
+        except _missing(where) as error:  # removed since it was listed
+            raise CheckpointDamaged(f"{_name(where, name)}: unreadable ({error})") from None
+        if found != digest:
+            raise CheckpointDamaged(f"{_name(where, name)}: checksum differs from the manifest")
+    read_metadata(path, storage_options)  # refuses foreign pickles before DCP would load them
     return manifest
 
 
 def latest_good_checkpoint(
-    directory: str | Path, signing_key_file: str | None = None
-) -> tuple[Path, dict[str, Any]] | None:
+    directory: str | Path,
+    signing_key_file: str | None = None,
+    storage_options: StorageOptions = None,
+) -> tuple[Location, dict[str, Any]] | None:
     """The newest intact checkpoint, warning about each damaged one passed over."""
-    for path in list_checkpoints(directory):
+    for path in list_checkpoints(directory, storage_options):
         try:
-            return path, verify_checkpoint(path, signing_key_file)
+            return path, verify_checkpoint(path, signing_key_file, storage_options)
         except CheckpointDamaged as error:
             logger.warning("skipping damaged checkpoint: %s", error)
     return None
@@ -230,16 +809,16 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     signing_key_file: str | None = None,
+    storage_options: StorageOptions = None,
 ) -> Progress:
     """Load a verified checkpoint into this rank's modules and optimizer (collective).
 
     The world size may differ from the one that wrote it: DCP reshards. The RNG state is
     restored where this rank's was saved.
     """
-    path = Path(path)
     # Verified again where it is loaded: the folder may have changed since the client looked.
-    manifest = verify_checkpoint(path, signing_key_file)
-    metadata = read_metadata(path)
+    manifest = verify_checkpoint(path, signing_key_file, storage_options)
+    metadata = read_metadata(path, storage_options)
     rank = dist.get_rank()
     state = _state(modules, optimizer, scaler)
     state["progress"] = torch.zeros(3, dtype=torch.int64)
@@ -253,7 +832,11 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    dcp.load(state, storage_reader=safe_reader(path), planner=tensors_only_planner())
+    dcp.load(
+        state,
+        storage_reader=safe_reader(path, storage_options),
+        planner=tensors_only_planner(),
+    )
     _, current = get_state_dict(_whole(modules), optimizer)
     set_state_dict(
         _whole(modules),
@@ -276,6 +859,49 @@ def load_checkpoint(
         sums=state[sums_key].tolist() if sums_key in state else [],
         history=manifest["history"],
     )
+
+
+def _missing(where: Path | _Remote) -> tuple[type[Exception], ...]:
+    """What reading a checkpoint's file raises when the file is not there: on local disk any
+    OSError (as ever); on a store only its "no such key", since its other errors (unreachable,
+    access refused) say nothing about the checkpoint."""
+    return (FileNotFoundError,) if isinstance(where, _Remote) else (OSError,)
+
+
+def _read_bytes(where: Path | _Remote, name: str) -> bytes:
+    if isinstance(where, _Remote):
+        return where.fs.cat_file(f"{where.path}/{name}")
+    return (where / name).read_bytes()
+
+
+def _file_names(where: Path | _Remote) -> set[str]:
+    if isinstance(where, _Remote):
+        where.fs.invalidate_cache(where.path)  # other processes wrote here since this one looked
+        try:
+            listed = where.fs.ls(where.path, detail=False)
+        except FileNotFoundError:
+            return set()
+        return {p.rstrip("/").rsplit("/", 1)[-1] for p in listed}
+    return {p.name for p in where.iterdir()}
+
+
+def _sizes(where: Path | _Remote) -> dict[str, int]:
+    """Each file's size in bytes, the manifest aside."""
+    if isinstance(where, _Remote):
+        where.fs.invalidate_cache(where.path)
+        listed = where.fs.ls(where.path, detail=True)
+        found = {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in listed}
+    else:
+        found = {p.name: p.stat().st_size for p in where.iterdir() if p.is_file()}
+    found.pop(MANIFEST, None)
+    return found
+
+
+def _digest(where: Path | _Remote, name: str) -> str:
+    if isinstance(where, _Remote):
+        with where.fs.open(f"{where.path}/{name}", "rb") as file:
+            return _sha256_of(file)
+    return _sha256(where / name)
 
 
 def _whole(modules: list[nn.Module]) -> nn.Module:
@@ -420,41 +1046,65 @@ class _MetadataUnpickler(PurePythonUnpickler):
     dispatch[pickle.BUILD[0]] = load_build
 
 
-def read_metadata(path: Path) -> Any:
+def read_metadata(path: str | Path, storage_options: StorageOptions = None) -> Any:
+    """DCP's metadata of the checkpoint at ``path``, unpickled with the restricted unpickler
+    (from local disk or through fsspec alike); raises :class:`CheckpointDamaged` for anything
+    but a tensors-only checkpoint's metadata."""
+    return _metadata_of(_where(path, storage_options))
+
+
+def _metadata_of(where: Path | _Remote) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+    label = _name(where, METADATA)
     try:
-        data = (path / ".metadata").read_bytes()
-    except OSError as error:
-        raise CheckpointDamaged(f"{path}: no DCP metadata ({error})") from None
+        data = _read_bytes(where, METADATA)
+    except _missing(where) as error:
+        raise CheckpointDamaged(f"{_label(where)}: no DCP metadata ({error})") from None
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointDamaged as error:
-        raise CheckpointDamaged(f"{path / '.metadata'}: {error}") from None
+        raise CheckpointDamaged(f"{label}: {error}") from None
     except Exception as error:
-        raise CheckpointDamaged(f"{path / '.metadata'}: unreadable ({error})") from None
+        raise CheckpointDamaged(f"{label}: unreadable ({error})") from None
     if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointDamaged(f"{path / '.metadata'}: not DCP metadata")
+        raise CheckpointDamaged(f"{label}: not DCP metadata")
     for key, item in metadata.state_dict_metadata.items():
         if type(item) is not TensorStorageMetadata:
-            raise CheckpointDamaged(f"{path / '.metadata'}: {key!r} is not a tensor, refused")
+            raise CheckpointDamaged(f"{label}: {key!r} is not a tensor, refused")
+    return metadata
+
+
+def _loadable(metadata: Any, load_id: Any) -> Any:
+    """What DCP's own ``read_metadata`` adds to the metadata it read."""
+    if getattr(metadata, "storage_meta", None) is None:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = load_id
     return metadata
 
 
 @functools.cache
-def _dcp_classes() -> tuple[type, type]:
-    """DCP's file reader and load planner, made safe; defined on first use (see the imports)."""
+def _dcp_classes() -> tuple[type, type, type]:
+    """DCP's file and fsspec readers and its load planner, made safe; defined on first use
+    (see the imports)."""
     import torch.distributed.checkpoint as dcp
+
+    from workers.compat.torch_private import FSSPEC_READER
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata(Path(self.path))
-            if getattr(metadata, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
+            return _loadable(read_metadata(Path(self.path)), self.load_id)
 
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+    class SafeFsspecReader(FSSPEC_READER):  # type: ignore[misc, valid-type]
+        def __init__(self, url: str, storage_options: StorageOptions) -> None:
+            self.storage_options = dict(storage_options or {})
+            super().__init__(url, **self.storage_options)
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            # The bytes through fsspec, the same restricted unpickler as on local disk.
+            return _loadable(read_metadata(self.path, self.storage_options), self.load_id)
 
     class TensorsOnlyPlanner(dcp.DefaultLoadPlanner):
         """DCP's planner, less its bytes path, which unpickles with ``weights_only=False``."""
@@ -464,17 +1114,21 @@ def _dcp_classes() -> tuple[type, type]:
                 f"checkpoint item {read_item.dest_index.fqn!r} is not a tensor; refused unread"
             )
 
-    return SafeReader, TensorsOnlyPlanner
+    return SafeReader, SafeFsspecReader, TensorsOnlyPlanner
 
 
-def safe_reader(path: str | Path) -> Any:
-    """A DCP storage reader of ``path`` whose metadata goes through :func:`read_metadata`."""
-    return _dcp_classes()[0](path)
+def safe_reader(path: str | Path, storage_options: StorageOptions = None) -> Any:
+    """A DCP storage reader of ``path`` (a local folder, or a URL through fsspec) whose
+    metadata goes through :func:`read_metadata`."""
+    where = _where(path, storage_options)
+    if isinstance(where, _Remote):
+        return _dcp_classes()[1](where.url, storage_options)
+    return _dcp_classes()[0](where)
 
 
 def tensors_only_planner() -> Any:
     """A DCP load planner that refuses any item that is not a tensor, unread."""
-    return _dcp_classes()[1]()
+    return _dcp_classes()[2]()
 
 
 def _read_key(signing_key_file: str) -> bytes:
@@ -498,10 +1152,14 @@ def _signature(manifest: dict[str, Any], key: bytes) -> str:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
+        return _sha256_of(file)
+
+
+def _sha256_of(file: IO[bytes]) -> str:
+    digest = hashlib.sha256()
+    for block in iter(lambda: file.read(1 << 20), b""):
+        digest.update(block)
     return digest.hexdigest()
 
 

@@ -194,7 +194,7 @@ class Batches:
 class RankShard:
     """A rank's rows of one split with the built-in trainer's interface
     (``workers/data.py`` RankBatches): ``len()`` steps per epoch, ``epoch(e, start_batch=)``,
-    ``job_rows(step)``."""
+    ``job_rows(step)``, ``stride`` and ``steps_from(position)``."""
 
     def __init__(
         self, rows: RankRows, split: SplitPlan, *, rank: int, batch_size: int, seed: int
@@ -204,6 +204,12 @@ class RankShard:
 
     def __len__(self) -> int:
         return self.split.steps(self.batch_size)
+
+    stride = 1  # a step moves the epoch's position by one batch
+
+    def steps_from(self, position: int) -> int:
+        """Steps left in an epoch from batch ``position``."""
+        return max(0, len(self) - position)
 
     def job_rows(self, batch: int) -> int:
         """Rows all ranks together train on in step ``batch`` of an epoch. The shares may

@@ -8,9 +8,18 @@ import. The components re-export their own section (``workers.data.DataConfig`` 
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SerializationInfo,
+    field_validator,
+    model_validator,
+)
 
 from workers.model_sources import IMPORT_PATH, check_name
 from workers.sources import COLLECTION_SOURCES, SOURCES
@@ -37,6 +46,64 @@ MODEL_LAYERS: dict[str, tuple[str, ...]] = {
 BUILTIN_TP_PLANS = {"gpt": "workers.tensor_plans:gpt"}
 
 
+# Words in the names of fsspec options that carry credentials: s3fs's key, secret, token and
+# client_kwargs' aws_*_key_id / aws_secret_access_key / aws_session_token, gcsfs's token,
+# adlfs's account_key, sas_token, connection_string, client_secret.
+_SECRET_WORDS = (
+    "key",
+    "secret",
+    "token",
+    "password",
+    "passwd",
+    "credential",
+    "connection_string",
+    "sas",
+    "auth",
+)
+
+
+def _without_credentials(value: Any) -> Any:
+    """``value`` (fsspec options) less every entry whose name says it holds a credential, at any
+    depth; left out rather than masked, so a config read back falls back on the environment."""
+    if isinstance(value, dict):
+        return {
+            k: _without_credentials(v)
+            for k, v in value.items()
+            if not any(word in str(k).lower() for word in _SECRET_WORDS)
+        }
+    if isinstance(value, list | tuple):
+        return [_without_credentials(v) for v in value]
+    return value
+
+
+# Context for a dump that keeps the credentials: a config rebuilt in this process from its
+# dump (a sweep's trials), never one written out.
+KEEP_CREDENTIALS = {"credentials": True}
+
+
+def _serialized(options: dict[str, Any], info: SerializationInfo) -> dict[str, Any]:
+    # Every dump (config.json, the tracker's parameters, a sweep's request) leaves the
+    # secrets out; the model itself, which travels to the workers pickled, keeps them.
+    if (info.context or {}).get("credentials"):
+        return options
+    return _without_credentials(options)
+
+
+def fsspec_options(section: str) -> Any:
+    """The type of ``<section>.storage_options``, fsspec's options for a URL: checked to be a
+    table, and written out without credentials."""
+
+    def a_table(options: Any) -> Any:
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            raise ValueError(
+                f"{section}.storage_options: a table of fsspec options with string keys (e.g. "
+                f"{{endpoint_url = 'http://host:9000'}}), not {options!r:.60}"
+            )
+        return options
+
+    return Annotated[dict[str, Any], BeforeValidator(a_table), PlainSerializer(_serialized)]
+
+
 class CheckpointConfig(BaseModel):
     """When to checkpoint, how many to keep, and whether to continue from one."""
 
@@ -44,7 +111,14 @@ class CheckpointConfig(BaseModel):
 
     directory: str | None = Field(
         default=None,
-        description="a folder every worker can reach; `dask-train run` uses <run dir>/checkpoints",
+        description="a folder every worker can reach, or an fsspec URL (s3://bucket/ckpt, "
+        "gs://, abfs://); `dask-train run` uses <run dir>/checkpoints",
+    )
+    storage_options: fsspec_options("checkpoint") = Field(  # type: ignore[valid-type]
+        default_factory=dict,
+        description="the options of directory's fsspec filesystem, e.g. {endpoint_url = "
+        "'http://minio:9000'} for s3://; credentials may be given here too, but are never "
+        "written out (config.json, tracking): better in the environment or fsspec's config",
     )
     every_steps: int = Field(default=0, ge=0, description="0: at epoch ends only")
     at_epoch_end: bool = Field(
@@ -59,6 +133,17 @@ class CheckpointConfig(BaseModel):
         default=None,
         description="a secret key file: manifests carry an HMAC-SHA256 made with it, and a "
         "checkpoint without a valid one is refused (every worker must read the same file)",
+    )
+    async_save: bool = Field(
+        default=True,
+        description="training waits only while each rank's state is copied into memory; a "
+        "thread writes it, one checkpoint at a time, and it counts (gets its manifest) once "
+        "every rank's files are written: at the next save, an elastic resize or the run's "
+        "end (a stopped run waits for it within launch.release_timeout_s, else drops it). "
+        "Every built-in strategy allows it (DCP stages each rank's own part, DDP's, FSDP's "
+        "and TP's shards, a pipeline's stages alike); it costs a copy of that part in CPU "
+        "memory while it is written. false: training waits for every byte. ctx.save in "
+        "launch() is always synchronous",
     )
 
     @field_validator("signing_key_file")
@@ -134,7 +219,11 @@ class DataConfig(BaseModel):
         "rank workers and read them where they lie, or write them into data.store as Dask "
         "tasks and read its chunks (data larger than the cluster's memory)",
     )
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="for fsspec URLs")
+    storage_options: fsspec_options("data") = Field(  # type: ignore[valid-type]
+        default_factory=dict,
+        description="the options of the store's and root's fsspec filesystem; credentials may "
+        "be given here, but are never written out: better in the environment",
+    )
     image_size: int = Field(
         default=32, ge=8, le=1024, description="images are resized to this square"
     )
@@ -212,6 +301,47 @@ METRICS: dict[str, tuple[str, ...]] = {
     "regression": ("mse", "mae", "r2"),
 }
 
+# The optimizers and schedules a config may name, written out so that a config is checked
+# without importing torch (workers/optimizers.py builds them; tests/test_optimizers.py compares
+# these tables with torch's classes and signatures).
+# training.optimizer's short names: the torch.optim class each means.
+OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+# torch.optim's classes by name. Left out: LBFGS, whose step needs a closure the loop has not.
+TORCH_OPTIMIZERS = (
+    "ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam",
+    "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam",
+)  # fmt: skip
+# The keyword arguments of the short names' classes besides params, lr, weight_decay (and
+# SGD's momentum), which are training's own keys.
+OPTIMIZER_ARGUMENTS = {
+    "SGD": ("dampening", "nesterov", "maximize", "foreach", "differentiable", "fused"),
+    "Adam": (
+        "betas", "eps", "amsgrad", "foreach", "maximize", "capturable", "differentiable",
+        "fused", "decoupled_weight_decay",
+    ),
+    "AdamW": (
+        "betas", "eps", "amsgrad", "maximize", "foreach", "capturable", "differentiable",
+        "fused",
+    ),
+}  # fmt: skip
+# The built-in schedules (after training.warmup_steps).
+SCHEDULES = ("constant", "cosine", "linear", "step")
+# torch.optim.lr_scheduler's classes that a config can build from keyword arguments. Left
+# out: LambdaLR and MultiplicativeLR (a function), SequentialLR and ChainedScheduler (other
+# schedulers), ReduceLROnPlateau (a metric at each step): give such a one in Python.
+TORCH_SCHEDULES = (
+    "ConstantLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "CyclicLR",
+    "ExponentialLR", "LinearLR", "MultiStepLR", "OneCycleLR", "PolynomialLR", "StepLR",
+)  # fmt: skip
+
+
+def _choice(field: str, value: str, known: list[str], what: str) -> str:
+    """The refusal of a name that is none of ``known``: with the nearest as a hint."""
+    close = [k for k in known if k.lower() == value.lower()]
+    close = close or difflib.get_close_matches(value, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{field}: unknown {what} {value!r}; {hint}choose one of {known} or an import path "
+
 
 class ModelConfig(BaseModel):
     """Which model to train (workers/model_sources/), and the arguments its factory takes."""
@@ -258,6 +388,10 @@ class ModelConfig(BaseModel):
         return self.tp_plan or BUILTIN_TP_PLANS.get(self.name)
 
 
+def _default(model: type[BaseModel], name: str) -> Any:
+    return model.model_fields[name].default
+
+
 class TrainingConfig(BaseModel):
     """How to train: strategy, optimizer, schedule, precision."""
 
@@ -276,18 +410,76 @@ class TrainingConfig(BaseModel):
     grad_accum_steps: int = Field(
         default=1, ge=1, description="micro-batches per optimizer step (DDP: no_sync between)"
     )
-    lr: float = Field(default=0.05, gt=0, description="SGD's learning rate")
-    momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD's momentum")
-    weight_decay: float = Field(default=0.0, ge=0, description="SGD's weight decay")
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        default="constant", description="cosine: decays to 0 over the run, after the warm-up"
+    optimizer: str = Field(
+        default="sgd",
+        description="sgd, adamw or adam; another torch.optim class by name ('RMSprop', "
+        "'NAdam'); or an import path 'package.module:Class', called as Class(params, lr=..., "
+        "weight_decay=..., **optimizer_kwargs)",
     )
-    warmup_steps: int = Field(default=0, ge=0, description="steps of linear warm-up")
+    optimizer_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the optimizer's other arguments, e.g. {betas = [0.9, 0.95], eps = 1e-8, "
+        "fused = true} for adamw; its learning rate, weight decay and momentum are "
+        "training.lr, weight_decay and momentum",
+    )
+    lr: float = Field(
+        default=0.05,
+        gt=0,
+        description="the peak learning rate: reached after the warm-up, then scaled by lr_schedule",
+    )
+    momentum: float = Field(
+        default=0.9,
+        ge=0,
+        lt=1,
+        description="sgd's momentum (adam and adamw take betas in optimizer_kwargs)",
+    )
+    weight_decay: float = Field(
+        default=0.0,
+        ge=0,
+        description="the optimizer's weight decay (adamw's decoupled, sgd's and adam's added "
+        "to the gradient), on parameters of 2 or more dimensions unless "
+        "decay_norms_and_biases",
+    )
+    decay_norms_and_biases: bool = Field(
+        default=False,
+        description="also decay biases and norms' scales (parameters of fewer than 2 "
+        "dimensions), which nanoGPT and torchtitan leave undecayed",
+    )
+    lr_schedule: str = Field(
+        default="constant",
+        description="after the warm-up: constant; cosine or linear: decay to min_lr by the "
+        "run's end (training.max_steps, else its epochs); step: times lr_gamma every "
+        "lr_step_size steps; or a torch.optim.lr_scheduler class by name ('OneCycleLR') or an "
+        "import path, called with lr_schedule_kwargs",
+    )
+    lr_schedule_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="a torch.optim.lr_scheduler class's arguments, e.g. {max_lr = 0.1} for "
+        "OneCycleLR (a total_steps argument left out is the run's steps)",
+    )
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        description="steps of linear warm-up from lr / warmup_steps to lr, before the "
+        "built-in schedules",
+    )
+    min_lr: float = Field(
+        default=0.0, ge=0, description="cosine and linear: the learning rate they end at (<= lr)"
+    )
+    lr_step_size: int | None = Field(
+        default=None, ge=1, description="step: steps between decays (lr_schedule = 'step' needs it)"
+    )
+    lr_gamma: float = Field(
+        default=0.1, gt=0, description="step: the factor each decay multiplies the rate by"
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32", description="bf16 autocast (CPU or GPU), or fp16 with loss scaling (GPU)"
     )
     grad_clip_norm: float | None = Field(
-        default=None, gt=0, description="clip the whole model's gradient norm to this"
+        default=None,
+        gt=0,
+        description="clip the whole model's gradient norm to this (under fsdp, hsdp, tp and "
+        "pipeline: the norm over every rank's shards and stages)",
     )
     seed: int = Field(default=0, description="model initialization, data split and shuffling")
     log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
@@ -313,10 +505,111 @@ class TrainingConfig(BaseModel):
             "'package.module:loss'"
         )
 
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, name: str) -> str:
+        if name in OPTIMIZERS or name in TORCH_OPTIMIZERS or IMPORT_PATH.match(name):
+            return name
+        known = [*OPTIMIZERS, *(n for n in TORCH_OPTIMIZERS if n.lower() not in OPTIMIZERS)]
+        raise ValueError(
+            _choice("training.optimizer", name, known, "optimizer") + "'package.module:Class'"
+        )
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _known_schedule(cls, name: str) -> str:
+        if name in SCHEDULES or name in TORCH_SCHEDULES or IMPORT_PATH.match(name):
+            return name
+        known = [*SCHEDULES, *TORCH_SCHEDULES]
+        raise ValueError(
+            _choice("training.lr_schedule", name, known, "schedule") + "'package.module:Class'"
+        )
+
+    @property
+    def optimizer_class(self) -> str:
+        """The torch.optim class name, or the import path, that ``optimizer`` means."""
+        return OPTIMIZERS.get(self.optimizer, self.optimizer)
+
+    @property
+    def builtin_schedule(self) -> bool:
+        return self.lr_schedule in SCHEDULES
+
+    @property
+    def checked_without_torch(self) -> bool:
+        """Whether validation has checked all of the optimizer and the schedule; if not, a
+        class, an import path or argument values that torch alone can check are left to
+        ``workers.optimizers.check`` (the client runs it before launching)."""
+        return (
+            self.optimizer_class in OPTIMIZER_ARGUMENTS
+            and not self.optimizer_kwargs
+            and self.builtin_schedule
+        )
+
     @property
     def resolved_task(self) -> str:
         """The task the metrics follow: set, or implied by a named loss."""
         return self.task or LOSSES.get(self.loss, "classification")
+
+    @model_validator(mode="after")
+    def _optimizer_arguments_fit(self) -> "TrainingConfig":
+        name, given = self.optimizer_class, set(self.optimizer_kwargs)
+        own = {"lr": "training.lr", "weight_decay": "training.weight_decay"}
+        if name == "SGD":
+            own["momentum"] = "training.momentum"
+        clash = sorted(given & set(own))
+        if clash:
+            raise ValueError(
+                f"training.optimizer_kwargs: {clash[0]!r} is {own[clash[0]]}; set it there"
+            )
+        if name in OPTIMIZER_ARGUMENTS:
+            unknown = sorted(given - set(OPTIMIZER_ARGUMENTS[name]))
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], OPTIMIZER_ARGUMENTS[name], n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"training.optimizer_kwargs: {self.optimizer} takes no argument "
+                    f"{unknown[0]!r}; {hint}it takes {list(OPTIMIZER_ARGUMENTS[name])}"
+                )
+        # Values, not whether a key was given: a config written out whole (a run's
+        # config.json) holds every field at its default, and must load back.
+        if name != "SGD" and self.momentum != _default(TrainingConfig, "momentum"):
+            raise ValueError(
+                f"training.momentum is sgd's; {self.optimizer} takes its own in "
+                "training.optimizer_kwargs (adam and adamw: betas)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_arguments_fit(self) -> "TrainingConfig":
+        schedule = self.lr_schedule
+        if self.min_lr > self.lr:
+            raise ValueError(
+                f"training.min_lr ({self.min_lr:g}) is above training.lr ({self.lr:g})"
+            )
+        if self.builtin_schedule and self.lr_schedule_kwargs:
+            raise ValueError(
+                f"training.lr_schedule_kwargs: for a torch.optim.lr_scheduler class; the "
+                f"built-in {schedule!r} takes training.warmup_steps, min_lr, lr_step_size, "
+                "lr_gamma"
+            )
+        if not self.builtin_schedule and self.warmup_steps:
+            raise ValueError(
+                f"training.warmup_steps: for the built-in schedules {list(SCHEDULES)}, not "
+                f"{schedule!r} (give the class's own warm-up in lr_schedule_kwargs, if it has "
+                "one)"
+            )
+        if self.min_lr and schedule not in ("cosine", "linear"):
+            raise ValueError(f"training.min_lr: for cosine and linear, not {schedule!r}")
+        if schedule == "step" and self.lr_step_size is None:
+            raise ValueError("training.lr_step_size: lr_schedule = 'step' needs it")
+        stepping = self.lr_step_size is not None or self.lr_gamma != _default(
+            TrainingConfig, "lr_gamma"
+        )
+        if schedule != "step" and stepping:
+            raise ValueError(
+                f"training.lr_step_size and lr_gamma: for lr_schedule = 'step', not {schedule!r}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _accumulation_fits(self) -> "TrainingConfig":

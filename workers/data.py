@@ -13,7 +13,7 @@ import math
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +43,9 @@ def rank_epoch_indices(
     instead, the same for every world, and each rank takes its part of each: batch ``b`` of
     the epoch is the same samples on any number of ranks, and a job resized after ``b``
     batches goes on with batch ``b + 1`` (every sample of the epoch once, none twice)."""
-    rng = np.random.default_rng((seed, epoch))
-    n_chunks = math.ceil(n / chunk_size)
-    chunk_order = rng.permutation(n_chunks)
-    windows = []
-    for start in range(0, n_chunks, shuffle_window):
-        members = [
-            np.arange(c * chunk_size, min(n, (c + 1) * chunk_size))
-            for c in chunk_order[start : start + shuffle_window]
-        ]
-        windows.append(rng.permutation(np.concatenate(members)))
-    order = np.concatenate(windows)
+    order = epoch_order(
+        n, epoch=epoch, seed=seed, chunk_size=chunk_size, shuffle_window=shuffle_window
+    )
     if global_batch is not None:
         batches = n // global_batch if drop_last else math.ceil(n / global_batch)
         if len(order) < batches * global_batch:  # the last batch filled up with repeats
@@ -71,6 +63,69 @@ def rank_epoch_indices(
         order = np.concatenate([order, order[: total - n]])  # pad with repeats
     share = len(order) // world_size
     return order[rank * share : (rank + 1) * share]
+
+
+def epoch_blocks(n: int, *, block: int, drop_last: bool) -> int:
+    """Blocks of ``block`` rows in an epoch of ``n`` samples (the last one filled up with
+    repeats, or dropped)."""
+    return n // block if drop_last else math.ceil(n / block)
+
+
+def steps_from_block(blocks: int, start_block: int, replicas: int, *, drop_last: bool) -> int:
+    """Steps of ``replicas`` blocks each left in an epoch of ``blocks`` from ``start_block``:
+    the last one filled up with the epoch's first blocks again, or dropped."""
+    left = max(0, blocks - start_block)
+    return left // replicas if drop_last else math.ceil(left / replicas)
+
+
+def rank_block_indices(
+    n: int,
+    *,
+    replicas: int,
+    rank: int,
+    start_block: int,
+    block: int,
+    epoch: int,
+    seed: int,
+    chunk_size: int,
+    shuffle_window: int,
+    drop_last: bool,
+) -> np.ndarray:
+    """This rank's sample indices for the rest of one epoch, from ``start_block`` on, for an
+    elastic job that keeps each rank's batch (``launch.elastic_batch = "per_rank"``).
+
+    The epoch's order is cut into blocks of ``block`` rows, the same for every world; a step
+    of ``replicas`` ranks takes the next ``replicas`` blocks, rank ``r`` the ``r``-th. The
+    position is counted in blocks, so a job resized after block ``b`` goes on with block ``b``
+    on any number of ranks: every sample of the epoch once, none twice (the last step, which
+    may find fewer blocks than ranks, repeats the epoch's first ones, or is dropped)."""
+    order = epoch_order(
+        n, epoch=epoch, seed=seed, chunk_size=chunk_size, shuffle_window=shuffle_window
+    )
+    blocks = epoch_blocks(n, block=block, drop_last=drop_last)
+    if len(order) < blocks * block:
+        order = np.concatenate([order, order[: blocks * block - len(order)]])
+    by_block = order[: blocks * block].reshape(blocks, block)
+    steps = steps_from_block(blocks, start_block, replicas, drop_last=drop_last)
+    return by_block[(start_block + rank + replicas * np.arange(steps)) % blocks].reshape(-1)
+
+
+def epoch_order(
+    n: int, *, epoch: int, seed: int, chunk_size: int, shuffle_window: int
+) -> np.ndarray:
+    """Every sample index of one epoch, in the order the job trains on them: chunks shuffled,
+    then rows within windows of ``shuffle_window`` chunks (reads stay chunk-local)."""
+    rng = np.random.default_rng((seed, epoch))
+    n_chunks = math.ceil(n / chunk_size)
+    chunk_order = rng.permutation(n_chunks)
+    windows = []
+    for start in range(0, n_chunks, shuffle_window):
+        members = [
+            np.arange(c * chunk_size, min(n, (c + 1) * chunk_size))
+            for c in chunk_order[start : start + shuffle_window]
+        ]
+        windows.append(rng.permutation(np.concatenate(members)))
+    return np.concatenate(windows)
 
 
 @dataclass(frozen=True)
@@ -267,17 +322,21 @@ class RankBatches:
         seed: int,
         pin_memory: bool | None = None,
         global_batch: int | None = None,
+        per_rank_blocks: bool = False,
     ) -> None:
         """``global_batch``: an elastic job's, of which ``batch_size`` is this rank's share;
         the epoch's order is cut into global batches, the same on any number of ranks
         (``rank_epoch_indices``), so that a job resized within an epoch goes on where it
-        stood. ``pin_memory``: hand out batches in page-locked memory, so that
-        ``.to(device, non_blocking=True)`` copies them to the GPU asynchronously (from pageable
-        memory that copy is synchronous). None: when CUDA is available, which is exactly when a
-        rank's device is a GPU (``workers/devices.py``)."""
+        stood. ``per_rank_blocks``: an elastic job that keeps each rank's batch; the order is
+        cut into blocks of ``batch_size``, a step takes one per rank, and the epoch's position
+        counts blocks (``rank_block_indices``). ``pin_memory``: hand out batches in page-locked
+        memory, so that ``.to(device, non_blocking=True)`` copies them to the GPU
+        asynchronously (from pageable memory that copy is synchronous). None: when CUDA is
+        available, which is exactly when a rank's device is a GPU (``workers/devices.py``)."""
         self.split, self.config = split, config
         self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
         self.global_batch = global_batch
+        self.per_rank_blocks = per_rank_blocks
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         if config.in_memory:
             # Read once every chunk this rank could ever need: with shuffled chunks, that is all.
@@ -300,6 +359,22 @@ class RankBatches:
         )
 
     @property
+    def stride(self) -> int:
+        """How far one step moves the epoch's position: a batch, or one block per rank."""
+        return self.world_size if self.per_rank_blocks else 1
+
+    def steps_from(self, position: int) -> int:
+        """Steps left in an epoch from ``position`` (``stride`` units a step)."""
+        if self.per_rank_blocks:
+            blocks = epoch_blocks(
+                len(self.split), block=self.batch_size, drop_last=self.config.drop_last
+            )
+            return steps_from_block(
+                blocks, position, self.world_size, drop_last=self.config.drop_last
+            )
+        return max(0, len(self) - position)
+
+    @property
     def _share(self) -> int:
         """Samples per rank and epoch: the split cut (drop_last) or padded to equal shares
         (of whole global batches, in an elastic job)."""
@@ -310,6 +385,8 @@ class RankBatches:
 
     def __len__(self) -> int:
         """Batches per epoch (the same every epoch)."""
+        if self.per_rank_blocks:
+            return self.steps_from(0)
         share = self._share
         return share // self.batch_size if self.config.drop_last else -(-share // self.batch_size)
 
@@ -319,23 +396,63 @@ class RankBatches:
         elastic job's batches are all whole."""
         if self.global_batch is not None:
             return self.global_batch
+        if self.per_rank_blocks:
+            return self.batch_size * self.world_size
         return min(self.batch_size, self._share - batch * self.batch_size) * self.world_size
 
     def epoch(
         self, epoch: int, *, start_batch: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The epoch's batches from ``start_batch`` on (a resumed run skips what it trained)."""
+        """The epoch's batches from ``start_batch`` on (a resumed run skips what it trained;
+        ``per_rank_blocks``: from that block on)."""
+        if self.per_rank_blocks:
+            return self._blocks(epoch, start_block=start_batch)
         order = self.indices(epoch)
         starts = range(0, len(order), self.batch_size)
         if self.config.drop_last:
             starts = range(0, len(order) - self.batch_size + 1, self.batch_size)
         augment = _Augment(self.seed, epoch, self.rank) if self.config.augment else None
+        return self._read(order, starts, augment, start_batch=start_batch)
+
+    def _blocks(
+        self, epoch: int, *, start_block: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = rank_block_indices(
+            len(self.split),
+            replicas=self.world_size,
+            rank=self.rank,
+            start_block=start_block,
+            block=self.batch_size,
+            epoch=epoch,
+            seed=self.seed,
+            chunk_size=self.split.chunk_size,
+            shuffle_window=self.config.shuffle_window,
+            drop_last=self.config.drop_last,
+        )
+        starts = range(0, len(order), self.batch_size)
+        # Seeded by the block, whichever rank reads it: the same crops on any world.
+        augment = _Augment(self.seed, epoch, 0) if self.config.augment else None
+
+        def block_of(start: int) -> int:
+            return start_block + self.rank + self.world_size * (start // self.batch_size)
+
+        return self._read(order, starts, augment, start_batch=0, augment_key=block_of)
+
+    def _read(
+        self,
+        order: np.ndarray,
+        starts: range,
+        augment: "_Augment | None",
+        *,
+        start_batch: int,
+        augment_key: Callable[[int], int] | None = None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
         def read(batch: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
             index = order[start : start + self.batch_size]
             x = torch.from_numpy(self._cache.take(index))
             y = torch.from_numpy(self.split.labels[index])
-            x = augment(x, batch) if augment else x
+            x = augment(x, augment_key(start) if augment_key else batch) if augment else x
             if self.pin_memory:
                 # In the prefetch thread, while the current batch trains.
                 x, y = x.pin_memory(), y.pin_memory()

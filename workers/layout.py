@@ -7,6 +7,10 @@ config checks use it before anything starts. Each strategy's plan computes its d
 """
 
 from dataclasses import dataclass
+from typing import Literal
+
+# How an elastic job's batch follows its world (launch.elastic_batch); None: a fixed world.
+ElasticBatch = Literal["global", "per_rank"] | None
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,9 @@ class Layout:
     tp: int = 1  # ranks that split each layer of one copy
     # An elastic job's world need not divide the batch: each replica's share is batch_size //
     # dp rows or one more (share_of), and its loss is weighted by its share of the batch.
-    elastic: bool = False
+    # "global": the batch is the same on every world of the job's range; "per_rank": each
+    # rank's is, and batch_size is this world's (launch.elastic_batch). None: a fixed world.
+    elastic: ElasticBatch = None
 
     def __post_init__(self) -> None:
         names = ("world_size", "pp", "dp", "batch_size", "n_microbatches", "stages_per_rank", "tp")

@@ -43,12 +43,16 @@ class RankJob:
     keep_checkpoints: int = 3
     resume_from: str | None = None  # the newest good checkpoint when the attempt started
     signing_key_file: str | None = None  # checkpoints signed and verified with this key
+    storage_options: dict[str, Any] = field(default_factory=dict)  # checkpoint_dir's fsspec
     data: CollectionPlan | None = None  # launch(fn, data=...): what ctx.shard reads
     data_timeout_s: float = 600.0  # the bound on reading partitions held elsewhere
     job_id: str = ""  # what the ranks' kept states are filed under, across attempts
     # After a lost worker: the surviving rank whose kept state ``restore`` receives.
     live_source: LiveSource | None = None
     elastic: bool = False  # the world may change: the ranks vote at each step boundary
+    # launch.release_timeout_s: how long a stopped rank may take to let go (an async
+    # checkpoint's upload in flight waits within it).
+    release_timeout_s: float = 15.0
 
 
 @dataclass
@@ -193,6 +197,11 @@ class RankContext:
         """The checkpoint this attempt continues from (what ``restore`` loads), or None."""
         return self._resume_from
 
+    @property
+    def release_timeout_s(self) -> float:
+        """``launch.release_timeout_s``: how long this rank may take to let go once stopped."""
+        return self._job.release_timeout_s
+
     def emit(self, record: Mapping[str, Any]) -> None:
         """Send one record as it is (the built-in trainer's epoch and step records).
 
@@ -319,6 +328,7 @@ class RankContext:
             step=step,
             keep=self._job.keep_checkpoints,
             signing_key_file=self.signing_key_file,
+            storage_options=self._job.storage_options,
         )
         self.heartbeat()  # a long save is progress too
 
@@ -349,7 +359,12 @@ class RankContext:
                 self._job.job_id, state, source, device=self.device, backend=self.backend
             ).step
         elif self._resume_from is not None:
-            step = load_state(self._resume_from, state, signing_key_file=self.signing_key_file)
+            step = load_state(
+                self._resume_from,
+                state,
+                signing_key_file=self.signing_key_file,
+                storage_options=self._job.storage_options,
+            )
         live_recovery.keep(self._job.job_id, state, step=step or 0, replicated=replicated)
         return step
 

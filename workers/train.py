@@ -10,6 +10,7 @@ task, fills from Dask.
 """
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -21,7 +22,14 @@ from pydantic import BaseModel
 from torch import nn
 
 from workers import live_recovery
-from workers.checkpoint import CheckpointConfig, Progress, load_checkpoint, save_checkpoint
+from workers.checkpoint import (
+    STOP_WAIT_SHARE,
+    AsyncCheckpoints,
+    CheckpointConfig,
+    Progress,
+    load_checkpoint,
+    save_checkpoint,
+)
 from workers.collection_shard import (
     CollectionPlan,
     RankShard,
@@ -35,6 +43,12 @@ from workers.layout import Layout
 from workers.losses import Criterion
 from workers.malloc import freed_memory_returned
 from workers.models import ModelConfig, build_model
+from workers.optimizers import (
+    OptimizerFactory,
+    ScheduleFactory,
+    build_optimizer,
+    build_schedule,
+)
 from workers.peak_memory import PeakMemory
 from workers.precision import Precision
 from workers.process_group import Membership
@@ -59,6 +73,10 @@ class TrainJob:
     collections: CollectionPlan | None = None
     # A model factory given in Python (train(config, model=...)), in place of model.name.
     factory: Callable[..., nn.Module] | None = None
+    # An optimizer and a schedule given in Python (train(config, optimizer=..., lr_schedule=...)),
+    # in place of training.optimizer and training.lr_schedule.
+    optimizer: OptimizerFactory | None = None
+    lr_schedule: ScheduleFactory | None = None
     # An elastic job's layout for each world size it may run on, computed once on the client:
     # each generation of its group takes the one of its size. None: ``layout`` alone.
     layouts: dict[int, Layout] | None = None
@@ -102,12 +120,35 @@ class Checkpoints:
     save: Save
     every_steps: int = 0  # also every N steps within an epoch; 0: never
     at_epoch_end: bool = True
+    # Waits for an asynchronous save in flight and commits it (collective); None: saves are
+    # committed as they return.
+    finish: Callable[[], Any] | None = None
+    # The run ends by an exception (stopped, failed) with an asynchronous save maybe in
+    # flight: waits for it a bounded time, no collective (AsyncCheckpoints.interrupted).
+    interrupted: Callable[[], Any] | None = None
 
     @classmethod
-    def in_directory(cls, config: CheckpointConfig) -> "Checkpoints":
-        """DCP checkpoints under ``config.directory`` (``workers.checkpoint``)."""
+    def in_directory(
+        cls,
+        config: CheckpointConfig,
+        *,
+        report: Callable[[dict[str, Any]], None] | None = None,
+        release_timeout_s: float = 15.0,
+    ) -> "Checkpoints":
+        """DCP checkpoints under ``config.directory`` (``workers.checkpoint``); ``report``
+        gets rank 0's record of an asynchronous save that failed; a stopped rank waits for
+        its save in flight within ``release_timeout_s`` (``launch.release_timeout_s``)."""
         directory = config.directory
         assert directory is not None
+        writer = None
+        if config.async_save:
+            writer = AsyncCheckpoints(
+                directory,
+                keep=config.keep,
+                signing_key_file=config.signing_key_file,
+                storage_options=config.storage_options,
+                on_failure=report,
+            )
 
         def save(state: CheckpointState, progress: Progress) -> None:
             save_checkpoint(
@@ -118,9 +159,21 @@ class Checkpoints:
                 progress=progress,
                 keep=config.keep,
                 signing_key_file=config.signing_key_file,
+                storage_options=config.storage_options,
+                writer=writer,
             )
 
-        return cls(save=save, every_steps=config.every_steps, at_epoch_end=config.at_epoch_end)
+        return cls(
+            save=save,
+            every_steps=config.every_steps,
+            at_epoch_end=config.at_epoch_end,
+            finish=writer.finish if writer else None,
+            interrupted=(
+                functools.partial(writer.interrupted, STOP_WAIT_SHARE * release_timeout_s)
+                if writer
+                else None
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -256,7 +309,9 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
 
     checkpoints = None
     if job.checkpoint is not None and job.checkpoint.directory is not None:
-        checkpoints = Checkpoints.in_directory(job.checkpoint)
+        checkpoints = Checkpoints.in_directory(
+            job.checkpoint, report=ctx.emit, release_timeout_s=ctx.release_timeout_s
+        )
     # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py).
     sharded_on_cpu = layout.dp_shard > 1 and ctx.membership.device.type == "cpu"
     with freed_memory_returned() if sharded_on_cpu else contextlib.nullcontext():
@@ -268,6 +323,8 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
             layout=layout,
             settings=job.settings,
             factory=job.factory,
+            optimizer=job.optimizer,
+            lr_schedule=job.lr_schedule,
             hooks=Hooks(
                 report=ctx.emit,
                 heartbeat=heartbeat,
@@ -275,12 +332,12 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
                 step_done=step_done,
                 peak_memory=ctx.peak_memory_bytes,
             ),
-            restore=_continue(ctx),
+            restore=_continue(ctx, job.checkpoint),
             collections=job.collections,
         )
 
 
-def _continue(ctx: RankContext) -> Restore:
+def _continue(ctx: RankContext, checkpoint: CheckpointConfig | None = None) -> Restore:
     """Load a surviving replica's kept state, else the attempt's checkpoint (if any); then keep
     this rank's state for the next attempt."""
     source = ctx.live_source
@@ -308,6 +365,7 @@ def _continue(ctx: RankContext) -> Restore:
                 optimizer=state.optimizer,
                 scaler=state.scaler,
                 signing_key_file=ctx.signing_key_file,
+                storage_options=checkpoint.storage_options if checkpoint else None,
             )
         else:
             start = Progress()
@@ -336,6 +394,8 @@ def train(
     layout: Layout,
     settings: BaseModel | None = None,
     factory: Callable[..., nn.Module] | None = None,
+    optimizer: OptimizerFactory | None = None,
+    lr_schedule: ScheduleFactory | None = None,
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
@@ -352,6 +412,8 @@ def train(
         layout=layout,
         settings=settings,
         factory=factory,
+        optimizer=optimizer,
+        lr_schedule=lr_schedule,
         restore=restore,
         collections=collections,
     )
@@ -369,10 +431,16 @@ def train(
                 "total_steps": trainer.total_steps,
             }
         )
-    for epoch in range(trainer.start.epoch, config.epochs):
-        if trainer.step >= trainer.total_steps:
-            break
-        run_epoch(trainer, epoch, hooks=hooks)
+    try:
+        for epoch in range(trainer.start.epoch, config.epochs):
+            if trainer.step >= trainer.total_steps:
+                break
+            run_epoch(trainer, epoch, hooks=hooks)
+        _finish_saving(hooks)  # the run's last checkpoint counts before the run is done
+    except BaseException:
+        if hooks.checkpoints is not None and hooks.checkpoints.interrupted is not None:
+            hooks.checkpoints.interrupted()  # bounded; committed or abandoned, never half
+        raise
     # Read before the export: gathering the whole model for the client is not training's peak.
     return close(trainer, peak_memory_bytes=peak_memory())
 
@@ -386,6 +454,8 @@ def build(
     layout: Layout,
     settings: BaseModel | None = None,
     factory: Callable[..., nn.Module] | None = None,
+    optimizer: OptimizerFactory | None = None,
+    lr_schedule: ScheduleFactory | None = None,
     restore: Restore | None = None,
     collections: CollectionPlan | None = None,
 ) -> Trainer:
@@ -427,30 +497,26 @@ def build(
             world_size=layout.dp,
             batch_size=layout.share_of(layout.dp_rank(rank)),
             seed=config.seed,
-            global_batch=layout.batch_size if layout.elastic else None,
+            global_batch=layout.batch_size if layout.elastic == "global" else None,
+            per_rank_blocks=layout.elastic == "per_rank",
         )
         val = store.val
     else:
         batches, val = trainer_splits(
             collections, rank=rank, batch_size=layout.per_rank_batch, seed=config.seed
         )
-    optimizer = torch.optim.SGD(
-        strategy.parameters(),
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-    )
-    total_steps = config.epochs * len(batches)
-    if config.max_steps is not None:
-        total_steps = min(total_steps, config.max_steps)
+    made = build_optimizer(config=config, parameters=strategy.parameters(), factory=optimizer)
     start = Progress()
     if restore is not None:
-        start = restore(CheckpointState(strategy.modules, optimizer, precision.scaler))
-    # last_epoch puts the schedule at the resumed step; it scales each group's initial_lr.
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", config.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_factor(config, total_steps), last_epoch=start.step - 1
+        start = restore(CheckpointState(strategy.modules, made, precision.scaler))
+    total_steps = _total_steps(config, batches, start)
+    # At the resumed step: a resumed run's rates are the straight run's.
+    schedule = build_schedule(
+        optimizer=made,
+        config=config,
+        total_steps=total_steps,
+        step=start.step,
+        factory=lr_schedule,
     )
     return Trainer(
         config=config,
@@ -461,7 +527,7 @@ def build(
         precision=precision,
         batches=batches,
         val=val,
-        optimizer=optimizer,
+        optimizer=made,
         schedule=schedule,
         total_steps=total_steps,
         start=start,
@@ -501,15 +567,19 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     trainer.strategy.train()
     epoch_started = time.perf_counter()
     batches = trainer.batches.epoch(epoch, start_batch=start_batch)
+    # The epoch's position after each step: the next batch, or the next block of an elastic
+    # job that keeps each rank's batch (a step of n ranks takes n blocks).
+    stride, steps_left = trainer.batches.stride, trainer.batches.steps_from(start_batch)
     # Where a run that ends before the epoch does (max_steps) stands: its final checkpoint is
     # this, so that one continued with a larger max_steps trains the epoch's remaining batches.
     stopped: Progress | None = None
-    for batch, (x, y) in enumerate(batches, start_batch):
+    for i, (x, y) in enumerate(batches):
+        batch, after = start_batch + i * stride, start_batch + (i + 1) * stride
         loss = train_step(trainer, x, y, sums=sums)
         if hooks.step_done:
             _step_done(
                 trainer,
-                Position(epoch, batch + 1, trainer.step, sums, trainer.history),
+                Position(epoch, after, trainer.step, sums, trainer.history),
                 hooks=hooks,
             )
         if hooks.heartbeat:
@@ -519,15 +589,15 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
             assert loss is not None  # the reporting rank holds the last stage
             at_step = {"kind": "step", "epoch": epoch + 1, "step": trainer.step}
             hooks.report(at_step | {"loss": loss.item()})
-        last_of_epoch = batch == len(trainer.batches) - 1
+        last_of_epoch = i == steps_left - 1
         if trainer.step >= trainer.total_steps:
             if not last_of_epoch:
-                stopped = Progress(epoch, batch + 1, trainer.step, sums.tolist(), trainer.history)
+                stopped = Progress(epoch, after, trainer.step, sums.tolist(), trainer.history)
             break
         # Every N steps, except at an epoch's end: that checkpoint follows in a moment.
         every = checkpoints.every_steps if checkpoints else 0
         if every and trainer.step % every == 0 and not last_of_epoch:
-            at = Progress(epoch, batch + 1, trainer.step, sums.tolist(), trainer.history)
+            at = Progress(epoch, after, trainer.step, sums.tolist(), trainer.history)
             _save(trainer, at, hooks=hooks)
     train_seconds = time.perf_counter() - epoch_started
     samples_per_s = trainer.throughput.epoch_done(train_seconds, samples_before=samples_before)
@@ -615,7 +685,13 @@ def _step_done(trainer: Trainer, position: Position, *, hooks: Hooks) -> None:
                 position.history,
             )
             _save(trainer, at, hooks=hooks)
+        _finish_saving(hooks)  # the save in flight counts before the world changes
         raise
+
+
+def _finish_saving(hooks: Hooks) -> None:
+    if hooks.checkpoints is not None and hooks.checkpoints.finish is not None:
+        hooks.checkpoints.finish()
 
 
 def _save(trainer: Trainer, progress: Progress, *, hooks: Hooks) -> None:
@@ -652,13 +728,17 @@ def _zeros(trainer: Trainer) -> list[float]:
     return EpochSums(device=torch.device("cpu"), criterion=trainer.criterion).tolist()
 
 
-def _lr_factor(config: TrainingConfig, total_steps: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        if config.lr_schedule == "cosine":
-            span = max(1, total_steps - config.warmup_steps)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - config.warmup_steps) / span)))
-        return 1.0
-
-    return factor
+def _total_steps(
+    config: TrainingConfig, batches: "RankBatches | RankShard", start: Progress
+) -> int:
+    """The run's steps: its epochs', or ``max_steps``. Where the position moves by one block
+    per rank (an elastic job that keeps each rank's batch), the steps left follow the world,
+    so they are counted from ``start`` at this world's pace."""
+    if batches.stride == 1:
+        total = config.epochs * len(batches)
+    elif start.epoch >= config.epochs:
+        total = start.step
+    else:
+        left = batches.steps_from(start.batch) + (config.epochs - start.epoch - 1) * len(batches)
+        total = start.step + left
+    return total if config.max_steps is None else min(total, config.max_steps)

@@ -41,8 +41,10 @@ def save_state(
     step: int,
     keep: int,
     signing_key_file: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write ``state`` as the checkpoint of ``step`` (collective: every rank calls it)."""
+    """Write ``state`` as the checkpoint of ``step`` (collective: every rank calls it);
+    ``directory`` a local folder or an fsspec URL (``storage_options``: its filesystem's)."""
     tensors, values = capture_state(state)
     tensors[RNG_KEY] = {f"rank{dist.get_rank()}": _rng_state()}
     write_checkpoint(
@@ -52,22 +54,26 @@ def save_state(
         keep=keep,
         fields={"values": values},
         signing_key_file=signing_key_file,
+        storage_options=storage_options,
     )
 
 
 def load_state(
-    path: str | Path, state: dict[str, Any], *, signing_key_file: str | None = None
+    path: str | Path,
+    state: dict[str, Any],
+    *,
+    signing_key_file: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     """Load the verified checkpoint at ``path`` into ``state`` (collective) and return its step.
 
     Modules, optimizers and stateful objects are loaded in place; tensors are copied into the
     ones in ``state``; other values are replaced in the dict.
     """
-    path = Path(path)
     # Verified again here, on the rank that loads it: the folder may have changed since the
     # client chose it.
-    manifest = verify_checkpoint(path, signing_key_file)
-    saved = set(read_metadata(path).state_dict_metadata)
+    manifest = verify_checkpoint(path, signing_key_file, storage_options)
+    saved = set(read_metadata(path, storage_options).state_dict_metadata)
     template, _ = capture_state(state)
     rank = f"rank{dist.get_rank()}"
     # Another world size has other ranks: a rank with no saved RNG keeps its own.
@@ -81,7 +87,11 @@ def load_state(
         )
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(template, storage_reader=safe_reader(path), planner=tensors_only_planner())
+    dcp.load(
+        template,
+        storage_reader=safe_reader(path, storage_options),
+        planner=tensors_only_planner(),
+    )
     apply_state(state, template, manifest["values"])
     if rng:
         _set_rng_state(rng)

@@ -337,9 +337,15 @@ def _cluster_for(run_directory: "RunDirectory", config: RunConfig) -> Iterator["
 def validate(config: Path, overrides: tuple[str, ...]) -> None:
     """Check CONFIG and print it resolved, without starting anything."""
     resolved = _load(config, overrides)
-    if not resolved.model.builtin or resolved.training.loss not in LOSSES:
+    training = resolved.training
+    if (
+        not resolved.model.builtin
+        or training.loss not in LOSSES
+        or not training.checked_without_torch
+    ):
         # Code named by import path, torchvision or timm: import it and build the model once
-        # on the meta device (this imports torch, which built-in models never need here).
+        # on the meta device, and the optimizer (this imports torch, which built-in models
+        # and optimizers never need here).
         from workflows.config import check_model
         from workflows.stores import read_manifest
 
@@ -430,8 +436,9 @@ def plan(
 @scheduler_file_option
 @click.option(
     "--output",
-    type=click.Path(path_type=Path),
-    help="the run directory (default runs/<name>-<UTC time>); must not hold a run already",
+    metavar="DIR|URL",
+    help="the run directory (default runs/<name>-<UTC time>), or an fsspec URL "
+    "(s3://bucket/runs/x) to keep it in object storage; must not hold a run already",
 )
 @click.option(
     "--resume",
@@ -444,7 +451,7 @@ def run(
     world_size: int | tuple[int, int] | None,
     scheduler: str | None,
     scheduler_file: str | None,
-    output: Path | None,
+    output: str | None,
     resume: bool,
 ) -> None:
     """Train as CONFIG says: one line per epoch, results in the run directory."""
@@ -478,7 +485,7 @@ def run(
         # empty attempt: the directory is left exactly as it is.
         done = run_directory.finished
         click.echo(
-            f"{run_directory.path} finished already ({done.get('steps')} steps, "
+            f"{run_directory.location} finished already ({done.get('steps')} steps, "
             f"{done.get('samples_per_s') or 0:.0f} samples/s, {done.get('wall_s') or 0:.1f} s): "
             "nothing to resume"
         )
@@ -498,7 +505,7 @@ def run(
 
     def interrupted() -> str:
         # Asked when the interrupt comes: --resume is offered only for a directory it takes.
-        path = run_directory.path
+        path = run_directory.location
         if not run_directory.claimed:
             return f"interrupted before the run started; nothing was written to {path}"
         return f"interrupted; partial results in {path}; continue with --output {path} --resume"
@@ -509,7 +516,7 @@ def run(
         _exit_codes("training", LaunchError, TrackingError, DataError, interrupted=interrupted),
         run_directory,
     ):
-        click.echo(f"run directory: {run_directory.path}")
+        click.echo(f"run directory: {run_directory.location}")
         with (
             _cluster_for(run_directory, resolved) as cluster,
             _open_tracker(resolved, run_directory, resume).closing() as tracker,
@@ -527,7 +534,7 @@ def run(
         f"done: {summary['strategy']} on {summary['world_size']} ranks, "
         f"{headline.replace('_', ' ')} {final[headline]:.4f}, "
         f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f} s; results in "
-        f"{run_directory.path}"
+        f"{run_directory.location}"
     )
 
 
@@ -649,8 +656,9 @@ def _parse_params(ctx: click.Context, param: click.Parameter, values: tuple[str,
 @click.option(
     "--storage",
     metavar="URL_OR_PATH",
-    help="sqlite:///runs/sweep.db or a journal file (*.log, *.jsonl), whose study the same "
-    "command again continues; default: study.jsonl in the sweep's directory",
+    help="sqlite:///runs/sweep.db or a journal file (*.log, *.jsonl; also in object storage, "
+    "s3://bucket/sweeps/study.log), whose study the same command again continues; default: "
+    "study.jsonl in the sweep's directory",
 )
 @click.option(
     "--study-name",

@@ -29,6 +29,10 @@ from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 from workflows.tracking import TrackingConfig
 
+# The LR schedules whose shape spans the run's steps (training.lr_schedule): they need the
+# step count before the first step.
+SCHEDULES_OVER_THE_RUN = ("cosine", "linear")
+
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names the field and what to change."""
@@ -136,13 +140,41 @@ class RunConfig(BaseModel):
                 "world to the next through a checkpoint written at the step boundary; set "
                 "checkpoint.directory (with checkpoint.resume = 'auto')"
             )
+        per_rank = self.launch.elastic_batch == "per_rank"
+        if per_rank:
+            self._check_per_rank(low)
         layouts = {}
         for world in range(low, high + 1):
+            config = self
+            if per_rank:  # this world's global batch: each rank's times the ranks
+                rows = self.training.batch_size // low * world
+                config = self.model_copy(
+                    update={"training": self.training.model_copy(update={"batch_size": rows})}
+                )
             try:
-                layouts[world] = self.strategy_plan.layout(self, world, elastic=True)
+                layouts[world] = plan.layout(config, world, elastic=self.launch.elastic_batch)
             except ValueError as error:
                 raise ValueError(f"{given} includes {world} ranks, and {error}") from None
         return layouts
+
+    def _check_per_rank(self, low: int) -> None:
+        """``launch.elastic_batch = "per_rank"``: each rank keeps ``training.batch_size / min``
+        rows, so min must divide the batch; and the steps of an epoch follow the world, so a
+        schedule over the run's steps needs them told (``training.max_steps``)."""
+        batch, accum = self.training.batch_size, self.training.grad_accum_steps
+        if batch % (low * accum):
+            raise ValueError(
+                f"launch.elastic_batch: 'per_rank' keeps each rank's batch, training.batch_size "
+                f"/ the range's min = {batch} / {low}, which must be a whole multiple of "
+                f"grad_accum_steps ({accum}); give a batch that {low} x {accum} divides"
+            )
+        schedule = self.training.lr_schedule
+        if schedule in SCHEDULES_OVER_THE_RUN and self.training.max_steps is None:
+            raise ValueError(
+                f"launch.elastic_batch: 'per_rank' makes an epoch's steps follow the world, so "
+                f"training.lr_schedule {schedule!r}, which spans the run's steps, cannot know "
+                "them in advance; set training.max_steps, or use elastic_batch 'global'"
+            )
 
     def layout(self, world_size: int) -> Layout:
         """How ``world_size`` ranks share this run's model and batch; a :class:`ConfigError`
@@ -161,11 +193,18 @@ def check_model(
 ) -> None:
     """Resolve the loss and build the model once on the meta device (imports torch): a factory
     that is missing, refuses ``model.kwargs`` or returns no module is a :class:`ConfigError`
-    here, before anything launches. ``factory``: a model given in Python."""
+    here, before anything launches. So is an optimizer or schedule that torch refuses
+    (``workers.optimizers.check``). ``factory``: a model given in Python."""
     from workers.losses import Criterion
     from workers.model_sources import ModelError
     from workers.models import check_model as build_on_meta
+    from workers.optimizers import OptimizerError
+    from workers.optimizers import check as check_optimizer
 
+    try:
+        check_optimizer(config.training)
+    except OptimizerError as error:
+        raise ConfigError(str(error)) from None
     try:
         criterion = Criterion.of(config.training)
         build_on_meta(

@@ -228,8 +228,10 @@ class JobController:
         fn: Callable[..., Any],
         queued_once: Callable[[], bool],
         step_boundaries: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.client, self.spec, self.settings = client, spec, settings
+        self.storage_options = storage_options  # checkpoint_dir's fsspec filesystem's
         self.admission, self.events, self.job = admission, events, job
         self.task_prefix, self.checkpoint_dir = task_prefix, checkpoint_dir
         self.signing_key_file, self.stop, self.fn = signing_key_file, stop, fn
@@ -291,7 +293,11 @@ class JobController:
     def generation(self) -> None:
         """Form one generation over the held workers, run every rank, and decide what next."""
         directory = self.checkpoint_dir
-        resume = latest_good_checkpoint(directory, self.signing_key_file) if directory else None
+        resume = (
+            latest_good_checkpoint(directory, self.signing_key_file, self.storage_options)
+            if directory
+            else None
+        )
         if resume:
             # Records the checkpoint already holds were delivered by the run that wrote it.
             self.events.skip(resume[1].get("history", []))

@@ -20,6 +20,7 @@ from workers.collection_shard import CollectionPlan
 from workers.config_models import LOSSES, DataConfig
 from workers.layout import Layout
 from workers.model_sources import source_of
+from workers.optimizers import OptimizerFactory, ScheduleFactory
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
@@ -121,6 +122,8 @@ def train(
     config: RunConfig | str | Path | dict[str, Any],
     *,
     model: Callable[..., torch.nn.Module] | None = None,
+    optimizer: OptimizerFactory | None = None,
+    lr_schedule: ScheduleFactory | None = None,
     cluster: TrainingCluster | Client | None = None,
     on_event: EventHandler | None = print_progress,
     tracker: Tracker | None = None,
@@ -138,6 +141,13 @@ def train(
             the run's records then do not describe). It is called with ``model.kwargs``, and
             ``num_classes`` and the input shape where it takes them. Code the workers cannot
             import travels to them.
+        optimizer: A callable taking the model's parameters (a list) and returning a
+            ``torch.optim.Optimizer``, used in place of ``training.optimizer`` (its groups and
+            hyperparameters are the callable's own). It travels to the workers as ``model``
+            does; checkpoints hold its state.
+        lr_schedule: A callable taking the optimizer and the run's total steps and returning
+            an ``LRScheduler``, used in place of ``training.lr_schedule``; a resumed run steps
+            it to the step it resumes at.
         cluster: A `TrainingCluster` or a Dask ``Client``; ``None`` starts a local cluster
             from ``config.cluster`` and closes it afterwards.
         on_event: Receives each rank-0 metrics record (epoch ends, and steps when
@@ -190,7 +200,14 @@ def train(
         try:
             run = resolve_run(client, config)
             result = _train_on(
-                client, run, handler, called_at=called_at, data=data, factory=model, stop=stop
+                client,
+                run,
+                handler,
+                called_at=called_at,
+                data=data,
+                factory=model,
+                components=(optimizer, lr_schedule),
+                stop=stop,
             )
         finally:
             if owned:
@@ -198,6 +215,10 @@ def train(
         if owned_tracker:
             tracker.finish_result(result)
         return result
+
+
+# train(optimizer=..., lr_schedule=...), passed on together to the job.
+Components = tuple[OptimizerFactory | None, ScheduleFactory | None]
 
 
 @dataclass(frozen=True)
@@ -251,6 +272,7 @@ def _train_on(
     called_at: float,
     data: Mapping[str, tuple[Any, Any]] | None = None,
     factory: Callable[..., torch.nn.Module] | None = None,
+    components: Components = (None, None),
     stop: threading.Event | None = None,
 ) -> TrainResult:
     config = run.config
@@ -258,7 +280,13 @@ def _train_on(
         data = _read_collections(config)
     if data is None:
         return _train_prepared(
-            client, run, on_event, called_at=called_at, factory=factory, stop=stop
+            client,
+            run,
+            on_event,
+            called_at=called_at,
+            factory=factory,
+            components=components,
+            stop=stop,
         )
     classification = config.training.resolved_task == "classification"
     if config.data.collections == "store":
@@ -274,6 +302,7 @@ def _train_on(
             on_event,
             called_at=called_at,
             factory=factory,
+            components=components,
             manifest=manifest,
             stop=stop,
         )
@@ -298,6 +327,7 @@ def _train_on(
             called_at=called_at,
             collections=prepared.plan,
             factory=factory,
+            components=components,
             stop=stop,
             hold=hold,
         )
@@ -334,6 +364,7 @@ def _train_prepared(
     called_at: float,
     collections: CollectionPlan | None = None,
     factory: Callable[..., torch.nn.Module] | None = None,
+    components: Components = (None, None),
     manifest: StoreManifest | None = None,
     stop: threading.Event | None = None,
     hold: JobHold | None = None,
@@ -341,8 +372,14 @@ def _train_prepared(
     """Train ``run``'s ranks from ``collections``, or from the store ``manifest`` describes, or
     else from the store that preprocessing its data builds (or finds complete)."""
     config, layout, data = run.config, run.layout, run.config.data
-    if factory is not None or not config.model.builtin or config.training.loss not in LOSSES:
-        # The model's and the loss's code, checked before the store is built or a rank starts.
+    if (
+        factory is not None
+        or not config.model.builtin
+        or config.training.loss not in LOSSES
+        or not config.training.checked_without_torch
+    ):
+        # The model's, the loss's and the optimizer's code, checked before the store is built
+        # or a rank starts.
         check_model(
             config, num_classes=_known_classes(data, collections, manifest), factory=factory
         )
@@ -380,6 +417,8 @@ def _train_prepared(
         checkpoint=checkpoint if checkpoints else None,
         collections=collections,
         factory=factory,
+        optimizer=components[0],
+        lr_schedule=components[1],
         layouts=run.layouts,
     )
     launched_at = time.time()
@@ -398,6 +437,7 @@ def _train_prepared(
         final_records=lambda results: list(results[0].history),
         task_prefix="train",
         signing_key_file=config.checkpoint.signing_key_file,
+        storage_options=config.checkpoint.storage_options,
         stop=stop,
         hold=hold,
     )
@@ -431,8 +471,11 @@ def _train_prepared(
 
 
 def _imported_modules(config: RunConfig) -> set[str]:
-    """The top-level modules of the import paths in ``model.name`` and ``training.loss``."""
-    paths = [config.training.loss] if config.training.loss not in LOSSES else []
+    """The top-level modules of the import paths in ``model.name``, ``training.loss``,
+    ``training.optimizer`` and ``training.lr_schedule``."""
+    training = config.training
+    named = (training.loss, training.optimizer, training.lr_schedule)
+    paths = [name for name in named if ":" in name]
     source, _ = source_of(config.model.name)
     if source == "import_path":
         paths.append(config.model.name)

@@ -4,20 +4,17 @@ A lost, killed or hung worker, a group that did not form, a collective that time
 its peer: another attempt from the last checkpoint will likely succeed. An exception raised by
 the training code itself (a ``ValueError``, an assertion, a shape error that torch raises as
 ``RuntimeError``) would only fail again, so it reaches the caller at once.
+
+Errors are told apart by type, never by their message. One type says nothing alone: gloo
+raises a plain ``RuntimeError`` when a peer's process is gone ("Connection closed by peer"),
+and so does torch for a shape the code got wrong. Such an error is :data:`Cause.UNSURE`, and
+the launcher decides it by evidence, not by words: whether every worker of the job still
+answers (``workflows/launcher.py``, ``RankLauncher._root_cause``).
 """
 
 import enum
-import re
 from dataclasses import dataclass
 
-# What torch's backends and stores say when a peer is gone or a collective waited too long;
-# they raise plain RuntimeErrors (gloo: "Connection closed by peer").
-_COMMUNICATION = re.compile(
-    r"connection (closed|reset|refused)|broken pipe|peer|timed? ?out|socket|"
-    r"gloo/transport|nccl|process ?group|TCPStore|DistBackendError|DistNetworkError|"
-    r"DistStoreError|watchdog|abort",
-    re.IGNORECASE,
-)
 # Exception types (matched by name: the client need not import what raised them) that only
 # ever mean the infrastructure failed.
 _INFRASTRUCTURE_TYPES = frozenset(
@@ -41,15 +38,25 @@ _INFRASTRUCTURE_TYPES = frozenset(
 )
 
 
-def is_infrastructure_error(error: BaseException) -> bool:
-    """Whether ``error``, raised inside a rank, came from the cluster or the process group
-    rather than from the training code."""
+class Cause(enum.Enum):
+    """Who is to blame for an exception a rank raised, as far as its type tells."""
+
+    INFRASTRUCTURE = "infrastructure"  # the cluster or the process group, whatever the code
+    CODE = "code"  # the training code: another attempt would fail the same way
+    UNSURE = "unsure"  # a plain RuntimeError: a lost peer (gloo) or the code (torch's checks)
+
+
+def cause_of(error: BaseException | None) -> Cause:
+    """What ``error``, raised inside a rank, says of its cause by its type alone (None: the
+    rank's task ended without one, which only the infrastructure does)."""
+    if error is None:
+        return Cause.INFRASTRUCTURE
     names = {cls.__name__ for cls in type(error).__mro__}
     if names & _INFRASTRUCTURE_TYPES:
-        return True
-    if type(error) is RuntimeError:  # subclasses (NotImplementedError...) are code errors
-        return bool(_COMMUNICATION.search(str(error)))
-    return False
+        return Cause.INFRASTRUCTURE
+    if type(error) is RuntimeError:  # subclasses (NotImplementedError...) are the code's
+        return Cause.UNSURE
+    return Cause.CODE
 
 
 class Decision(enum.Enum):

@@ -90,6 +90,7 @@ def launch(
     name: str | None = None,
     checkpoint_dir: str | Path | None = None,
     keep_checkpoints: int = 3,
+    storage_options: dict[str, Any] | None = None,
     on_event: EventHandler | None = None,
     config: LaunchConfig | dict[str, Any] | None = None,
     max_failures: int | None = None,
@@ -115,9 +116,11 @@ def launch(
             job, whose world grows and shrinks between them at ``ctx.step_done`` (see
             the Elastic jobs guide); default every eligible worker.
         name: The job's name (task keys, the Training page); default ``fn``'s name.
-        checkpoint_dir: Where ``ctx.save`` writes and ``ctx.restore`` reads, a folder every
-            worker reaches.
+        checkpoint_dir: Where ``ctx.save`` writes and ``ctx.restore`` reads: a folder every
+            worker reaches, or an fsspec URL (``s3://bucket/ckpt``).
         keep_checkpoints: The newest checkpoints kept.
+        storage_options: ``checkpoint_dir``'s fsspec options (an endpoint, credentials);
+            default: what fsspec finds in the environment.
         on_event: Called with every record the ranks send (``ctx.report``, recoveries), in
             order, on a thread of its own.
         config: A `LaunchConfig` or a dict of its fields (the ``[launch]`` keys).
@@ -214,6 +217,7 @@ def launch(
                     name=name,
                     checkpoint_dir=checkpoint_dir,
                     keep_checkpoints=keep_checkpoints,
+                    storage_options=storage_options,
                     on_event=on_event,
                     called_at=called_at,
                     data=prepared.plan if prepared is not None else None,
@@ -291,6 +295,7 @@ def launch_on(
     stop: threading.Event | None = None,
     hold: JobHold | None = None,
     step_boundaries: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> LaunchResult:
     """The generations of one launch on a connected client (``launch`` and ``train`` use
     it): the job's `workflows.controller.JobController` runs them.
@@ -302,8 +307,11 @@ def launch_on(
     ``step_boundaries``: whether ``fn`` passes step boundaries (``ctx.step_done``), where an
     elastic job resizes; scripts have none and restart instead, as under torchrun.
     """
-    # Workers may run elsewhere: they get the checkpoint folder as an absolute path.
-    directory = str(Path(checkpoint_dir).absolute()) if checkpoint_dir is not None else None
+    # Workers may run elsewhere: they get the checkpoint folder as an absolute path (a URL as
+    # it is: storage_options are its filesystem's).
+    directory = None if checkpoint_dir is None else str(checkpoint_dir)
+    if directory is not None and "://" not in directory:
+        directory = str(Path(directory).absolute())
     keep_training_metrics(client)
     hold = hold or JobHold(client, settings, name=name, on_event=on_event, stop=stop)
     spec = hold.spec
@@ -322,8 +330,10 @@ def launch_on(
         checkpoint_dir=directory,
         keep_checkpoints=keep_checkpoints,
         signing_key_file=signing_key_file,
+        storage_options=dict(storage_options or {}),
         data=data,
         job_id=spec.job_id,
+        release_timeout_s=settings.release_timeout_s,
     )
     # The job's hold on its workers spans its generations: a recovering job keeps its place.
     with events, hold:
@@ -337,6 +347,7 @@ def launch_on(
             task_prefix=task_prefix,
             checkpoint_dir=directory,
             signing_key_file=signing_key_file,
+            storage_options=storage_options,
             retry_code_errors=retry_code_errors,
             stop=stop,
             fn=fn,

@@ -44,7 +44,7 @@ from workflows.admission import (
     rank_order,
 )
 from workflows.cluster import live_workers, most_workers
-from workflows.failure_policy import is_infrastructure_error
+from workflows.failure_policy import Cause, cause_of
 from workflows.job_spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,13 @@ class LaunchConfig(BaseModel):
         description="ranks: an int, or 'min:max' for an elastic job that starts on min free "
         "workers, grows up to max as workers join or are freed and shrinks (down to min) when "
         "they leave, at a step boundary; none: every chosen worker",
+    )
+    elastic_batch: Literal["global", "per_rank"] = Field(
+        default="global",
+        description="what an elastic job keeps as its world changes (the built-in trainer): "
+        "'global' keeps training.batch_size and the learning rate, each rank's share "
+        "following the world; 'per_rank' keeps each rank's batch, training.batch_size / "
+        "the range's min rows, so the global batch grows and shrinks with the world",
     )
     priority: int = Field(
         default=0,
@@ -313,10 +320,14 @@ class RankFailed(RuntimeError):
         worker: str,
         infrastructure: bool = True,
         error: BaseException | None = None,
+        cause: Cause | None = None,
     ) -> None:
         super().__init__(message)
         self.rank, self.worker = rank, worker
         self.infrastructure, self.error = infrastructure, error
+        # What the error's type told (Cause.UNSURE: a plain RuntimeError, decided by whether
+        # the job's workers still answer); None: the launcher saw it, no rank raised it.
+        self.cause = cause
         self.detected_at = time.time()  # before the clean-up, which can take seconds
 
 
@@ -688,11 +699,21 @@ class ProcessGroup:
     def _root_cause(self, futures: list[Future], first: RankFailed) -> RankFailed:
         """A communication error is often the echo of another rank's failure (its peer died, or
         raised and left): look a little longer for an error of the training code, or a lost
-        worker, before blaming the network."""
+        worker, before blaming the network. A plain ``RuntimeError`` (gloo's for a lost peer,
+        torch's for the code's mistakes) is the code's when every worker of the job answers."""
         if not first.infrastructure or isinstance(first, WorkerLost):
             return first
         deadline = time.monotonic() + self.config.settle_s
-        while time.monotonic() < deadline:
+        while True:
+            found = self._failure(futures)
+            if found is not None and (not found.infrastructure or isinstance(found, WorkerLost)):
+                return found
+            if first.cause is Cause.UNSURE and self._all_answer():
+                # Nobody is gone: no peer's loss explains it, so the code raised it.
+                first.infrastructure = False
+                return first
+            if time.monotonic() >= deadline:
+                return first
             with contextlib.suppress(TimeoutError):
                 pending = [f for f in futures if not f.done()]
                 if pending:
@@ -701,10 +722,14 @@ class ProcessGroup:
                     )
                 else:
                     time.sleep(RELEASE_POLL_S)
-            found = self._failure(futures)
-            if found is not None and (not found.infrastructure or isinstance(found, WorkerLost)):
-                return found
-        return first
+
+    def _all_answer(self) -> bool:
+        """Whether every worker of the job is in the cluster and answers (a SIGKILLed one is
+        refused at once, a stopped one is given ``PROBE_MIN_S``)."""
+        workers = [w for rank, w in enumerate(self.workers) if rank not in self._departed]
+        if not set(workers) <= set(self._alive_workers()):
+            return False
+        return len(answering_workers(self.client, workers, timeout_s=PROBE_MIN_S)) == len(workers)
 
     def _hung(self, silent: list[tuple[int, float]]) -> RankHung:
         """The hang, blamed on the silent ranks whose workers do not answer either: a rank
@@ -728,13 +753,14 @@ class ProcessGroup:
         traceback = future.traceback()
         if error is not None and traceback is not None:
             error = error.with_traceback(traceback)
-        infrastructure = error is None or is_infrastructure_error(error)
+        cause = cause_of(error)
         return RankFailed(
             f"rank {rank} on worker {self.workers[rank]} failed: {type(error).__name__}: {error}",
             rank=rank,
             worker=self.workers[rank],
-            infrastructure=infrastructure,
+            infrastructure=cause is not Cause.CODE,
             error=error,
+            cause=cause,
         )
 
     # -- choosing workers -------------------------------------------------------------------

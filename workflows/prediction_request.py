@@ -104,33 +104,42 @@ class TrainedModel:
 
 def resolve_model(model: str | Path, config: RunConfig | None = None) -> TrainedModel:
     """A run directory (or its ``model.pt``) brings its own config and statistics; a bare
-    checkpoint takes model and data from ``config``, statistics from that config's store."""
-    path = Path(model).expanduser()
-    if not path.exists():
+    checkpoint takes model and data from ``config``, statistics from that config's store.
+    ``model`` may be an fsspec URL (a run kept in a bucket), reached with ``config``'s
+    ``data.storage_options`` or the environment's credentials."""
+    given = str(model) if "://" in str(model) else str(Path(model).expanduser())
+    options = dict(config.data.storage_options) if config is not None else {}
+    fs, path = fsspec.core.url_to_fs(given, **options)
+    if not fs.exists(path):
         raise ConfigError(
-            f"--model: {path} does not exist; give a run directory (dask-train run) or a checkpoint"
+            f"--model: {given} does not exist; give a run directory (dask-train run) or a "
+            "checkpoint"
         )
-    run_dir = path if path.is_dir() else path.parent
-    checkpoint = run_dir / "model.pt" if path.is_dir() else path
+    is_dir = fs.isdir(path)
+    run_dir = path if is_dir else path.rstrip("/").rsplit("/", 1)[0]
+    checkpoint = f"{run_dir}/model.pt" if is_dir else path
     summary: dict[str, Any] = {}
-    if (run_dir / "config.json").is_file():
+    if fs.isfile(f"{run_dir}/config.json"):
         try:
-            config = load_config(json.loads((run_dir / "config.json").read_text()))
+            config = load_config(json.loads(fs.cat_file(f"{run_dir}/config.json")))
         except (json.JSONDecodeError, ConfigError) as error:
             raise ConfigError(
-                f"--model: {run_dir / 'config.json'} is not a run config: {error}"
+                f"--model: {fs.unstrip_protocol(run_dir)}/config.json is not a run config: {error}"
             ) from None
-        if (run_dir / "summary.json").is_file():
-            summary = json.loads((run_dir / "summary.json").read_text()).get("store", {})
-    elif path.is_dir():
-        raise ConfigError(f"--model: {path} holds no config.json; is it a run directory?")
+        if fs.isfile(f"{run_dir}/summary.json"):
+            summary = json.loads(fs.cat_file(f"{run_dir}/summary.json")).get("store", {})
+    elif is_dir:
+        raise ConfigError(f"--model: {given} holds no config.json; is it a run directory?")
     elif config is None:
         raise ConfigError(
-            f"--model: {path} is a bare checkpoint; give the config it was trained with "
+            f"--model: {given} is a bare checkpoint; give the config it was trained with "
             "(model.name, data.store, data.image_size)"
         )
-    if not checkpoint.is_file():
-        raise ConfigError(f"--model: {checkpoint} does not exist (the run did not finish?)")
+    if not fs.isfile(checkpoint):
+        raise ConfigError(
+            f"--model: {fs.unstrip_protocol(checkpoint)} does not exist (the run did not finish?)"
+        )
+    checkpoint = fs.unstrip_protocol(checkpoint) if "://" in given else str(Path(checkpoint))
     if all(key in summary for key in ("mean", "std", "classes")):
         mean, std, classes = summary["mean"], summary["std"], summary["classes"]
         image_size = int(summary.get("image_size", config.data.image_size))
@@ -216,7 +225,7 @@ def prepare(
         kwargs=dict(trained.config.model.kwargs),
         num_classes=len(trained.classes),
         image_size=trained.image_size,
-        checkpoint=Path(trained.checkpoint).read_bytes(),
+        checkpoint=_read_bytes(trained.checkpoint, options),
         source=trained.checkpoint,
         precision=settings.precision,
         threads=settings.threads_per_worker,
@@ -310,6 +319,11 @@ def _label_map(
             raise ConfigError(f"predict.evaluate: {message}; set predict.evaluate = false")
         return None, [f"{message}: labels left out, no metrics"]
     return tuple(trained.classes.index(c) for c in plan.classes), []
+
+
+def _read_bytes(url: str, options: dict[str, Any]) -> bytes:
+    with fsspec.open(url, "rb", **options) as file:
+        return file.read()
 
 
 def _check_output(output: str | Path, options: dict[str, Any]) -> str:

@@ -20,6 +20,10 @@ runs/<name>-<UTC time>/
 config.json, summary.json and mlflow_run_id are replaced whole (written aside, then renamed), and
 a new directory appears with its config.json already in it: a run interrupted at any moment
 leaves either no directory or one that ``--resume`` takes.
+
+``--output`` may be an fsspec URL (``s3://bucket/runs/x``): the directory is then written into
+a local mirror and copied there as the run goes (``workflows/run_storage.py``), summary.json
+last; its checkpoints go straight to ``<url>/checkpoints``.
 """
 
 import contextlib
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from workflows.config import ConfigError, RunConfig
+from workflows.run_storage import RunMirror, is_url, mirror_folder
 
 if TYPE_CHECKING:  # the driver imports torch: a refused or finished run never needs it
     from workflows.driver import TrainResult
@@ -46,14 +51,16 @@ logger = logging.getLogger(__name__)
 
 
 class RunDirectory:
-    def __init__(self, path: Path, config: RunConfig) -> None:
-        self.path, self.config = path, config
+    def __init__(self, path: Path, config: RunConfig, mirror: RunMirror | None = None) -> None:
+        # path: where the run writes (the local mirror of a run kept at a URL).
+        self.path, self.config, self.mirror = path, config, mirror
         # The summary of a run that already finished as far as ``config`` asks (resume only):
         # then there is nothing to do, and nothing in the directory may change.
         self.finished: dict[str, Any] | None = None
         self._metrics = None
         self._log_handler: logging.Handler | None = None
         self._created = False  # this process made the directory (release() may remove it)
+        self._remote_held = False  # the URL held a run before this process came
         self._attempt: dict[str, Any] | None = None
         self._reached = 0
 
@@ -66,10 +73,39 @@ class RunDirectory:
         never overwritten, unless ``resume`` continues that same run from its checkpoints.
         Resuming a run that finished leaves ``finished`` set: nothing is to be written then.
         """
-        path = cls.path_of(output, config.name, resume=resume)
+        where = cls.path_of(output, config.name, resume=resume)
+        if isinstance(where, str):
+            return cls._create_mirrored(config, where, resume=resume)
+        return cls._create_at(cls(where, config), where, resume=resume)
+
+    @classmethod
+    def _create_mirrored(cls, config: RunConfig, url: str, *, resume: bool) -> Self:
+        """A run at ``url``, written into a fresh local mirror (the bucket's copy, for a run
+        resumed: a mirror left by a killed process may be older or newer than what it sent)."""
+        folder = mirror_folder(url)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        try:
+            mirror = RunMirror(url, folder)
+            held = mirror.holds_run()
+            if held and resume:
+                mirror.download()
+        except (OSError, ValueError, ImportError) as error:
+            raise ConfigError(f"--output: {url}: cannot reach it ({error})") from None
+        directory = cls(folder, config, mirror)
+        directory._remote_held = held
+        if held and not resume:
+            raise ConfigError(
+                f"--output: {url} already holds a run; choose a new location, or add --resume "
+                "to continue it"
+            )
+        return cls._create_at(directory, folder, resume=resume)
+
+    @classmethod
+    def _create_at(cls, directory: Self, path: Path, *, resume: bool) -> Self:
+        config, where = directory.config, directory.location
         if path.exists() and not path.is_dir():
             raise ConfigError(f"--output: {path} exists and is not a directory")
-        directory = cls(path, config)
         if (path / CONFIG).exists():
             if not resume:
                 try:
@@ -77,38 +113,50 @@ class RunDirectory:
                 except ConfigError:
                     held = "?"
                 raise ConfigError(
-                    f"--output: {path} already holds run {held!r}; choose a new directory, "
+                    f"--output: {where} already holds run {held!r}; choose a new directory, "
                     "or add --resume to continue it"
                 )
             held = _read_json(path / CONFIG).get("name", "?")
             if held != config.name:
                 raise ConfigError(
-                    f"--resume: {path} holds run {held!r}, not {config.name!r}; resume it with "
-                    "its own config"
+                    f"--resume: {where} holds run {held!r}, not {config.name!r}; resume it "
+                    "with its own config"
                 )
             directory.finished = directory._finished_summary()
         elif resume:
-            raise ConfigError(f"--resume: {path} holds no run to continue")
+            raise ConfigError(f"--resume: {where} holds no run to continue")
         return directory
 
+    @property
+    def location(self) -> str:
+        """Where the run is kept: its folder, or its URL."""
+        return self.mirror.url if self.mirror is not None else str(self.path)
+
     @staticmethod
-    def path_of(output: str | Path | None, name: str, *, resume: bool = False) -> Path:
-        """Where run ``name``'s directory is: ``output``, or ``runs/<name>-<UTC time>``."""
+    def path_of(output: str | Path | None, name: str, *, resume: bool = False) -> str | Path:
+        """Where run ``name``'s directory is: ``output`` (a URL stays a string), or
+        ``runs/<name>-<UTC time>``."""
         if resume and output is None:
             raise ConfigError("--resume: name the run directory to continue with --output DIR")
+        if is_url(str(output) if output is not None else None):
+            return str(output).rstrip("/")
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         return Path(output) if output is not None else Path("runs") / f"{name}-{stamp}"
 
     @staticmethod
-    def with_its_folders(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    def with_its_folders(raw: dict[str, Any], where: str | Path) -> dict[str, Any]:
         """A config's sections (before validation) with what a run keeps in its directory
-        ``path`` where the config leaves it unset: checkpoints, so that ``--resume`` (or a
+        ``where`` when the config leaves it unset: checkpoints, so that ``--resume`` (or a
         restart after a failure) finds them, and TensorBoard events, so that ``tensorboard
-        --logdir runs/`` shows every run. A section that is no table is left for validation
-        to refuse."""
+        --logdir runs/`` shows every run. A run at a URL keeps its checkpoints there, and its
+        event files in the mirror that is copied there. A section that is no table is left
+        for validation to refuse."""
+        local = mirror_folder(where) if isinstance(where, str) else where
         folders = {
-            ("checkpoint", "directory"): path / CHECKPOINTS,
-            ("tracking", "tensorboard"): path / TENSORBOARD,
+            ("checkpoint", "directory"): f"{where}/{CHECKPOINTS}"
+            if isinstance(where, str)
+            else where / CHECKPOINTS,
+            ("tracking", "tensorboard"): local / TENSORBOARD,
         }
         raw = dict(raw)
         for (section, key), folder in folders.items():
@@ -177,7 +225,9 @@ class RunDirectory:
         settings = self.config.checkpoint
         if not settings.directory or settings.resume != "auto":
             return None
-        found = latest_good_checkpoint(settings.directory, settings.signing_key_file)
+        found = latest_good_checkpoint(
+            settings.directory, settings.signing_key_file, settings.storage_options
+        )
         return found[1]["step"] if found else None
 
     def __enter__(self) -> Self:
@@ -187,6 +237,9 @@ class RunDirectory:
             write_atomically(self.path / CONFIG, text)
         else:
             self._claim(text)
+        if self.mirror is not None:
+            self.mirror.copy()  # config.json: the URL holds this run from now on
+            self.mirror.start()
         self._metrics = (self.path / "metrics.jsonl").open("a", buffering=1)
         self._log_handler = logging.FileHandler(self.path / "run.log")
         self._log_handler.setFormatter(
@@ -233,6 +286,20 @@ class RunDirectory:
             logging.getLogger().removeHandler(self._log_handler)
             self._log_handler.close()
             self._log_handler = None
+        if self.mirror is not None and self.mirror.running:
+            self.mirror.stop()
+            try:
+                self.mirror.copy(final=True)
+                shutil.rmtree(self.path, ignore_errors=True)  # all of it is at the URL now
+            except Exception as error:
+                # Nothing is lost: the mirror stays, and says where it is.
+                logger.error(
+                    "run directory %s: the last copy failed (%s); the run's files are in %s",
+                    self.mirror.url,
+                    error,
+                    self.path,
+                )
+                raise
 
     def release(self) -> None:
         """Give the directory back: the run never started (its cluster did not), so the same
@@ -242,6 +309,9 @@ class RunDirectory:
         if self._created:
             shutil.rmtree(self.path, ignore_errors=True)
             self._created = False
+        if self.mirror is not None and not self._remote_held:
+            self.mirror.remove()
+            shutil.rmtree(self.path, ignore_errors=True)
 
     @contextlib.contextmanager
     def attempt(self) -> Iterator[None]:

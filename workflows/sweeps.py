@@ -50,11 +50,13 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from distributed import Client
 
+from workers.config_models import KEEP_CREDENTIALS
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import JobStopped, WorkerSelection, select_workers
 from workflows.monitoring import SWEEP_PREFIX
+from workflows.run_storage import is_url
 from workflows.sweep_directory import config_study
 from workflows.sweep_owners import TrialOwners
 from workflows.sweep_space import (
@@ -157,7 +159,7 @@ class FunctionTrials:
     kwargs: dict[str, Any]
     world_size: int
     metric: str
-    checkpoint_dir: Path | None
+    checkpoint_dir: str | None
     workers: WorkerSelection = field(default_factory=WorkerSelection)
 
     def prepare(self, client: Client, space: Mapping[str, Any]) -> None:
@@ -175,7 +177,7 @@ class FunctionTrials:
     def run(self, client: Client, job: TrialJob) -> TrialOutcome:
         from workflows.jobs import launch
 
-        folder = self.checkpoint_dir / job.name if self.checkpoint_dir else None
+        folder = f"{self.checkpoint_dir}/{job.name}" if self.checkpoint_dir else None
         result = launch(
             self.fn,
             job.params,
@@ -198,7 +200,7 @@ class FunctionTrials:
             value=float(reported[-1] if reported else returned),
             ranks=len(result.results),
             job_id=result.job_id,
-            checkpoint_dir=str(folder.absolute()) if folder else None,
+            checkpoint_dir=_absolute(folder) if folder else None,
         )
 
 
@@ -209,7 +211,7 @@ class ConfigTrials:
     base: dict[str, Any]
     world_size: int
     metric: str
-    checkpoint_dir: Path | None
+    checkpoint_dir: str | None
 
     @functools.cached_property
     def base_config(self) -> RunConfig:
@@ -294,7 +296,7 @@ class ConfigTrials:
             value=float(reported[-1]),
             ranks=result.world_size,
             job_id=result.job_id,
-            checkpoint_dir=str(Path(checkpoints).absolute()) if checkpoints else None,
+            checkpoint_dir=_absolute(checkpoints) if checkpoints else None,
         )
 
 
@@ -365,8 +367,9 @@ def sweep(
         pruner: ``None``, ``"median"``, ``"hyperband"``, ``"successive_halving"`` or an Optuna
             pruner; a pruned trial's ranks are stopped at once.
         storage: ``None`` (in memory), a database URL (``sqlite:///runs/sweep.db``), a
-            journal file (``*.log``, ``*.jsonl``) or an Optuna storage; a SQLite or journal
-            file's folder is made.
+            journal file (``*.log``, ``*.jsonl``; also an fsspec URL, ``s3://bucket/x.log``,
+            kept as one object per append) or an Optuna storage; a SQLite or journal file's
+            folder is made.
         study_name: The study's name in ``storage``; an existing study of that name is
             continued. Default with a storage: the function's ``<module>.<qualname>`` (a
             script's file name for ``__main__``), or ``<config name>-sweep``; give another
@@ -471,7 +474,8 @@ def sweep_spec(
     if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
         raise ValueError(f"study_name: a non-empty name, got {study_name!r}")
     distributions = search_space(space)
-    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    # A string: a folder, or a URL (s3://...), which Path would mangle.
+    folder = str(checkpoint_dir).rstrip("/") if checkpoint_dir is not None else None
     trials = _trials(target, distributions, trial_world_size, metric, folder, kwargs or {})
     if study_name is None:
         # Stored: the same call again finds its study. In memory there is nothing to find,
@@ -520,7 +524,7 @@ def _trials(
     space: dict[str, "BaseDistribution"],
     world_size: int,
     metric: str,
-    checkpoint_dir: Path | None,
+    checkpoint_dir: str | None,
     kwargs: dict[str, Any],
 ) -> Trials:
     if isinstance(target, RunConfig | str | Path | dict):
@@ -530,8 +534,11 @@ def _trials(
                 "a config sweep takes none (sweep config values through the space)"
             )
         try:
-            base = target.model_dump() if isinstance(target, RunConfig) else target
-            base = load_config(base).model_dump(mode="json")
+            # Kept in this process only (each trial's config is made from it): with the
+            # storage options' credentials, which a dump written out leaves out.
+            keep = {"context": KEEP_CREDENTIALS}
+            base = target.model_dump(**keep) if isinstance(target, RunConfig) else target
+            base = load_config(base).model_dump(mode="json", **keep)
         except ConfigError as error:
             raise ValueError(f"config: {error}") from None
         trials = ConfigTrials(base, world_size, metric, checkpoint_dir)
@@ -608,6 +615,10 @@ def _storage(optuna: ModuleType, storage: Any) -> "BaseStorage":
     if isinstance(storage, optuna.storages.BaseStorage):
         return storage
     text = str(storage) if isinstance(storage, str | Path) else ""
+    if text.endswith(JOURNAL_SUFFIXES) and is_url(text):  # a journal in a bucket
+        from workflows.object_journal import ObjectJournalBackend
+
+        return optuna.storages.JournalStorage(ObjectJournalBackend(text))
     if "://" in text:
         _make_folder_of(text)
         try:
@@ -624,8 +635,14 @@ def _storage(optuna: ModuleType, storage: Any) -> "BaseStorage":
         return optuna.storages.JournalStorage(backend)
     raise ValueError(
         f"storage: None, a database URL (sqlite:///runs/sweep.db), a journal file (*.log, "
-        f"*.jsonl) or an Optuna storage, got {storage!r}"
+        f"*.jsonl, also in object storage: s3://bucket/sweeps/study.log) or an Optuna "
+        f"storage, got {storage!r}"
     )
+
+
+def _absolute(folder: str | Path) -> str:
+    """A checkpoint folder as the workers and the results name it: absolute, a URL as it is."""
+    return str(folder) if is_url(str(folder)) else str(Path(folder).absolute())
 
 
 def _make_folder_of(url: str) -> None:

@@ -12,6 +12,8 @@ for that, or on first use.
   torch has no public way yet.
 - ``torch._foreach_copy_``: one kernel for a list of copies (live recovery's buffers); torch's
   docs announce ``torch.foreach.copy_`` for it, not in 2.14.
+- DCP's fsspec writer and reader (checkpoints on object stores), public classes in a private
+  module: :data:`FSSPEC_WRITER`, :data:`FSSPEC_READER`.
 - The private names DCP's ``.metadata`` pickle refers to, which the restricted unpickler of
   ``workers/checkpoint.py`` must admit by name: :data:`DCP_PRIVATE_CLASSES`, :data:`GET_LAYOUT`.
 """
@@ -79,6 +81,13 @@ _needed("torch:_foreach_copy_")
 def foreach_copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """Copy each of ``sources`` into the destination of the same index."""
     torch._foreach_copy_(destinations, sources)
+
+
+# -- DCP over fsspec ----------------------------------------------------------------------
+
+# torch.distributed.checkpoint does not re-export them (2.14); the module imports fsspec.
+FSSPEC_WRITER: type = _needed("torch.distributed.checkpoint._fsspec_filesystem:FsspecWriter")
+FSSPEC_READER: type = _needed("torch.distributed.checkpoint._fsspec_filesystem:FsspecReader")
 
 
 # -- the names DCP's metadata pickle refers to ---------------------------------------------

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from workers.layout import Layout
+from workers.layout import ElasticBatch, Layout
 
 if TYPE_CHECKING:
     from workers.config_models import ParallelConfig, TrainingConfig
@@ -67,7 +67,9 @@ class StrategyPlan:
         planned)."""
         config.layout(world_size or 1)
 
-    def layout(self, config: "RunConfig", world_size: int, *, elastic: bool = False) -> Layout:
+    def layout(
+        self, config: "RunConfig", world_size: int, *, elastic: ElasticBatch = None
+    ) -> Layout:
         """How ``world_size`` ranks share ``config``'s model and batch; a ``ValueError``
         naming the field where they cannot. ``elastic``: one world of an elastic job's range,
         whose replicas may hold shares that differ by a row."""
@@ -86,7 +88,7 @@ class StrategyPlan:
         *,
         world_size: int,
         parallel: "ParallelConfig | None" = None,
-        elastic: bool = False,
+        elastic: ElasticBatch = None,
     ) -> Layout:
         """The layout of this strategy on ``world_size`` ranks, from the sections alone; a
         ``ValueError`` naming the config field where they cannot share the work."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.config_models import MODEL_LAYERS
-from workers.layout import Layout
+from workers.layout import ElasticBatch, Layout
 from workers.strategies import StrategyPlan, register_plan
 
 if TYPE_CHECKING:
@@ -198,7 +198,9 @@ class PipelinePlan(StrategyPlan):
         sample = zero_samples(micro_batch, data.sample_shape, tokens=data.tokens)
         return check_cut(model, sample, p.split_points)
 
-    def layout(self, config: "RunConfig", world_size: int, *, elastic: bool = False) -> Layout:
+    def layout(
+        self, config: "RunConfig", world_size: int, *, elastic: ElasticBatch = None
+    ) -> Layout:
         # Stages are laid out once: no elastic world (StrategyPlan.elastic is False).
         layout = super().layout(config, world_size)
         points = config.pipeline.split_points
@@ -218,7 +220,7 @@ class PipelinePlan(StrategyPlan):
         *,
         world_size: int,
         parallel: "ParallelConfig | None" = None,
-        elastic: bool = False,
+        elastic: ElasticBatch = None,
     ) -> Layout:
         batch = training.batch_size
         tp = self.tp_degree(parallel, world_size=world_size)

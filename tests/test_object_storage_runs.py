@@ -1,0 +1,138 @@
+"""A whole run kept in object storage: ``dask-train run --output s3://...`` on a real S3 server
+(moto's, a process on loopback: workflows/benchmarks/local_s3.py), the CLI and its workers
+reaching it over HTTP with credentials from the environment, as on a cloud cluster with no
+shared folder."""
+
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.commands import digits_run, run_dask_train
+from workers.models import build_model
+from workflows import predict
+from workflows.benchmarks.local_s3 import KEY, SECRET
+from workflows.config import ConfigError, load_config
+from workflows.run_directory import RunDirectory
+from workflows.run_storage import mirror_folder
+
+
+def _environment(s3) -> dict[str, str]:
+    """Credentials where boto finds them (the CLI and, through it, every worker)."""
+    return os.environ | {
+        "AWS_ACCESS_KEY_ID": KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": s3.endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+def _credentials(dask_worker, variables: dict[str, str | None]) -> None:
+    """Set (None: unset) variables in a worker's environment, where s3fs looks for them."""
+    for key, value in variables.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def test_a_run_kept_in_a_bucket_holds_its_whole_directory_and_refuses_to_overwrite_it(
+    s3, store_dir, tmp_path, monkeypatch, cluster
+):
+    url = f"{s3.bucket('runs-cli')}/team/digits"
+    env = _environment(s3)
+    arguments = digits_run(store_dir, url, epochs=1, max_steps=6)
+    done = run_dask_train(*arguments, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"run directory: {url}" in done.stdout and done.stdout.rstrip().endswith(url)
+    fs = s3.filesystem()
+    fs.invalidate_cache()
+    root = url.removeprefix("s3://")
+    names = {path.removeprefix(root + "/") for path in fs.find(root)}
+    expected = {"config.json", "metrics.jsonl", "attempts.jsonl", "summary.json", "model.pt"}
+    assert expected <= names and "run.log" in names, names
+    assert any(n.startswith("tensorboard/events.out.tfevents.") for n in names), names
+    # The checkpoints were written by the ranks straight into the bucket, each with its
+    # manifest: the final one is the run's last step.
+    assert f"checkpoints/step-{6:09d}/manifest.json" in names, names
+    summary = json.loads(fs.cat_file(f"{root}/summary.json"))
+    assert summary["steps"] == 6 and summary["world_size"] == 2
+    config_text = fs.cat_file(f"{root}/config.json").decode()
+    assert json.loads(config_text)["checkpoint"]["directory"] == f"{url}/checkpoints"
+    assert SECRET not in config_text
+    with fs.open(f"{root}/model.pt", "rb") as file:
+        state = torch.load(file, weights_only=True)
+    build_model("cifar_cnn", num_classes=10, seed=0).load_state_dict(state)
+    # Nothing stays behind on this machine, nor in the folder it ran from.
+    assert not mirror_folder(url).exists() and not list(tmp_path.iterdir())
+
+    # The bucket's copy is the run: a new one there is refused, and resumed, a finished run
+    # has nothing to train.
+    for key, value in env.items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    config = load_config(json.loads(config_text))
+    with pytest.raises(ConfigError, match=f"--output: {url} already holds a run"):
+        RunDirectory.create(config, url)
+    resumed = RunDirectory.create(config, url, resume=True)
+    assert resumed.finished is not None and resumed.finished["steps"] == 6
+    fs.invalidate_cache()
+    assert {path.removeprefix(root + "/") for path in fs.find(root)} == names
+
+    # Batch inference from the bucket's run to Parquet in the bucket, by workers that find
+    # their credentials where a cloud worker does: in their environment.
+    variables = {k: v for k, v in env.items() if k.startswith("AWS_")}
+    cluster.client.run(_credentials, variables=variables)
+    scored = f"{url}-scored"
+    try:
+        result = predict(model=url, input=store_dir / "digits", output=scored, cluster=cluster)
+    finally:  # the session's workers go on as they were
+        cluster.client.run(_credentials, variables=dict.fromkeys(variables))
+    assert result.count == 359 and result.output == scored
+    frame = pd.read_parquet(f"{scored}/predictions.parquet", storage_options=s3.storage_options)
+    assert sorted(frame["index"]) == list(range(359))
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(f"{scored.removeprefix('s3://')}/metrics.json"))["accuracy"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_sweeps_journal_in_a_bucket_continues_its_study_and_refuses_a_second_writer(
+    s3, monkeypatch
+):
+    import optuna
+
+    from workflows.object_journal import ObjectJournalBackend
+    from workflows.sweeps import _storage
+
+    for key, value in _environment(s3).items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    url = f"{s3.bucket('sweeps')}/team/study.log"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def objective(trial: optuna.Trial) -> float:
+        return trial.suggest_float("x", -1, 1) ** 2
+
+    study = optuna.create_study(storage=_storage(optuna, url), study_name="s")
+    study.optimize(objective, n_trials=3)
+    # Another process's view: the same trials, and the study goes on from them.
+    again = optuna.load_study(storage=_storage(optuna, url), study_name="s")
+    assert [t.params for t in again.trials] == [t.params for t in study.trials]
+
+    class Late(ObjectJournalBackend):
+        """A second writer whose look at the journal came just before the other's append."""
+
+        def _catch_up(self) -> None:
+            if not self._logs:
+                super()._catch_up()
+
+    late = Late(url)
+    late.read_logs(0)
+    again.optimize(objective, n_trials=1)
+    assert len(optuna.load_study(storage=_storage(optuna, url), study_name="s").trials) == 4
+    # It names its object as the other did, and is refused rather than overwriting it.
+    with pytest.raises(ValueError, match="another sweep appended to this study"):
+        late.append_logs([{"op_code": 0, "worker_id": "x", "study_name": "t"}])
+    assert len(optuna.load_study(storage=_storage(optuna, url), study_name="s").trials) == 4
