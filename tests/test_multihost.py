@@ -481,11 +481,7 @@ def test_ddp_across_two_namespace_hosts_rendezvous_at_rank0s_namespace_address(t
             *("--set", "launch.socket_ifname='dt0'", "--set", "launch.world_size=2"),
             *("--output", "s3://shared/runs/digits"),
             prefix=in_a,
-            env={
-                "AWS_ACCESS_KEY_ID": options["key"],
-                "AWS_SECRET_ACCESS_KEY": options["secret"],
-                "AWS_ENDPOINT_URL": options["endpoint_url"],
-            },
+            env=bucket_server.environment,
         )
         assert run.returncode == 0, run.stderr
         assert "done: ddp on 2 ranks" in run.stdout

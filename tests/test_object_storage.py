@@ -183,9 +183,9 @@ def test_an_fsdp_checkpoint_saved_at_four_ranks_in_a_bucket_resumes_at_two(
     )
 
 
-def _save_without_commit(directory: str, storage_options: dict, step: int) -> None:
-    """Runs on every rank: upload a checkpoint's files, then stop before the manifest, as a
-    client or worker killed mid-upload leaves it."""
+def _save_a_cnn(directory: str, storage_options: dict, step: int, **options) -> None:
+    """Runs on every rank: the registry's CNN and its SGD state saved as of ``step``
+    (``options``: save_checkpoint's keep, commit, writer)."""
     model = build_model("cifar_cnn", num_classes=10, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     save_checkpoint(
@@ -194,10 +194,15 @@ def _save_without_commit(directory: str, storage_options: dict, step: int) -> No
         optimizer=optimizer,
         scaler=torch.amp.GradScaler("cpu", enabled=False),
         progress=Progress(step=step),
-        keep=3,
-        commit=False,
         storage_options=storage_options,
+        **options,
     )
+
+
+def _save_without_commit(directory: str, storage_options: dict, step: int) -> None:
+    """Runs on every rank: upload a checkpoint's files, then stop before the manifest, as a
+    client or worker killed mid-upload leaves it."""
+    _save_a_cnn(directory, storage_options, step, keep=3, commit=False)
 
 
 @pytest.fixture(scope="module")
@@ -357,24 +362,13 @@ class _RefusedAtStep2(AsyncCheckpoints):
 def _three_async_saves(directory: str, storage_options: dict) -> dict:
     """Runs on every rank: saves at steps 1, 2 (refused) and 3, then the run's end; what is
     good after each."""
-    model = build_model("cifar_cnn", num_classes=10, seed=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     records: list[dict] = []
     writer = _RefusedAtStep2(
         directory, keep=10, storage_options=storage_options, on_failure=records.append
     )
     good = []
     for step in (1, 2, 3):
-        save_checkpoint(
-            directory,
-            modules=[model],
-            optimizer=optimizer,
-            scaler=torch.amp.GradScaler("cpu", enabled=False),
-            progress=Progress(step=step),
-            keep=10,
-            storage_options=storage_options,
-            writer=writer,
-        )
+        _save_a_cnn(directory, storage_options, step, keep=10, writer=writer)
         listed = list_checkpoints(directory, storage_options)
         good.append([str(p).rsplit("-", 1)[-1] for p in listed])
     writer.finish()

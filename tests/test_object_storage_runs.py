@@ -13,20 +13,10 @@ import torch
 from tests.commands import digits_run, run_dask_train
 from workers.models import build_model
 from workflows import predict
-from workflows.benchmarks.local_s3 import KEY, SECRET
+from workflows.benchmarks.local_s3 import SECRET
 from workflows.config import ConfigError, load_config
 from workflows.run_directory import RunDirectory
 from workflows.run_storage import mirror_folder
-
-
-def _environment(s3) -> dict[str, str]:
-    """Credentials where boto finds them (the CLI and, through it, every worker)."""
-    return os.environ | {
-        "AWS_ACCESS_KEY_ID": KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_ENDPOINT_URL": s3.endpoint,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
 
 
 def _credentials(dask_worker, variables: dict[str, str | None]) -> None:
@@ -42,7 +32,7 @@ def test_a_run_kept_in_a_bucket_holds_its_whole_directory_and_refuses_to_overwri
     s3, store_dir, tmp_path, monkeypatch, cluster
 ):
     url = f"{s3.bucket('runs-cli')}/team/digits"
-    env = _environment(s3)
+    env = os.environ | s3.environment  # the CLI's and, through it, every worker's
     arguments = digits_run(store_dir, url, epochs=1, max_steps=6)
     done = run_dask_train(*arguments, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -70,9 +60,8 @@ def test_a_run_kept_in_a_bucket_holds_its_whole_directory_and_refuses_to_overwri
 
     # The bucket's copy is the run: a new one there is refused, and resumed, a finished run
     # has nothing to train.
-    for key, value in env.items():
-        if key.startswith("AWS_"):
-            monkeypatch.setenv(key, value)
+    for key, value in s3.environment.items():
+        monkeypatch.setenv(key, value)
     config = load_config(json.loads(config_text))
     with pytest.raises(ConfigError, match=f"--output: {url} already holds a run"):
         RunDirectory.create(config, url)
@@ -83,7 +72,7 @@ def test_a_run_kept_in_a_bucket_holds_its_whole_directory_and_refuses_to_overwri
 
     # Batch inference from the bucket's run to Parquet in the bucket, by workers that find
     # their credentials where a cloud worker does: in their environment.
-    variables = {k: v for k, v in env.items() if k.startswith("AWS_")}
+    variables = s3.environment
     cluster.client.run(_credentials, variables=variables)
     scored = f"{url}-scored"
     try:
@@ -106,9 +95,8 @@ def test_a_sweeps_journal_in_a_bucket_continues_its_study_and_refuses_a_second_w
     from workflows.object_journal import ObjectJournalBackend
     from workflows.sweeps import _storage
 
-    for key, value in _environment(s3).items():
-        if key.startswith("AWS_"):
-            monkeypatch.setenv(key, value)
+    for key, value in s3.environment.items():
+        monkeypatch.setenv(key, value)
     url = f"{s3.bucket('sweeps')}/team/study.log"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -326,6 +326,9 @@ OPTIMIZER_ARGUMENTS = {
 }  # fmt: skip
 # The built-in schedules (after training.warmup_steps).
 SCHEDULES = ("constant", "cosine", "linear", "step")
+# The built-in schedules shaped over the run's steps (down to min_lr): they need the step count
+# before the first step.
+SCHEDULES_OVER_THE_RUN = ("cosine", "linear")
 # torch.optim.lr_scheduler's classes that a config can build from keyword arguments. Left
 # out: LambdaLR and MultiplicativeLR (a function), SequentialLR and ChainedScheduler (other
 # schedulers), ReduceLROnPlateau (a metric at each step): give such a one in Python.
@@ -598,7 +601,7 @@ class TrainingConfig(BaseModel):
                 f"{schedule!r} (give the class's own warm-up in lr_schedule_kwargs, if it has "
                 "one)"
             )
-        if self.min_lr and schedule not in ("cosine", "linear"):
+        if self.min_lr and schedule not in SCHEDULES_OVER_THE_RUN:
             raise ValueError(f"training.min_lr: for cosine and linear, not {schedule!r}")
         if schedule == "step" and self.lr_step_size is None:
             raise ValueError("training.lr_step_size: lr_schedule = 'step' needs it")

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from workers.config_models import (
+    SCHEDULES_OVER_THE_RUN,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -28,10 +29,6 @@ from workers.strategies.pipeline import PipelineConfig
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 from workflows.tracking import TrackingConfig
-
-# The LR schedules whose shape spans the run's steps (training.lr_schedule): they need the
-# step count before the first step.
-SCHEDULES_OVER_THE_RUN = ("cosine", "linear")
 
 
 class ConfigError(ValueError):

@@ -30,6 +30,16 @@ class S3Server:
         """s3fs's options for this server: what ``checkpoint.storage_options`` holds."""
         return {"endpoint_url": self.endpoint, "key": KEY, "secret": SECRET}
 
+    @property
+    def environment(self) -> dict[str, str]:
+        """The same options where boto finds them (a CLI, a worker): environment variables."""
+        return {
+            "AWS_ACCESS_KEY_ID": KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
     def filesystem(self) -> Any:
         """An s3fs filesystem on this server (fsspec caches it: one per process)."""
         import s3fs
