@@ -145,3 +145,26 @@ def test_a_second_cluster_in_the_same_process_exports_its_jobs_too(
         text = response.read().decode()
     assert 'dask_train_epoch{job="metrics-first-' in text
     assert 'dask_train_epoch{job="metrics-second-' in text
+
+
+def test_a_jobs_name_never_carries_its_records_into_another_kind_of_topic(cluster):
+    # Job names that begin as the other kinds of topic do: each job's records stay its own.
+    from workflows.job_spec import JobSpec
+    from workflows.monitoring import PLUGIN_NAME
+
+    keep_training_metrics(cluster.client)
+    specs = [JobSpec.mint(name) for name in ("sweep-topics", "heartbeat-topics")]
+    for spec in specs:
+        record = {"kind": "world", "job_id": spec.job_id, "world_size": 2, "at": time.time()}
+        cluster.client.log_event(spec.event_topic, {**record, "number": 7})
+    deadline = time.monotonic() + 10
+    for spec in specs:
+        while not (gauges := _training_gauges(cluster.dashboard_link, f'job="{spec.job_id}"')):
+            assert time.monotonic() < deadline, f"{spec.job_id}'s record never reached /metrics"
+            time.sleep(0.1)
+        assert gauges["dask_train_job_world_size"] == 2
+
+    def studies(dask_scheduler) -> list[str]:
+        return list(dask_scheduler.plugins[PLUGIN_NAME].sweeps)
+
+    assert not [s for s in cluster.client.run_on_scheduler(studies) if s.endswith("topics")]

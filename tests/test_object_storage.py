@@ -401,9 +401,15 @@ def test_an_async_write_is_never_taken_before_it_is_committed_nor_after_it_faile
         "000000003",
         "000000001",
     ]
-    if where == "bucket":  # and its commit deleted what step 2 had written
+    # and its commit deleted what step 2 had written
+    if where == "bucket":
         fs.invalidate_cache()
         assert not fs.exists(f"{directory}/step-000000002")
+    else:
+        assert sorted(p.name for p in pathlib.Path(directory).iterdir()) == [
+            "step-000000001",
+            "step-000000003",
+        ]
 
 
 def _planted_puts(step: int, how: str, flag: str = "") -> None:

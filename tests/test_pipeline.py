@@ -166,6 +166,14 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
             "parallel.pp: model_parallel runs one copy of the model, one stage per rank, and 2",
         ),
         ({"training": {"precision": "fp16"}}, "no loss scaling for fp16"),
+        (
+            {
+                "model": {"name": "tests.traced_models:ResidualNet"},
+                "pipeline": {"split_points": ["blocks.1"]},
+                "training": {"activation_checkpointing": "full"},
+            },
+            "training.activation_checkpointing: ResidualNet is cut into stages by tracing",
+        ),
     ],
 )
 def test_bad_staged_configs_are_refused_before_launch_naming_the_field(raw, message):

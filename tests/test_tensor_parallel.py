@@ -78,9 +78,11 @@ def test_the_gpt_split_by_its_plan_under_fsdp_then_in_a_pipeline_matches_one_pro
 ):
     # TP x FSDP 2x2: the built-in GPT's plan (q, k, v by columns, the attention's output by
     # rows, ...) on the tp dimension, FSDP over the two replicas: one process on both
-    # replicas' batches.
+    # replicas' batches. Its blocks recompute their activations in the backward (full, then
+    # selective in the pipeline): the reference keeps them all, and trains the same.
     raw = {"name": "gpt-tp-fsdp", "data": text.CORPUS, "model": text.GPT, "parallel": {"tp": 2}}
-    config = make_config(raw, **(text.BASE | {"strategy": "fsdp"}))
+    training = {"activation_checkpointing": "full"}
+    config = make_config(raw, **(text.BASE | training | {"strategy": "fsdp"}))
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4
     assert_matches_one_process(result.state_dict, config, world_size=2, steps=4)
@@ -95,7 +97,8 @@ def test_the_gpt_split_by_its_plan_under_fsdp_then_in_a_pipeline_matches_one_pro
         "parallel": {"pp": 2, "tp": 2},
         "pipeline": {"n_microbatches": 2, "balance": "layers"},
     }
-    config = make_config(raw, **(text.BASE | {"strategy": "pipeline", "grad_clip_norm": 0.05}))
+    training = {"activation_checkpointing": "selective", "grad_clip_norm": 0.05}
+    config = make_config(raw, **(text.BASE | training | {"strategy": "pipeline"}))
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4
     assert result.split_points == ("layers.1",)  # an even cut of the two blocks

@@ -16,8 +16,8 @@ into ``step-<n>/`` and the manifest is the commit marker: rank 0 writes it last,
 rank's files have been read back from the store and hashed. A folder without one (a writer
 killed mid-upload) is never listed, and the next commit deletes it once a newer good one exists.
 With ``checkpoint.async_save`` (:class:`AsyncCheckpoints`, the default) a save returns once each
-rank's part is serialized into memory; a thread writes it, and the manifest follows at the next
-save, an elastic resize or the run's end, once every rank's files are written. A job stopped
+rank's part is copied into CPU buffers kept for the purpose; a thread serializes and writes it,
+and the manifest follows as soon as every rank's files are written. A job stopped
 meanwhile (Ctrl-C, SIGTERM, the launcher's stop) waits for the write within
 ``launch.release_timeout_s`` and commits it, or abandons it without a manifest.
 
@@ -246,6 +246,11 @@ def _commit_local(root: Path, name: str, manifest: bytes, keep: int) -> Path:
     os.rename(partial, final)
     for old in list_checkpoints(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+    # What failed or abandoned writes of earlier steps left (one write is in flight at most,
+    # and it is this one): never taken, and never finished now.
+    for left in root.glob(f".{PREFIX}*.partial"):
+        if left.name.removeprefix(".").removesuffix(".partial") < name:
+            shutil.rmtree(left, ignore_errors=True)
     return final
 
 
@@ -406,6 +411,10 @@ JOIN_POLL_S = 0.1  # waits in slices: the launcher's stop lands between them
 # Rank 0's thread waits for the other ranks' notes at least this long, or as long again as its
 # own write took (they started together), before it leaves the commit to the next save.
 EAGER_WAIT_S = 5.0
+# The writers' own process group bounds its collectives by this: DCP's two short exchanges (the
+# plans, then the metadata) around each rank's serialization into memory take milliseconds; a
+# thread whose peer hung gives up after it instead of the 30 minutes of a group's default.
+WRITER_GROUP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -416,7 +425,8 @@ class _Write:
     name: str  # step-<n>
     fields: dict[str, Any]
     target: Path | _Remote  # .step-<n>.partial on local disk, step-<n>/ on a store
-    staging: str
+    staged: dict[str, Any]  # the rank's state, copied into the writer's buffers
+    staging: str  # where the thread serializes it first: a folder of fsspec's memory filesystem
     rank: int
     world_size: int
     thread: threading.Thread | None = None
@@ -448,20 +458,24 @@ def _join(write: _Write, timeout_s: float | None) -> bool:
 class AsyncCheckpoints:
     """Checkpoints that do not stop training (``checkpoint.async_save``), for one rank of a job.
 
-    ``save`` serializes this rank's part through DCP into memory (fsspec's memory filesystem,
-    so training waits for the copy, not for the disk or the network) and returns; a thread
-    then writes the files into ``step-<n>/`` (``.step-<n>.partial`` on local disk). At most one
-    write is in flight: the next ``save``, or ``finish``, waits for it, and only once every
-    rank's files are written does rank 0 add the manifest, the commit, so a checkpoint still
-    being written is never taken. A write that failed on any rank is a warning and a record in
-    ``failures`` (and ``on_failure``'s, on rank 0): it gets no manifest, the previous good
-    checkpoint stays the newest, and a later commit deletes what it left.
+    ``save`` copies this rank's part into CPU buffers and returns: training waits for a memory
+    copy, not for serialization, the disk or the network. The buffers are kept and reused by
+    every save (torch's ``DefaultStager``; pinned on a GPU): a rank holds one more copy of its
+    share of the state for the job's life, as torchtitan's async checkpoints do. A thread then
+    serializes the copy through DCP into memory (fsspec's memory filesystem) and writes the
+    files into ``step-<n>/`` (``.step-<n>.partial`` on local disk), hashing them on the way. At
+    most one write is in flight: the next ``save``, or ``finish``, waits for it, and only once
+    every rank's files are written does rank 0 add the manifest, the commit, so a checkpoint
+    still being written is never taken. A write that failed on any rank is a warning and a
+    record in ``failures`` (and ``on_failure``'s, on rank 0): it gets no manifest, the previous
+    good checkpoint stays the newest, and a later commit deletes what it left.
 
-    No second process group: the threads only write files; the ranks agree in ``save`` and
-    ``finish``, which every rank calls at the same point, as it would a synchronous save. A
-    job stopped with a write in flight (the launcher's stop, Ctrl-C, SIGTERM, a failure) has
-    no collective left: :meth:`interrupted` waits for it a bounded time, and commits it only
-    if every rank's files are written by then.
+    DCP's exchanges in the threads run on a gloo group of their own (made by the first save of
+    each world), never on the training's: two threads' collectives on one group could
+    interleave. Past that, the ranks agree in ``save`` and ``finish``, which every rank calls at
+    the same point, as it would a synchronous save. A job stopped with a write in flight (the
+    launcher's stop, Ctrl-C, SIGTERM, a failure) has no collective left: :meth:`interrupted`
+    waits for it a bounded time, and commits it only if every rank's files are written by then.
     """
 
     def __init__(
@@ -480,6 +494,42 @@ class AsyncCheckpoints:
         # the built-in trainer sends it to the client.
         self.on_failure = on_failure
         self._pending: _Write | None = None
+        # The world they were made in (its default group), the writers' group and the
+        # buffers; made again in a new world (an elastic resize reshards the state).
+        self._world: object | None = None
+        self._group: Any = None
+        self._stager: Any = None
+
+    def _writers(self) -> tuple[Any, Any]:
+        """The writers' process group and the stager of this world (collective the first time
+        in each world: every rank calls ``save`` at the same point)."""
+        world = dist.group.WORLD
+        if self._world is not world:
+            from datetime import timedelta
+
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._close_stager()
+            self._group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=WRITER_GROUP_TIMEOUT_S)
+            )
+            # Synchronous copies into cached buffers (pinned where a GPU copies into them):
+            # the copy is what training waits for, so it is done before save returns.
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+            self._world = world
+        return self._group, self._stager
+
+    def _close_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+        self._world = self._group = self._stager = None
 
     def save(self, tensors: dict[str, Any], *, step: int, fields: dict[str, Any]) -> None:
         """Commit the write in flight, if any, then stage ``tensors`` (this rank's) as the
@@ -491,35 +541,40 @@ class AsyncCheckpoints:
         if dist.get_rank() == 0:
             _clear(target)  # what a write of this step left before a restart
         dist.barrier()
-        import torch.distributed.checkpoint as dcp
-
-        from workers.compat.torch_private import FSSPEC_WRITER
-
-        # Each rank's own staging folder: the memory filesystem is per process, and the
-        # names DCP gives the files (__<rank>_0.distcp) keep them apart in the folder.
-        staging = f"{STAGING}/{uuid.uuid4().hex}"
-        dcp.save(tensors, storage_writer=FSSPEC_WRITER(staging, sync_files=False))
+        group, stager = self._writers()
         write = _Write(
             step=step,
             name=name,
             fields=fields,
             target=target,
-            staging=staging,
+            staged=stager.stage(tensors),  # the buffers the last write read are free: finished
+            # Each rank's own staging folder: the memory filesystem is per process, and the
+            # names DCP gives the files (__<rank>_0.distcp) keep them apart in the folder.
+            staging=f"{STAGING}/{uuid.uuid4().hex}",
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
         )
         write.thread = threading.Thread(
-            target=self._write, args=(write,), name=f"checkpoint-{name}", daemon=True
+            target=self._write, args=(write, group), name=f"checkpoint-{name}", daemon=True
         )
         write.thread.start()
         self._pending = write
 
-    def _write(self, write: _Write) -> None:
-        """The thread: the staged files into the target, hashed on the way."""
+    def _write(self, write: _Write, group: Any) -> None:
+        """The thread: the staged state serialized into memory (collective on ``group``, the
+        writers' own), then its files into the target, hashed on the way."""
+        import torch.distributed.checkpoint as dcp
         from fsspec.core import url_to_fs
+
+        from workers.compat.torch_private import FSSPEC_WRITER
 
         memory, staging = url_to_fs(write.staging)
         try:
+            dcp.save(
+                write.staged,
+                storage_writer=FSSPEC_WRITER(write.staging, sync_files=False),
+                process_group=group,
+            )
             for path in sorted(memory.find(staging)):
                 if write.abandoned.is_set():
                     write.error = "abandoned: the job stopped"
@@ -602,6 +657,9 @@ class AsyncCheckpoints:
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
             self._failed(write, verdict[0])
+            # A thread still writing may yet read the buffers and use the group: the next save
+            # makes new ones (every rank, as every rank has this verdict).
+            self._close_stager()
         return committed
 
     def interrupted(self, timeout_s: float) -> Location | None:

@@ -136,14 +136,15 @@ class CheckpointConfig(BaseModel):
     )
     async_save: bool = Field(
         default=True,
-        description="training waits only while each rank's state is copied into memory; a "
-        "thread writes it, one checkpoint at a time, and it counts (gets its manifest) once "
-        "every rank's files are written: at the next save, an elastic resize or the run's "
-        "end (a stopped run waits for it within launch.release_timeout_s, else drops it). "
-        "Every built-in strategy allows it (DCP stages each rank's own part, DDP's, FSDP's "
-        "and TP's shards, a pipeline's stages alike); it costs a copy of that part in CPU "
-        "memory while it is written. false: training waits for every byte. ctx.save in "
-        "launch() is always synchronous",
+        description="training waits only while each rank's state is copied into CPU "
+        "buffers; a thread serializes and writes it, one checkpoint at a time, and it counts "
+        "(gets its manifest) once every rank's files are written: then, or at the latest at "
+        "the next save, an elastic resize or the run's end (a stopped run waits for it "
+        "within launch.release_timeout_s, else drops it). Every built-in strategy allows it "
+        "(each rank stages its own part, DDP's, FSDP's and TP's shards, a pipeline's stages "
+        "alike); it costs a copy of that part in CPU memory, kept for the run and reused by "
+        "every save (pinned on a GPU), plus its serialized files while they are written. "
+        "false: training waits for every byte. ctx.save in launch() is always synchronous",
     )
 
     @field_validator("signing_key_file")
@@ -395,6 +396,10 @@ def _default(model: type[BaseModel], name: str) -> Any:
     return model.model_fields[name].default
 
 
+# training.activation_checkpointing (workers/activation_checkpointing.py)
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
 class TrainingConfig(BaseModel):
     """How to train: strategy, optimizer, schedule, precision."""
 
@@ -484,6 +489,20 @@ class TrainingConfig(BaseModel):
         description="clip the whole model's gradient norm to this (under fsdp, hsdp, tp and "
         "pipeline: the norm over every rank's shards and stages)",
     )
+    activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = Field(  # type: ignore[valid-type]
+        default="none",
+        description="recompute activations in the backward instead of keeping them from the "
+        "forward: full: each block keeps only its input; selective: also the outputs of its "
+        "matrix products, so only the cheap ops between them run again. The blocks: the "
+        "members of the model's top-level ModuleList or ModuleDict (the gpt's layers), else "
+        "its top-level children with parameters, or the classes named in "
+        "activation_checkpointing_modules. Trains the same parameters as none",
+    )
+    activation_checkpointing_modules: list[str] = Field(
+        default_factory=list,
+        description="the class names ('TransformerBlock') or qualified names "
+        "('package.module.Block') of the modules to checkpoint, instead of the model's blocks",
+    )
     seed: int = Field(default=0, description="model initialization, data split and shuffling")
     log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")
     loss: str = Field(
@@ -552,6 +571,15 @@ class TrainingConfig(BaseModel):
     def resolved_task(self) -> str:
         """The task the metrics follow: set, or implied by a named loss."""
         return self.task or LOSSES.get(self.loss, "classification")
+
+    @model_validator(mode="after")
+    def _checkpointed_modules_need_a_mode(self) -> "TrainingConfig":
+        if self.activation_checkpointing_modules and self.activation_checkpointing == "none":
+            raise ValueError(
+                "training.activation_checkpointing_modules: set training."
+                "activation_checkpointing to 'full' or 'selective' for them, or leave it empty"
+            )
+        return self
 
     @model_validator(mode="after")
     def _optimizer_arguments_fit(self) -> "TrainingConfig":

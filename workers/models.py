@@ -6,7 +6,7 @@ torchvision, timm, an import path) is a source's (workers/model_sources/).
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -211,6 +211,18 @@ def model_arguments(factory: Factory, kwargs: dict[str, Any], facts: dict[str, i
             )
     filled = {k: v for k, v in facts.items() if k in factory.parameters and k not in kwargs}
     return filled | kwargs
+
+
+def model_blocks(model: nn.Module) -> Iterator[nn.Module]:
+    """The model's blocks: the members of its top-level ``nn.ModuleList`` / ``nn.ModuleDict``
+    (and of the containers in them: a container is never called), else its top-level children
+    that hold trainable parameters. FSDP shards them one unit each, and activation
+    checkpointing recomputes them (a transformer's blocks, as torchtitan wraps them)."""
+    for child in model.children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            yield from model_blocks(child)
+        elif any(p.requires_grad for p in child.parameters()):
+            yield child
 
 
 def build_model(

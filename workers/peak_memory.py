@@ -6,9 +6,11 @@ starts (``/proc/self/clear_refs``), less the resident set at that moment: a warm
 earlier jobs do not count, and neither does what the worker held before (torch itself). Just
 before, malloc hands back what it holds free: memory an earlier job freed would otherwise stay
 resident, be reused, and hide this job's peak (measured: an FSDP job after a DDP job on the
-same workers reported a tenth of its peak).
+same workers reported a tenth of its peak). What earlier jobs left in reference cycles is
+collected first: freed by the collector during the job, it would lower the job's figure.
 """
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,7 @@ class PeakMemory:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             return cls(device, None)
+        gc.collect()
         release_free_memory()
         try:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from workers import live_recovery
+from workers.activation_checkpointing import apply_activation_checkpointing
 from workers.checkpoint import (
     STOP_WAIT_SHARE,
     AsyncCheckpoints,
@@ -478,6 +479,11 @@ def build(
         seed=config.seed,
         input_shape=input_shape,
         factory=factory,
+    )
+    apply_activation_checkpointing(
+        model,
+        mode=config.activation_checkpointing,
+        module_classes=tuple(config.activation_checkpointing_modules),
     )
     strategy = get_strategy(config.strategy).prepare(
         model,

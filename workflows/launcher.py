@@ -612,7 +612,11 @@ class ProcessGroup:
                 for rank, future in enumerate(futures)
             ]
         finally:
-            self.client.cancel([f for f in futures if not f.done()])
+            # All of them, the finished too: their results would otherwise stay in the
+            # workers' memory until the client's garbage collector frees the futures (the
+            # suppressed timeouts of the polling wait hold them in reference cycles), and the
+            # next job would see that memory freed during its run (a peak 45 MiB too low).
+            self.client.cancel(futures)
 
     def _watch(
         self,

@@ -18,11 +18,16 @@ from workflows.dashboard import (
 )
 from workflows.events import REPORT_BOOKKEEPING
 
-EVENT_PREFIX = "dask-train-"
+# Three kinds of topics, under prefixes none of which begins another: a name the user gives (a
+# job's, a study's) cannot carry its topic into another kind (a job named "sweep-a" was read as
+# a sweep's trials, one named "heartbeat-a" as heartbeats).
+TOPIC_ROOT = "dask-train-"
+# Job J's records (reports, epochs, resizes) travel on EVENT_PREFIX + J.
+EVENT_PREFIX = TOPIC_ROOT + "job-"
 # Each rank's heartbeat (step, samples/s) for job J travels on HEARTBEAT_PREFIX + J.
-HEARTBEAT_PREFIX = "dask-train-heartbeat-"
+HEARTBEAT_PREFIX = TOPIC_ROOT + "heartbeat-"
 # A sweep's trials (workflows/sweep.py) travel on SWEEP_PREFIX + the study's name.
-SWEEP_PREFIX = "dask-train-sweep-"
+SWEEP_PREFIX = TOPIC_ROOT + "sweep-"
 # The client's records of a job's wait for workers: the queue itself (workflows/admission.py)
 # is what the page and /metrics show, not these.
 QUEUE_KINDS = frozenset({"queued", "admitted"})
@@ -103,14 +108,14 @@ class TrainingMetrics(SchedulerPlugin):
         _exporter.discard(self)
 
     def log_event(self, topic: str, msg: Any) -> None:
-        if not topic.startswith(EVENT_PREFIX) or not isinstance(msg, dict):
+        if not isinstance(msg, dict):
             return
         if topic.startswith(SWEEP_PREFIX):
             self._record_trial(topic.removeprefix(SWEEP_PREFIX), msg)
             return
-        if msg.get("kind") in QUEUE_KINDS:
-            return
         heartbeat = topic.startswith(HEARTBEAT_PREFIX)
+        if not (heartbeat or topic.startswith(EVENT_PREFIX)) or msg.get("kind") in QUEUE_KINDS:
+            return
         job = topic.removeprefix(HEARTBEAT_PREFIX if heartbeat else EVENT_PREFIX)
         with self._lock:
             if job not in self.jobs and len(self.jobs) >= KEEP_JOBS:

@@ -1,6 +1,7 @@
 """FSDP2 against DDP: peak memory per rank and throughput, at 2 and 4 ranks.
 
     python -m workflows.benchmarks.fsdp [--model mlp|gpt] [--width 4096] [--layers 6] [--steps 4]
+        [--activation-checkpointing none full selective]
 
 On one machine, for each world size (2, then 4 workers), in one run: the same model, data and
 steps under ``ddp`` and ``fsdp``. The model is a stack of ``--layers`` square linear layers
@@ -16,6 +17,10 @@ the whole model at the end left out), the largest rank's. On a CPU every rank fi
 whole model (one copy), then: a DDP rank holds the parameters, their gradients, DDP's gradient
 buckets and the momentum, ~4 copies; an FSDP rank 1/N of the three sharded states plus, while
 one layer runs, that layer whole. Throughput: steady samples/s, FSDP over DDP, in the same run.
+
+``--activation-checkpointing`` runs each strategy under each mode given
+(``training.activation_checkpointing``): the peak with and without the blocks' activations
+kept, and what recomputing them costs in samples/s.
 """
 
 import argparse
@@ -35,6 +40,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"])
+    parser.add_argument(
+        "--activation-checkpointing",
+        nargs="+",
+        default=["none"],
+        choices=("none", "full", "selective"),
+        dest="checkpointing",
+    )
     args = parser.parse_args()
     gpt = args.model == "gpt"
     width = args.width or (1024 if gpt else 4096)
@@ -58,7 +70,7 @@ def main() -> None:
             "kwargs": {"width": width, "layers": layers},
         }
 
-    def config(store: str, strategy: str) -> RunConfig:
+    def config(store: str, strategy: str, checkpointing: str) -> RunConfig:
         return load_config(
             {
                 "name": f"fsdp-bench-{strategy}",
@@ -70,6 +82,7 @@ def main() -> None:
                     "max_steps": args.steps,
                     "batch_size": batch,
                     "lr": 0.01,
+                    "activation_checkpointing": checkpointing,
                 },
             }
         )
@@ -79,21 +92,31 @@ def main() -> None:
             grown: dict[str, float] = {}
             speed: dict[str, float] = {}
             for strategy in args.strategies:
-                # Fresh workers for each: a warm worker's heap keeps what its last job freed,
-                # and the next job reuses it resident (an FSDP job after a DDP job on the same
-                # workers measured 1.4 GiB per rank, 0.8 GiB on fresh ones). Each worker may
-                # hold a whole DDP replica: 24 GiB machines, 4 ranks of ~2 GiB.
-                with start_cluster(n_workers=ranks, dashboard_port=0) as cluster:
-                    result = train(config(f"{tmp}/store", strategy), cluster=cluster, on_event=None)
-                # The largest rank's: TrainResult's per-rank peaks (workers/peak_memory.py).
-                grown[strategy] = max(result.peak_memory_mib)
-                speed[strategy] = result.steady_samples_per_s
-                print(
-                    f"{ranks} ranks, {strategy}: peak memory per rank "
-                    f"{', '.join(f'{m:,.0f}' for m in result.peak_memory_mib)} MiB, "
-                    f"{speed[strategy]:.1f} samples/s",
-                    flush=True,
-                )
+                for checkpointing in args.checkpointing:
+                    # Fresh workers for each: a warm worker's heap keeps what its last job
+                    # freed, and the next job reuses it resident (an FSDP job after a DDP job
+                    # on the same workers measured 1.4 GiB per rank, 0.8 GiB on fresh ones).
+                    # Each worker may hold a whole DDP replica: 24 GiB machines, 4 ranks of
+                    # ~2 GiB.
+                    with start_cluster(n_workers=ranks, dashboard_port=0) as cluster:
+                        result = train(
+                            config(f"{tmp}/store", strategy, checkpointing),
+                            cluster=cluster,
+                            on_event=None,
+                        )
+                    # The largest rank's: TrainResult's per-rank peaks (workers/peak_memory.py).
+                    if checkpointing == args.checkpointing[0]:
+                        grown[strategy] = max(result.peak_memory_mib)
+                        speed[strategy] = result.steady_samples_per_s
+                    mode = (
+                        f", checkpointing {checkpointing}" if args.checkpointing != ["none"] else ""
+                    )
+                    print(
+                        f"{ranks} ranks, {strategy}{mode}: peak memory per rank "
+                        f"{', '.join(f'{m:,.0f}' for m in result.peak_memory_mib)} MiB, "
+                        f"{result.steady_samples_per_s:.1f} samples/s",
+                        flush=True,
+                    )
             if {"ddp", "fsdp"} <= set(grown):
                 print(
                     f"{ranks} ranks: FSDP / DDP peak memory per rank "

@@ -7,7 +7,6 @@ of ``dp_shard`` ranks and all-reduces across the ``dp_replicate`` groups, so the
 within a group (a host) and only the reduced gradients cross hosts.
 """
 
-from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.layout import Layout
+from workers.models import model_blocks
 from workers.precision import Precision
 from workers.strategies.base import EpochSums, WholeModel, register
 from workers.strategies.fsdp import ShardingSettings
@@ -57,21 +57,10 @@ def apply_fsdp(
     )
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     options = {"mesh": mesh, "mp_policy": mixed, "offload_policy": offload}
-    for unit in _units(model):
+    for unit in model_blocks(model):
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
     # The root's parameters are gathered for the backward anyway: keeping them saves a gather.
     return fully_shard(model, reshard_after_forward=False, **options)
-
-
-def _units(module: nn.Module) -> Iterator[nn.Module]:
-    """The children of ``module`` that hold trainable parameters, each one unit; a container
-    (``nn.ModuleList``, ``nn.ModuleDict``) is never called, so its own children are the units
-    (a transformer's blocks, as torchtitan wraps them)."""
-    for child in module.children():
-        if isinstance(child, nn.ModuleList | nn.ModuleDict):
-            yield from _units(child)
-        elif any(p.requires_grad for p in child.parameters()):
-            yield child
 
 
 @register

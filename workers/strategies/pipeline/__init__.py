@@ -20,6 +20,14 @@ if TYPE_CHECKING:
     from workflows.config import RunConfig
 
 
+# A traced cut and activation checkpointing: refused on the client (checked_cut) and by a rank.
+TRACED_AND_CHECKPOINTED = (
+    "training.activation_checkpointing: {model} is cut into stages by tracing, which "
+    "checkpointed blocks do not survive; give the model pipeline_blocks "
+    "(docs/guides/parallelism.md) or set it to 'none'"
+)
+
+
 class PipelineConfig(BaseModel):
     """How the model is cut into stages and how the stages are scheduled.
 
@@ -183,7 +191,7 @@ class PipelinePlan(StrategyPlan):
         before anything launches."""
         from workers.data import zero_samples
         from workers.models import build_model
-        from workers.stage_cuts import check_cut, check_tensor_parallel_stages
+        from workers.stage_cuts import check_cut, check_tensor_parallel_stages, is_traced
 
         p, data = config.pipeline, config.data
         m = self.micro_batches(p)
@@ -195,6 +203,8 @@ class PipelinePlan(StrategyPlan):
         )
         if config.parallel.tp > 1:
             check_tensor_parallel_stages(model)
+        if config.training.activation_checkpointing != "none" and is_traced(model):
+            raise ValueError(TRACED_AND_CHECKPOINTED.format(model=type(model).__name__))
         sample = zero_samples(micro_batch, data.sample_shape, tokens=data.tokens)
         return check_cut(model, sample, p.split_points)
 

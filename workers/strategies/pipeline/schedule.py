@@ -30,6 +30,7 @@ from torch.distributed.pipelining import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from workers.activation_checkpointing import checkpointed_modules
 from workers.compat.torch_private import flatten_mesh
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
@@ -43,7 +44,7 @@ from workers.stage_cuts import (
     trace_stages,
 )
 from workers.strategies.base import EpochSums, Strategy, register
-from workers.strategies.pipeline import PipelineConfig, StagingSettings
+from workers.strategies.pipeline import TRACED_AND_CHECKPOINTED, PipelineConfig, StagingSettings
 from workers.strategies.tensor_parallel import apply_plan_part, tensor_parallel_plan
 
 SCHEDULES = {
@@ -122,6 +123,8 @@ def apply_pipeline(
         plan = tensor_parallel_plan(model, mesh=mesh["tp"], plan_path=tp_plan)
     pipe = eval_pipe = None
     if is_traced(model):
+        if checkpointed_modules(model):
+            raise ValueError(TRACED_AND_CHECKPOINTED.format(model=type(model).__name__))
         if sample is None:
             raise ValueError(f"pipeline: {type(model).__name__} is traced, which needs a sample")
         # Every rank traces the whole model the same way and keeps its own stages.
