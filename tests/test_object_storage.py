@@ -13,6 +13,7 @@ import os
 import pathlib
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -552,3 +553,21 @@ def test_storage_options_credentials_are_never_written_into_the_run_directory(
     assert config.checkpoint.storage_options == options
     message = refusal({"checkpoint": {"storage_options": "endpoint"}}, base={"checkpoint": {}})
     assert message.startswith("checkpoint.storage_options: a table of fsspec options")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own niceness is Linux's")
+def test_the_writer_thread_yields_the_cores_to_training_and_only_itself():
+    from workers.checkpoint import MAX_NICENESS, WRITER_NICENESS, _yield_to_training
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = {}
+
+    def writer() -> None:
+        _yield_to_training()
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join(timeout=10)
+    assert seen["writer"] == min(before + WRITER_NICENESS, MAX_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # training's
