@@ -493,7 +493,7 @@ class TrainingConfig(BaseModel):
         default="none",
         description="recompute activations in the backward instead of keeping them from the "
         "forward: full: each block keeps only its input; selective: also the outputs of its "
-        "matrix products, so only the cheap ops between them run again. The blocks: the "
+        "attention and of every other matrix product, and recomputes the rest. The blocks: the "
         "members of the model's top-level ModuleList or ModuleDict (the gpt's layers), else "
         "its top-level children with parameters, or the classes named in "
         "activation_checkpointing_modules. Trains the same parameters as none",
