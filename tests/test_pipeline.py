@@ -134,7 +134,15 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
         ({"pipeline": {"schedule": "interleaved_1f1b"}}, "set stages_per_rank = 2 or more"),
         ({"pipeline": {"stages_per_rank": 2}}, "use schedule = 'interleaved_1f1b'"),
         ({"training": {"grad_accum_steps": 2}}, "accumulates over pipeline.n_microbatches"),
-        ({"launch": {"world_size": 12}, "cluster": {"n_workers": 12}}, "need at least 12 layers"),
+        (
+            {
+                "launch": {"world_size": 12},
+                "cluster": {"n_workers": 12},
+                "pipeline": {"n_microbatches": 16},
+                "training": {"batch_size": 64},
+            },
+            "need at least 12 layers",
+        ),
         ({"parallel": {"pp": 3}}, "parallel.pp: 3 does not divide the world size 2"),
         ({"parallel": {"pp": 2, "dp_shard": 2}}, "pp x replicas = 2 x 2 must equal the world size"),
         (
@@ -147,7 +155,13 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
             "parallel.dp_replicate: DDP-wrapped stages only work with the 1f1b",
         ),
         (
-            {"parallel": {"pp": 12}, "launch": {"world_size": 12}, "cluster": {"n_workers": 12}},
+            {
+                "parallel": {"pp": 12},
+                "launch": {"world_size": 12},
+                "cluster": {"n_workers": 12},
+                "pipeline": {"n_microbatches": 16},
+                "training": {"batch_size": 64},
+            },
             "parallel.pp: 12 ranks x 1 stages per rank need at least 12 layers",
         ),
         ({"parallel": {"pp": 2}, "training": {"strategy": "ddp"}}, "parallel.pp: ddp keeps the"),
@@ -166,6 +180,16 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
             "parallel.pp: model_parallel runs one copy of the model, one stage per rank, and 2",
         ),
         ({"training": {"precision": "fp16"}}, "no loss scaling for fp16"),
+        (
+            {
+                "parallel": {"pp": 4},
+                "pipeline": {"n_microbatches": 2},
+                "launch": {"world_size": 4},
+                "cluster": {"n_workers": 4},
+            },
+            "pipeline.n_microbatches: schedule '1f1b' runs at least as many micro-batches as "
+            "pipeline ranks (pp = 4), got 2",
+        ),
         (
             {
                 "model": {"name": "tests.traced_models:ResidualNet"},

@@ -160,3 +160,30 @@ def test_a_cluster_without_workers_is_a_clear_bounded_error():
             LaunchError, match=r"2 workers are needed, but the cluster has 0 and can have no more"
         ):
             ProcessGroup(empty.client, LaunchConfig(world_size=2, worker_wait_s=1)).start()
+
+
+class _KillsItsWorkerWhenSent:
+    """A result whose worker is SIGKILLed as it sends it to the client: a nanny killing a
+    worker past its memory limit after its rank finished, before the client fetched it."""
+
+    def __reduce__(self):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _finish(generation: str) -> object:
+    membership = current_membership(generation)
+    return _KillsItsWorkerWhenSent() if membership.rank == 1 else membership.rank
+
+
+def test_a_result_lost_with_its_worker_after_the_rank_finished_fails_the_run(own_cluster):
+    # Dask would reschedule the lost task, pinned to the dead worker, and wait for it forever.
+    with ProcessGroup(own_cluster.client, LaunchConfig(world_size=2)) as group:
+        started = time.monotonic()
+        with pytest.raises(
+            RankFailed, match=r"rank 1's worker .* left the cluster before its result"
+        ):
+            group.run(_finish, group.spec.generation, timeout_s=60)
+    assert time.monotonic() - started < 30

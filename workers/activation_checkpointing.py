@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
 )
 
 from workers.config_models import ACTIVATION_CHECKPOINTING
-from workers.models import model_blocks
+from workers.models import repeated_blocks
 
 Mode = Literal["none", "full", "selective"]
 MODES: tuple[Mode, ...] = ACTIVATION_CHECKPOINTING
@@ -137,7 +137,7 @@ def apply_activation_checkpointing(
     if module_classes:
         chosen = _by_class(model, module_classes)
     else:
-        blocks = {id(block) for block in _blocks(model)}
+        blocks = {id(block) for block in repeated_blocks(model)}
         chosen = {name: m for name, m in model.named_modules() if id(m) in blocks}
     if not chosen:
         raise ActivationCheckpointingError(
@@ -148,15 +148,6 @@ def apply_activation_checkpointing(
     for module in chosen.values():
         module.__class__ = checkpointed_class(type(module), mode)
     return list(chosen)
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The members of the model's containers (a transformer's blocks, not its embeddings and
-    head) where it has any, else every block FSDP would shard."""
-    containers = [c for c in model.children() if isinstance(c, nn.ModuleList | nn.ModuleDict)]
-    if containers:
-        return [block for container in containers for block in model_blocks(container)]
-    return list(model_blocks(model))
 
 
 def _by_class(model: nn.Module, module_classes: tuple[str, ...]) -> dict[str, nn.Module]:

@@ -369,6 +369,23 @@ class ModelConfig(BaseModel):
         "needed by parallel.tp > 1 (the built-in gpt has its own)",
     )
 
+    init: Literal["auto", "factory", "reset_parameters"] = Field(
+        default="auto",
+        description="where the initial values come from: 'reset_parameters' (each module's "
+        "reset_parameters(), in the model's order, under training.seed; a strategy that splits "
+        "the model builds it on the meta device and each rank draws only its part), 'factory' "
+        "(the values the factory gives, pretrained ones too; such a strategy builds the whole "
+        "model on every rank first), 'auto' (reset_parameters for the built-in models, whose "
+        "own values they are; factory for any other)",
+    )
+
+    weights: str | None = Field(
+        default=None,
+        description="a file of the whole model's state dict to start from, on every worker "
+        "(torch.save's .pt, or .safetensors): each rank maps it and copies only its own part, "
+        "so the model is never loaded whole; takes the place of model.init's values",
+    )
+
     @field_validator("name")
     @classmethod
     def _known_syntax(cls, name: str) -> str:
@@ -385,6 +402,13 @@ class ModelConfig(BaseModel):
     @property
     def builtin(self) -> bool:
         return self.name in BUILTIN_MODELS
+
+    @property
+    def in_place_init(self) -> bool:
+        """Whether the values are drawn in place (workers/in_place_init.py): each module's
+        ``reset_parameters`` (``init`` resolved), or ``weights``."""
+        drawn = self.init == "reset_parameters" or (self.init == "auto" and self.builtin)
+        return drawn or self.weights is not None
 
     @property
     def resolved_tp_plan(self) -> str | None:
@@ -502,6 +526,17 @@ class TrainingConfig(BaseModel):
         default_factory=list,
         description="the class names ('TransformerBlock') or qualified names "
         "('package.module.Block') of the modules to checkpoint, instead of the model's blocks",
+    )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each of the model's blocks (as activation checkpointing "
+        "names them; the whole model if it has none) before the strategy lays it out, as "
+        "torchtitan does: the first steps compile, steady steps run the compiled code",
+    )
+    compile_backend: str = Field(
+        default="inductor",
+        description="torch.compile's backend: 'inductor' (generated kernels; needs a C++ "
+        "compiler on a CPU), 'aot_eager' (traced, no code generated), or any torch knows",
     )
     seed: int = Field(default=0, description="model initialization, data split and shuffling")
     log_every_steps: int = Field(default=0, ge=0, description="0: log at epoch ends only")

@@ -271,13 +271,20 @@ def check_model(
     """
     with torch.device("meta"):
         try:
-            return build_model(
+            built = build_model(
                 model, num_classes=num_classes, seed=0, input_shape=input_shape, factory=factory
             )
         except ModelError:
             raise
         except (NotImplementedError, RuntimeError):
-            pass  # a factory that computes with its tensors: build it for real below
+            if model.in_place_init:  # workers/in_place_init.py builds it there
+                raise ModelError(
+                    f"model.init: {model.name} cannot be built on the meta device; set "
+                    "model.init = 'factory'"
+                ) from None
+            built = None  # a factory that computes with its tensors: build it for real below
+    if built is not None:
+        return built
     return build_model(
         model, num_classes=num_classes, seed=0, input_shape=input_shape, factory=factory
     )
@@ -289,3 +296,13 @@ def layer_names(name: str) -> list[str]:
         raise ValueError(f"model.name: unknown model {name!r}; choose one of {sorted(MODELS)}")
     with torch.device("meta"):
         return [child for child, _ in MODELS[name]().named_children()]
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The members of the model's containers (a transformer's blocks, not its embeddings and
+    head) where it has any, else every block FSDP would shard: what activation checkpointing
+    recomputes and ``training.compile`` compiles."""
+    containers = [c for c in model.children() if isinstance(c, nn.ModuleList | nn.ModuleDict)]
+    if containers:
+        return [block for container in containers for block in model_blocks(container)]
+    return list(model_blocks(model))

@@ -37,12 +37,15 @@ from workers.collection_shard import (
     collections_model_inputs,
     trainer_splits,
 )
+from workers.compilation import apply_compile
 from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store, zero_samples
 from workers.elastic import ResizeBoundary
+from workers.in_place_init import InPlaceInit
 from workers.layout import Layout
 from workers.losses import Criterion
 from workers.malloc import freed_memory_returned
+from workers.model_pieces import Piece
 from workers.models import ModelConfig, build_model
 from workers.optimizers import (
     OptimizerFactory,
@@ -97,7 +100,8 @@ class RankResult:
     samples_per_s: float  # the job's (all replicas), as every rank counts it: Throughput
     steady_samples_per_s: float
     first_step_at: float
-    state_dict: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    # This rank's part of the final model (workers/model_pieces.py): the client assembles them.
+    model_pieces: dict[str, Piece] = field(default_factory=dict, repr=False)
     peak_memory_bytes: int | None = None  # workers/peak_memory.py; None: not measurable
 
 
@@ -473,20 +477,12 @@ def build(
     else:
         num_classes, input_shape = collections_model_inputs(collections)
         sample = zero_samples(layout.micro_batch, input_shape)
-    model = build_model(
+    strategy = lay_out_model(
         model_config,
+        config,
         num_classes=criterion.outputs(num_classes),
-        seed=config.seed,
         input_shape=input_shape,
         factory=factory,
-    )
-    apply_activation_checkpointing(
-        model,
-        mode=config.activation_checkpointing,
-        module_classes=tuple(config.activation_checkpointing_modules),
-    )
-    strategy = get_strategy(config.strategy).prepare(
-        model,
         layout=layout,
         rank=rank,
         device=device,
@@ -541,6 +537,90 @@ def build(
         history=list(start.history),
         throughput=Throughput(warm_step=min(3, (total_steps - start.step) // 4)),
     )
+
+
+def lay_out_model(
+    model_config: ModelConfig,
+    config: TrainingConfig,
+    *,
+    num_classes: int,
+    input_shape: tuple[int, ...],
+    factory: Callable[..., nn.Module] | None,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    settings: BaseModel | None,
+    precision: Precision,
+    sample: torch.Tensor,
+) -> Strategy:
+    """The model built, checkpointed as ``training.activation_checkpointing`` says, its blocks
+    compiled if ``training.compile``, laid out by the strategy for this rank, and its values
+    drawn (collective)."""
+    model, in_place = _built_model(
+        model_config, config, num_classes=num_classes, input_shape=input_shape, factory=factory
+    )
+    apply_activation_checkpointing(
+        model,
+        mode=config.activation_checkpointing,
+        module_classes=tuple(config.activation_checkpointing_modules),
+    )
+    if config.compile:
+        apply_compile(model, backend=config.compile_backend)
+    strategy = get_strategy(config.strategy).prepare(
+        model,
+        layout=layout,
+        rank=rank,
+        device=device,
+        settings=settings,
+        precision=precision,
+        sample=sample,
+    )
+    if in_place is not None:  # laid out on the meta device: each rank draws only its part
+        in_place.materialize(strategy.modules, device=device)
+    return strategy
+
+
+def _built_model(
+    model_config: ModelConfig,
+    config: TrainingConfig,
+    *,
+    num_classes: int,
+    input_shape: tuple[int, ...],
+    factory: Callable[..., nn.Module] | None,
+) -> tuple[nn.Module, InPlaceInit | None]:
+    """The model as the strategy receives it, and what draws its values once the strategy has
+    laid it out (None: it holds them already).
+
+    A strategy that splits the model gets it on the meta device where its values are each
+    module's ``reset_parameters()`` (``model.init``), so that no rank holds it whole
+    (``Strategy.lays_out_meta``: not a pipeline cut by tracing, which runs the model), or
+    copies its part of ``model.weights``. Built whole, a factory's model draws
+    reset_parameters' values here (or copies the file's), so that every strategy starts from
+    the same numbers; the built-in models' constructors draw these very values.
+    """
+
+    def build(meta: bool) -> nn.Module:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            return build_model(
+                model_config,
+                num_classes=num_classes,
+                seed=config.seed,
+                input_shape=input_shape,
+                factory=factory,
+            )
+
+    if not model_config.in_place_init:
+        return build(meta=False), None
+    model = build(meta=True)  # the client built it there (workflows/config.check_model)
+    weights = model_config.weights
+    if get_strategy(config.strategy).lays_out_meta(model):
+        # Refuses a module it cannot draw, or a weights file that is not the model's.
+        return model, InPlaceInit(model, seed=config.seed, weights=weights)
+    model = build(meta=False)
+    in_place = InPlaceInit(model, seed=config.seed, weights=weights)
+    if weights is not None or not model_config.builtin:
+        in_place.materialize([model], device=torch.device("cpu"))
+    return model, None
 
 
 def train_step(
@@ -655,13 +735,15 @@ def evaluate(trainer: Trainer) -> dict[str, float]:
 
 
 def close(trainer: Trainer, *, peak_memory_bytes: int | None = None) -> RankResult:
-    """One throughput figure for the whole run, and the parameters for the client: rank 0's
-    whole model, or each stage's from its first replica.
+    """One throughput figure for the whole run, and this rank's pieces of the model for the
+    client (workers/model_pieces.py): nothing gathered whole.
 
     A run resumed from its final checkpoint has nothing left to train: it hands back the
     checkpoint's parameters and history.
     """
-    state_dict = trainer.strategy.full_state_dict()  # collective
+    # The gradients are spent: free them before this rank copies its pieces for the client.
+    trainer.optimizer.zero_grad(set_to_none=True)
+    pieces = trainer.strategy.model_pieces()
     return RankResult(
         rank=trainer.rank,
         history=trainer.history,
@@ -669,7 +751,7 @@ def close(trainer: Trainer, *, peak_memory_bytes: int | None = None) -> RankResu
         samples_per_s=trainer.throughput.overall,
         steady_samples_per_s=trainer.throughput.steady,
         first_step_at=trainer.throughput.first_step_at,
-        state_dict=state_dict,
+        model_pieces=pieces,
         peak_memory_bytes=peak_memory_bytes,
     )
 

@@ -192,6 +192,7 @@ def check_model(
     that is missing, refuses ``model.kwargs`` or returns no module is a :class:`ConfigError`
     here, before anything launches. So is an optimizer or schedule that torch refuses
     (``workers.optimizers.check``). ``factory``: a model given in Python."""
+    from workers.in_place_init import InPlaceInit
     from workers.losses import Criterion
     from workers.model_sources import ModelError
     from workers.models import check_model as build_on_meta
@@ -204,12 +205,17 @@ def check_model(
         raise ConfigError(str(error)) from None
     try:
         criterion = Criterion.of(config.training)
-        build_on_meta(
+        built = build_on_meta(
             config.model,
             num_classes=criterion.outputs(num_classes),
             input_shape=config.data.sample_shape,
             factory=factory,
         )
+        weights = config.model.weights
+        if config.model.in_place_init and (weights is None or Path(weights).is_file()):
+            # Refuses a module whose values it cannot draw, or a weights file that is not
+            # the model's (when the client sees the file; else each rank checks it).
+            InPlaceInit(built, seed=0, weights=weights)
     except ModelError as error:
         raise ConfigError(str(error)) from None
 

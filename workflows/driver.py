@@ -19,6 +19,7 @@ from distributed import Client
 from workers.collection_shard import CollectionPlan
 from workers.config_models import LOSSES, DataConfig
 from workers.layout import Layout
+from workers.model_pieces import assemble
 from workers.model_sources import source_of
 from workers.optimizers import OptimizerFactory, ScheduleFactory
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
@@ -58,8 +59,8 @@ class TrainResult:
         first_step_s: From the ``train`` call to the first finished step, preprocessing and
             planning included.
         store: The dataset store used; ``None`` when trained from Dask collections.
-        state_dict: Rank 0's final parameters, on the CPU (the whole model's for staged
-            strategies).
+        state_dict: The final parameters, on the CPU: every rank's pieces put together on the
+            client (workers/model_pieces.py).
         split_points: Where a staged strategy cut the model; ``None`` otherwise.
         recoveries: One dict per restart: the failure, what it continued from, the step
             resumed from, the seconds lost.
@@ -443,10 +444,8 @@ def _train_prepared(
     )
     results: list[RankResult] = launched.results
     rank0 = results[0]
-    # Staged strategies hand back one stage per rank; together they are the whole model.
-    state_dict: dict[str, torch.Tensor] = {}
-    for result in results:
-        state_dict.update(result.state_dict or {})
+    # Each rank hands back its pieces (its shards, its stages); together the whole model.
+    state_dict = assemble(result.model_pieces for result in results)
     return TrainResult(
         name=config.name,
         strategy=config.training.strategy,

@@ -50,6 +50,7 @@ from workflows.job_spec import JobSpec
 logger = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.05
 PROBE_MIN_S = 1.0  # the least a worker is given to answer before it counts as stopped
+RESULT_POLL_S = 1.0  # how often a finished rank's result, still on its way, asks for its worker
 
 
 class Stop(Protocol):
@@ -608,7 +609,7 @@ class ProcessGroup:
         try:
             self._watch(futures, timeout_s, heartbeats, stop, on_poll)
             return [
-                None if rank in self._departed else future.result()
+                None if rank in self._departed else self._result(rank, future)
                 for rank, future in enumerate(futures)
             ]
         finally:
@@ -665,6 +666,39 @@ class ProcessGroup:
                 raise self._hung(silent)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not finish within {timeout_s:g} s")
+
+    def _result(self, rank: int, future: Future) -> Any:
+        """A finished rank's result, fetched from its worker: as long as the worker lives (a
+        result of gigabytes takes its time); a worker that leaves before it is fetched (its
+        nanny killed it past its memory limit) lost it, and Dask would wait for it forever
+        (the rank's task may run on that worker alone).
+
+        The fetch runs on a thread of its own: a ``result(timeout=...)`` that times out
+        cancels the transfer under way, and the next would start it again from nothing. The
+        job's end cancels the futures, which ends a fetch left waiting."""
+        fetched: dict[str, Any] = {}
+
+        def fetch() -> None:
+            try:
+                fetched["value"] = future.result()
+            except BaseException as error:  # handed to the launcher's thread
+                fetched["error"] = error
+
+        thread = threading.Thread(target=fetch, name=f"dask-train-result-{rank}", daemon=True)
+        thread.start()
+        address = self.workers[rank]
+        while thread.is_alive():
+            thread.join(RESULT_POLL_S)
+            if thread.is_alive() and address not in set(self._alive_workers()):
+                raise WorkerLost(
+                    f"rank {rank}'s worker {address} left the cluster before its result "
+                    "reached the client",
+                    rank=rank,
+                    worker=address,
+                )
+        if "error" in fetched:
+            raise fetched["error"]
+        return fetched["value"]
 
     def _failure(self, futures: list[Future]) -> RankFailed | None:
         """The first failure in sight: a rank that raised, or a worker that left."""

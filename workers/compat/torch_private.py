@@ -14,6 +14,8 @@ for that, or on first use.
   docs announce ``torch.foreach.copy_`` for it, not in 2.14.
 - DCP's fsspec writer and reader (checkpoints on object stores), public classes in a private
   module: :data:`FSSPEC_WRITER`, :data:`FSSPEC_READER`.
+- ``DTensor.__create_chunk_list__``: where a rank's piece of a DTensor lies in the whole
+  (:func:`local_offsets`: the model handed to the client in pieces, workers/model_pieces.py).
 - The private names DCP's ``.metadata`` pickle refers to, which the restricted unpickler of
   ``workers/checkpoint.py`` must admit by name: :data:`DCP_PRIVATE_CLASSES`, :data:`GET_LAYOUT`.
 """
@@ -103,3 +105,15 @@ DCP_PRIVATE_CLASSES: dict[tuple[str, str], type] = {
 # torch's layout lookup, which a pickled TensorProperties calls to name its layout.
 GET_LAYOUT_NAME = ("torch.serialization", "_get_layout")
 GET_LAYOUT: Callable[..., Any] = _needed("torch.serialization:_get_layout")
+
+
+# -- A DTensor's local piece ---------------------------------------------------------------
+
+_needed("torch.distributed.tensor:DTensor.__create_chunk_list__")
+
+
+def local_offsets(tensor: Any) -> tuple[int, ...]:
+    """Where a DTensor's local piece begins in the whole tensor: DCP's chunk protocol (a
+    dunder that DCP's planners call on any tensor it saves), one chunk per rank."""
+    (chunk,) = tensor.__create_chunk_list__()
+    return tuple(int(offset) for offset in chunk.offsets)

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from workers.data import StoreSplit, eval_batches
 from workers.layout import Layout
 from workers.losses import CROSS_ENTROPY, TERMS, Criterion
+from workers.model_pieces import Piece, own_pieces
 from workers.precision import Precision
 from workers.strategies import STRATEGIES, get_plan
 
@@ -87,6 +88,14 @@ class Strategy(ABC):
         ``sample`` is one micro-batch of inputs on the CPU, for strategies that trace the
         model."""
 
+    @classmethod
+    def lays_out_meta(cls, model: nn.Module) -> bool:
+        """Whether :meth:`prepare` takes ``model`` on the meta device and lays it out there,
+        leaving each rank's part to be given storage and values (workers/in_place_init.py):
+        a strategy that splits the model, so that no rank holds it whole. The others get it
+        with its values."""
+        return False
+
     @property
     @abstractmethod
     def modules(self) -> list[nn.Module]:
@@ -123,9 +132,10 @@ class Strategy(ABC):
         them."""
 
     @abstractmethod
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Plain CPU parameters under the full model's names for the client, from the ranks
-        that hand them over (None on the others). Collective: every rank calls it."""
+    def model_pieces(self) -> dict[str, Piece]:
+        """This rank's pieces of the model's state under the full model's names, on the CPU,
+        for the client to put together (workers/model_pieces.py): together the ranks send
+        each value once, and none gathers the model whole."""
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -236,7 +246,6 @@ class WholeModel(Strategy):
             sums.add(self.criterion(logits, y), logits, y)
         return self.criterion.metrics(sums.all_reduced())
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if self.rank != 0:
-            return None
-        return {k: v.detach().cpu().clone() for k, v in self.plain.state_dict().items()}
+    def model_pieces(self) -> dict[str, Piece]:
+        # Every rank holds the whole model: the first sends it.
+        return own_pieces(self.plain.state_dict(), sends_plain=self.rank == 0)

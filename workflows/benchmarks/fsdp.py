@@ -12,11 +12,13 @@ the synthetic store (32x32 RGB). ``--model gpt``: the built-in GPT, ``--layers``
 wsgiref package (the text store), global batch 8 unless ``--batch`` says otherwise.
 
 Memory: each rank's peak while training, as ``TrainResult.peak_memory_mib`` reports it (the
-growth of the worker's peak resident set on CPU, CUDA's allocator peak on a GPU; the export of
-the whole model at the end left out), the largest rank's. On a CPU every rank first builds the
-whole model (one copy), then: a DDP rank holds the parameters, their gradients, DDP's gradient
-buckets and the momentum, ~4 copies; an FSDP rank 1/N of the three sharded states plus, while
-one layer runs, that layer whole. Throughput: steady samples/s, FSDP over DDP, in the same run.
+growth of the worker's peak resident set on CPU, CUDA's allocator peak on a GPU; the model's
+pieces copied for the client at the end left out), the largest rank's. A DDP rank holds the
+parameters, their gradients, DDP's gradient buckets and the momentum, ~4 copies; an FSDP rank
+1/N of the three sharded states plus, while one layer runs, that layer whole: it is built on
+the meta device and draws only its shards (``model.init``; ``--init factory`` builds the
+linear stack whole on every rank first, as every model was before). Throughput: steady
+samples/s, FSDP over DDP, in the same run.
 
 ``--activation-checkpointing`` runs each strategy under each mode given
 (``training.activation_checkpointing``): the peak with and without the blocks' activations
@@ -40,6 +42,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"])
+    parser.add_argument(
+        "--init",
+        choices=("reset_parameters", "factory"),
+        default="reset_parameters",
+        help="model.init of the linear stack: factory builds it whole on every rank first",
+    )
     parser.add_argument(
         "--activation-checkpointing",
         nargs="+",
@@ -68,6 +76,9 @@ def main() -> None:
         model = {
             "name": "workflows.benchmarks.wide_mlp:wide_mlp",
             "kwargs": {"width": width, "layers": layers},
+            # torch's layers only: their reset_parameters draw the constructor's own values,
+            # so FSDP's ranks draw their shards in place (the GPT's are too, as a built-in).
+            "init": args.init,
         }
 
     def config(store: str, strategy: str, checkpointing: str) -> RunConfig:

@@ -23,7 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
+from workers.in_place_init import to_device
 from workers.layout import Layout
+from workers.model_pieces import Piece, own_pieces
 from workers.models import model_blocks
 from workers.precision import Precision
 from workers.strategies.base import EpochSums, WholeModel, register
@@ -71,6 +73,10 @@ class FSDP(WholeModel):
     wrapped: nn.Module  # an FSDPModule, or the split model where nothing is sharded
 
     @classmethod
+    def lays_out_meta(cls, model: nn.Module) -> bool:
+        return True  # fully_shard and parallelize_module lay out meta tensors
+
+    @classmethod
     def prepare(
         cls,
         model: nn.Module,
@@ -95,7 +101,7 @@ class FSDP(WholeModel):
         if layout.tp > 1:
             model = apply_tensor_parallel(model, mesh=mesh["tp"], plan_path=settings.tp_plan)
         if layout.dp == 1:  # tensor parallelism alone: nothing to shard over
-            return cls(model.to(device), layout=layout, rank=rank, device=device)
+            return cls(to_device(model, device), layout=layout, rank=rank, device=device)
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         sharded = apply_fsdp(
             model,
@@ -156,16 +162,10 @@ class FSDP(WholeModel):
                 sums.add(self.criterion(logits, y), logits, y)
         return self.criterion.metrics(sums.all_reduced())
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        # Collective: every rank sends its shards; rank 0 gets them whole, on the CPU.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.wrapped, options=options)
-        return state if self.rank == 0 else None
+    def model_pieces(self) -> dict[str, Piece]:
+        # Each rank's shards and slices (DTensors); the plain tensors (buffers, layers the
+        # tensor-parallel plan leaves whole) are the same on every rank: the first sends them.
+        return own_pieces(self.wrapped.state_dict(), sends_plain=self.rank == 0)
 
 
 @register

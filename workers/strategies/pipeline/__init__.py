@@ -205,6 +205,12 @@ class PipelinePlan(StrategyPlan):
             check_tensor_parallel_stages(model)
         if config.training.activation_checkpointing != "none" and is_traced(model):
             raise ValueError(TRACED_AND_CHECKPOINTED.format(model=type(model).__name__))
+        if config.training.compile and is_traced(model):
+            raise ValueError(
+                f"training.compile: {type(model).__name__} is cut into stages by tracing, "
+                "which compiles nothing; give the model pipeline_blocks "
+                "(docs/guides/parallelism.md) or set it to false"
+            )
         sample = zero_samples(micro_batch, data.sample_shape, tokens=data.tokens)
         return check_cut(model, sample, p.split_points)
 
@@ -220,6 +226,14 @@ class PipelinePlan(StrategyPlan):
                 f"but {world_size} workers as pp={layout.pp} x dp={layout.dp} with "
                 f"{layout.stages_per_rank} stage(s) per rank hold {layout.n_stages}; "
                 "change split_points or launch.world_size"
+            )
+        schedule = self.schedule(config.pipeline)
+        if schedule == "1f1b" and 1 < layout.n_microbatches < layout.pp:
+            # torch's Schedule1F1B refuses it on the ranks: say so before they start.
+            raise ValueError(
+                f"pipeline.n_microbatches: schedule '1f1b' runs at least as many micro-batches "
+                f"as pipeline ranks (pp = {layout.pp}), got {layout.n_microbatches}; raise "
+                "n_microbatches or set pipeline.schedule = 'gpipe'"
             )
         return layout
 

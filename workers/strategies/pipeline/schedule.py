@@ -34,7 +34,9 @@ from workers.activation_checkpointing import checkpointed_modules
 from workers.compat.torch_private import flatten_mesh
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
+from workers.in_place_init import is_meta, to_device
 from workers.layout import Layout
+from workers.model_pieces import Piece, own_pieces
 from workers.precision import Precision
 from workers.stage_cuts import (
     check_tensor_parallel_stages,
@@ -151,7 +153,8 @@ def apply_pipeline(
     mine = list(range(pp_rank, n_stages, pp))
     modules, pipeline_stages, eval_stages = [], [], []
     for index in mine:
-        stage = stages[index].to(device)
+        # A stage on the meta device stays there until sharded (workers/in_place_init.py).
+        stage = stages[index] if is_meta(stages[index]) else stages[index].to(device)
         if pipe is not None:
             # The tracer burns the trace's device into ops that make tensors (torch.zeros …);
             # Pipe.build_stage moves them the same way, but builds on the unwrapped module.
@@ -270,6 +273,9 @@ def _replicate(
     dimensions (:func:`_replica_dimensions`): DDP over ``dp_replicate`` alone, FSDP2 over
     ``dp_shard``, HSDP over both."""
     if replicas == ("dp_replicate",):
+        # DDP copies rank 0's values at once: it needs storage (the values are drawn after,
+        # the same on every replica).
+        module = to_device(module, device)
         wrapper = _TracedStageDDP if traced else DistributedDataParallel
         # static_graph=True looks tempting for a fixed pipeline but gives silently wrong
         # parameters with torch 2.14 (measured), so the dynamic reducer stays.
@@ -285,19 +291,16 @@ def _replicate(
     return fully_shard(module, mesh=mesh[replicas])
 
 
-def full_state_dict(pipeline: Pipeline) -> dict[str, torch.Tensor]:
-    """This rank's stages' parameters as plain CPU tensors under the full model's names.
-
-    FSDP shards are gathered, so every dp replica holds the whole stage afterwards.
-    """
-    state: dict[str, torch.Tensor] = {}
+def model_pieces(pipeline: Pipeline) -> dict[str, Piece]:
+    """This rank's pieces of its stages under the full model's names: the local pieces of
+    sharded and split tensors where it is their first replica, and plain tensors from the
+    stage's first replica (first tp rank)."""
+    first = pipeline.dp_rank == 0 and pipeline.tp_rank == 0
+    pieces: dict[str, Piece] = {}
     for module in pipeline.stages:
         plain = module.module if hasattr(module, "module") else module
-        for name, value in plain.state_dict().items():
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            state[name] = value.detach().cpu().clone()
-    return state
+        pieces |= own_pieces(plain.state_dict(), sends_plain=first)
+    return pieces
 
 
 def clip_grad_norm(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
@@ -325,6 +328,10 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, pipe: Pipeline, *, layout: Layout, device: torch.device) -> None:
         self.pipe, self.layout, self.device = pipe, layout, device
+
+    @classmethod
+    def lays_out_meta(cls, model: nn.Module) -> bool:
+        return not is_traced(model)  # a traced cut runs the model
 
     @classmethod
     def prepare(
@@ -427,10 +434,8 @@ class PipelineStrategy(Strategy):
         # The other ranks add zeros: every rank gets the last stages' figures.
         return self.criterion.metrics(sums.all_reduced())
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        # Gathers FSDP shards and tp slices: every rank takes part.
-        state = full_state_dict(self.pipe)
-        return state if self.pipe.dp_rank == 0 and self.pipe.tp_rank == 0 else None
+    def model_pieces(self) -> dict[str, Piece]:
+        return model_pieces(self.pipe)
 
 
 @register

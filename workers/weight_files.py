@@ -1,0 +1,77 @@
+"""A whole model's state dict in a file (``model.weights``), mapped rather than read.
+
+A ``torch.save`` file (``.pt``, ``.pth``, the ``model.pt`` of a run) is opened with
+``torch.load(mmap=True)``, a ``.safetensors`` file by its header and a memory map of its data:
+either way each tensor is a view of the file's pages, and a rank that copies out its shard
+reads only the pages of that shard (workers/in_place_init.py). Every rank opens the same file;
+none loads it whole.
+"""
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+
+from workers.model_sources import ModelError
+
+# safetensors' dtype names (https://github.com/huggingface/safetensors, the format's spec).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class WeightsError(ModelError):
+    """A weights file that cannot give the model its values (names the file and the key)."""
+
+
+def open_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of the state dict in ``path``, each a view of the mapped file."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"model.weights: {path} is not a file")
+    try:
+        if path.suffix == ".safetensors":
+            return _safetensors(path)
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (OSError, RuntimeError, ValueError, struct.error, json.JSONDecodeError) as error:
+        raise WeightsError(f"model.weights: {path} cannot be read: {error}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(
+            f"model.weights: {path} holds no state dict of tensors (torch.save(model.state_dict()))"
+        )
+    return state
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    with path.open("rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+        # Copy-on-write: the tensors are writable views, and nothing writes to the file.
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + length
+    state = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise WeightsError(f"model.weights: {path}: {name} has dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        if begin == end:  # an empty tensor has no bytes to map
+            state[name] = torch.empty(entry["shape"], dtype=dtype)
+            continue
+        count = (end - begin) // dtype.itemsize
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin)
+        state[name] = flat.view(entry["shape"])
+    return state
