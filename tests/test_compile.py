@@ -8,6 +8,7 @@ from tests import test_text as text
 from tests.reference import Reference, assert_equivalent, assert_matches_one_process
 from workers.compilation import apply_compile
 from workers.models import build_model
+from workflows.config import ConfigError, check_model
 from workflows.driver import train
 
 STEPS = 2
@@ -47,3 +48,9 @@ def test_fsdp_over_compiled_blocks_matches_one_process(cluster, make_config):
     config = make_config(raw, **(text.BASE | training))
     result = train(config, cluster=cluster, on_event=None)
     assert_matches_one_process(result.state_dict, config, world_size=2, steps=4)
+
+
+def test_a_backend_torch_does_not_know_is_refused_naming_the_field(make_config):
+    config = make_config({}, compile=True, compile_backend="no-such-backend")
+    with pytest.raises(ConfigError, match=r"training\.compile_backend: torch knows no backend"):
+        check_model(config, num_classes=10)

@@ -11,7 +11,9 @@ weights on every strategy, whole or split.
 Each module is drawn whole into temporary storage, one module at a time, and each rank keeps
 its own part of it (a DTensor's local piece, found without any communication). A rank draws
 the modules it does not hold too (a pipeline's other stages), to keep the random stream where
-the whole model's is, then drops them: the peak is one module whole, not the model.
+the whole model's is, then drops them: the peak is one module whole, not the model. Where a
+weights file gives a module's tensors (``model.weights``, workers/weight_files.py), they take
+the place of its draw: the file is mapped, and each rank copies out only its own part.
 """
 
 from collections.abc import Iterable

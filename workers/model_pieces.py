@@ -37,7 +37,10 @@ class Piece:
 
     @property
     def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(self.value) if isinstance(self.value, np.ndarray) else self.value
+        """``value`` as a tensor; over a read-only buffer (as it arrived), a copy of it."""
+        if not isinstance(self.value, np.ndarray):
+            return self.value
+        return torch.from_numpy(self.value if self.value.flags.writeable else self.value.copy())
 
 
 def _first_replica(tensor: DTensor) -> bool:

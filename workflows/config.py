@@ -203,6 +203,15 @@ def check_model(
         check_optimizer(config.training)
     except OptimizerError as error:
         raise ConfigError(str(error)) from None
+    if config.training.compile:
+        import torch
+
+        backends = torch.compiler.list_backends(exclude_tags=())
+        if config.training.compile_backend not in backends:
+            raise ConfigError(
+                f"training.compile_backend: torch knows no backend "
+                f"{config.training.compile_backend!r}; it has {sorted(backends)}"
+            )
     try:
         criterion = Criterion.of(config.training)
         built = build_on_meta(
