@@ -271,7 +271,7 @@ def check_model(
     """
     with torch.device("meta"):
         try:
-            built = build_model(
+            return build_model(
                 model, num_classes=num_classes, seed=0, input_shape=input_shape, factory=factory
             )
         except ModelError:
@@ -282,9 +282,7 @@ def check_model(
                     f"model.init: {model.name} cannot be built on the meta device; set "
                     "model.init = 'factory'"
                 ) from None
-            built = None  # a factory that computes with its tensors: build it for real below
-    if built is not None:
-        return built
+            # A factory that computes with its tensors: build it for real below.
     return build_model(
         model, num_classes=num_classes, seed=0, input_shape=input_shape, factory=factory
     )
