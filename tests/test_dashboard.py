@@ -155,7 +155,7 @@ def test_the_plots_legends_sit_beside_them_not_over_their_curves():
     from workflows.dashboard import render_page
 
     world = [
-        {"kind": "world", "at": 1000.0, "world_size": 2},
+        {"kind": "world", "at": 1000.0, "world_size": 2, "cause": "formed"},
         {"kind": "resized", "at": 1010.0, "world_size": 3, "from": 2, "cause": "joined"},
     ]
     state = {

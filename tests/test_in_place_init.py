@@ -209,10 +209,12 @@ def _weights_on_the_rank(ctx, config) -> tuple[dict[str, Piece], float]:
     return strategy.model_pieces(), held / 2**20
 
 
-@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.save here
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".dcp"])
 def test_a_weights_file_gives_each_rank_its_part(four_workers, make_config, tmp_path, suffix):
     """The 97 MiB GPT of the test above, saved with other values (seed 11) and mapped by each
-    of 4 FSDP ranks: every value is the file's, each rank holding its quarter."""
+    of 4 FSDP ranks (a DCP checkpoint, as a run writes its own: each loads its part): every
+    value is the file's, each rank holding its quarter."""
     model = {"name": "gpt", "kwargs": {"dim": 512, "n_layers": 8, "n_heads": 8, "num_classes": 64}}
     saved = build_model(ModelConfig(**model), num_classes=64, seed=11, input_shape=(SEQUENCE,))
     state = saved.state_dict()
@@ -220,6 +222,13 @@ def test_a_weights_file_gives_each_rank_its_part(four_workers, make_config, tmp_
     path = tmp_path / f"gpt{suffix}"
     if suffix == ".pt":
         torch.save(state, path)
+    elif suffix == ".dcp":
+        import torch.distributed.checkpoint as dcp
+
+        # A run's checkpoint keeps the model under "model", beside the optimizer's state.
+        dcp.save(
+            {"model": state, "optim": {"step": torch.zeros(1)}}, checkpoint_id=path, no_dist=True
+        )
     else:
         safetensors = pytest.importorskip("safetensors.torch")
         safetensors.save_file(state, path)
@@ -296,3 +305,17 @@ def test_a_vit_whose_modules_cannot_draw_their_values_is_sharded_from_its_weight
     got = assemble(launch(_pieces_on_the_rank, config, cluster=cluster).results)
     assert got.keys() == state.keys()
     assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.save here
+def test_a_checkpoint_of_the_state_dict_alone_gives_the_models_names(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from workers.weight_files import checkpoint_tensors
+
+    state = build_model(ModelConfig(**GPT), num_classes=64, seed=3, input_shape=(SEQUENCE,))
+    state = state.state_dict()
+    dcp.save(state, checkpoint_id=tmp_path / "plain", no_dist=True)
+    tensors, prefix = checkpoint_tensors(tmp_path / "plain")
+    assert prefix == "" and tensors.keys() == state.keys()
+    assert all((tensors[k].shape, tensors[k].dtype) == (v.shape, v.dtype) for k, v in state.items())

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from workers.records import EpochRecord
 from workflows import launch, train
 from workflows.events import EventRelay
 
@@ -71,6 +72,12 @@ def test_launch_and_train_hold_the_redelivery_while_they_wait(cluster, make_conf
     assert sys.unraisablehook is before  # given back
 
 
+# An epoch record as the built-in trainer sends it; each hand-off numbers its own epoch.
+EPOCH_RECORD = EpochRecord(
+    epoch=1, epochs=9, step=1, loss=1.0, samples_per_s=1.0, lr=0.1
+).to_event()
+
+
 class Interrupted(BaseException):
     """Stands for the KeyboardInterrupt a Ctrl-C or SIGTERM raises in the CLI's main thread
     (not one, so that pytest never takes it for the user's)."""
@@ -91,7 +98,7 @@ def _hand_off_interrupted_at(relay: EventRelay, point: int, outcome: list[bool])
 
     sys.settrace(interrupt_at_point)
     try:
-        relay._handle((0.0, {"kind": "epoch", "epoch": point}))
+        relay._handle((0.0, EPOCH_RECORD | {"epoch": point}))
     except Interrupted:
         outcome.append(True)
         return

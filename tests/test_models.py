@@ -20,7 +20,7 @@ from tests.reference import assert_matches_one_process, train_in_one_process
 from workers.config_models import ModelConfig
 from workers.data import open_store
 from workers.losses import Criterion
-from workers.models import build_model
+from workers.models import build_model, largest_unit_bytes, model_blocks
 from workers.strategies.base import EpochSums
 from workflows.batch_predict import prepare
 from workflows.config import ConfigError, check_model, load_config
@@ -362,3 +362,34 @@ def test_regression_with_mse_equals_one_process_and_reports_its_metrics(
     # Batch prediction scores classifiers: a regression run is refused before anything runs.
     with pytest.raises(ConfigError, match=r"^--model: .*model\.pt was trained for regression"):
         prepare(model=run.path, input=str(store_url), output=tmp_path / "predictions")
+
+
+def _block_names(model) -> list[str]:
+    blocks = {id(block) for block in model_blocks(model)}
+    return [name for name, module in model.named_modules() if id(module) in blocks]
+
+
+def test_fsdp_units_are_the_repeated_blocks_wherever_the_model_holds_them():
+    """The units FSDP gathers one at a time (and activation checkpointing recomputes): a
+    transformer's blocks at the top (the GPT), held deeper (torchvision's ViT, a ResNet's
+    stages), or the top-level layers of a model without repeats."""
+    from torchvision.models import resnet18, vit_b_16
+
+    vit = vit_b_16(image_size=32)
+    assert _block_names(vit) == [f"encoder.layers.encoder_layer_{i}" for i in range(12)]
+    block = sum(p.numel() * 4 for p in vit.encoder.layers[0].parameters())
+    # The largest unit is a block: the root keeps the patch projection, embeddings and head.
+    assert largest_unit_bytes(vit) == block
+    assert _block_names(resnet18()) == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    gpt = build_model(
+        ModelConfig(name="gpt", kwargs={"dim": 32, "n_layers": 3, "n_heads": 4}),
+        num_classes=256,
+        seed=0,
+        input_shape=(8,),
+    )
+    assert _block_names(gpt) == [
+        "tok_embeddings", "pos_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"
+    ]  # fmt: skip
+    assert _block_names(build_model("cifar_cnn", num_classes=10, seed=0)) == [
+        "conv1", "conv2", "fc1", "fc2"
+    ]  # fmt: skip

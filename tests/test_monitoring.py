@@ -4,8 +4,9 @@ import time
 import urllib.request
 import uuid
 
+from workers.records import HeartbeatRecord, parse_record
 from workflows.driver import train
-from workflows.monitoring import EVENT_PREFIX, keep_training_metrics
+from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, keep_training_metrics
 
 
 def _training_gauges(dashboard_link: str, job_label: str) -> dict[str, float]:
@@ -85,14 +86,22 @@ def test_a_jobs_world_size_from_its_first_group(cluster):
 
 def test_metrics_endpoint_shows_the_running_job(cluster, make_config):
     # Other tests' jobs stay on this scheduler's /metrics: this name is no prefix of theirs.
-    config = make_config({"name": "metrics-running"}, epochs=3, batch_size=64)
-    during = []
+    config = make_config({"name": "metrics-running"}, epochs=3, batch_size=64, log_every_steps=5)
+    during, records = [], []
 
     def on_event(record):
+        records.append(record)
         if record["kind"] == "epoch" and record["epoch"] == 1:
             during.append(_training_gauges(cluster.dashboard_link, 'job="metrics-running-'))
 
     result = train(config, cluster=cluster, on_event=on_event)
+    # What the real emitters sent, the trainer's on its rank and the controller's on the
+    # client, on_event's and the scheduler's heartbeats alike, parses into its model.
+    heartbeats = [beat for _, beat in cluster.client.get_events(HEARTBEAT_PREFIX + result.job_id)]
+    typed = [parse_record(record) for record in records + heartbeats]
+    kinds = {record.kind for record in typed}
+    assert {"world", "start", "step", "epoch", "heartbeat"} <= kinds, kinds
+    assert all(r.worker for r in typed if isinstance(r, HeartbeatRecord))  # Dask adds it
     (first,) = during
     assert first["dask_train_world_size"] == 2
     assert first["dask_train_epoch"] >= 1
@@ -156,7 +165,8 @@ def test_a_jobs_name_never_carries_its_records_into_another_kind_of_topic(cluste
     specs = [JobSpec.mint(name) for name in ("sweep-topics", "heartbeat-topics")]
     for spec in specs:
         record = {"kind": "world", "job_id": spec.job_id, "world_size": 2, "at": time.time()}
-        cluster.client.log_event(spec.event_topic, {**record, "number": 7})
+        cluster.client.log_event(spec.event_topic, {"kind": "not-a-record", "number": 7})
+        cluster.client.log_event(spec.event_topic, record)  # the refused one changed nothing
     deadline = time.monotonic() + 10
     for spec in specs:
         while not (gauges := _training_gauges(cluster.dashboard_link, f'job="{spec.job_id}"')):

@@ -18,6 +18,7 @@ from workflows.planner import (
     _recommend,
     balanced_split,
     estimate_memory,
+    optimizer_buffers,
     plan,
     stage_memory,
     suggested_shard,
@@ -89,26 +90,29 @@ def test_the_planner_cuts_where_a_deliberately_unbalanced_model_needs_it():
     assert balanced_split(by_work, 2, memory_bytes=10**12, in_flight=1) == ["heavy"]
 
 
-def test_memory_per_rank_is_a_replica_under_ddp_and_a_shard_plus_one_unit_under_fsdp():
+def test_memory_per_rank_is_a_replica_under_ddp_and_a_shard_plus_two_units_under_fsdp():
     # 60 MiB of parameters in units of 10, 30 and 20; 1 MiB of activations per layer and
     # micro-batch of 8 rows, 16 rows a rank.
     layers = _layers([1, 1, 1], param_mib=[10, 30, 20])
-    ddp = estimate_memory(layers, rows=16, micro_batch=8, momentum=True)
+    ddp = estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=1)
     # Parameters, gradients and DDP's buckets, momentum, activations.
     assert (ddp.parameters, ddp.gradients, ddp.optimizer) == (60 * MIB, 120 * MIB, 60 * MIB)
     assert ddp.activations == 6 * MIB and ddp.total == 246 * MIB
-    # Sharded over 2: half of everything, and the largest unit (30) gathered with its gradient.
+    # AdamW's two moments.
+    assert estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=2).total == 306 * MIB
+    # Sharded over 2: half of everything, and the largest unit (30) gathered twice (the one
+    # running and the one prefetched), its gradient twice (whole, and the reduce-scatter's copy).
     assert (
-        estimate_memory(layers, rows=16, micro_batch=8, momentum=True, shard=2).total
-        == ((30 + 30) + (30 + 30) + 30 + 6) * MIB
+        estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=1, shard=2).total
+        == ((30 + 60) + (30 + 60) + 30 + 6) * MIB
     )
-    no_momentum = estimate_memory(layers, rows=16, micro_batch=8, momentum=False, shard=4)
-    assert no_momentum.optimizer == 0 and no_momentum.total == (45 + 45 + 6) * MIB
+    no_momentum = estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=0, shard=4)
+    assert no_momentum.optimizer == 0 and no_momentum.total == (75 + 75 + 6) * MIB
     estimates = {
-        shard: estimate_memory(layers, rows=16, micro_batch=8, momentum=True, shard=shard)
+        shard: estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=1, shard=shard)
         for shard in (1, 2, 4)
     }
-    assert [suggested_shard(estimates, mib * MIB) for mib in (300, 200, 120, 100)] == [
+    assert [suggested_shard(estimates, mib * MIB) for mib in (300, 230, 200, 160)] == [
         1,
         2,
         4,
@@ -116,10 +120,28 @@ def test_memory_per_rank_is_a_replica_under_ddp_and_a_shard_plus_one_unit_under_
     ]
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "extra", "buffers"),
+    [
+        ("sgd", {"momentum": 0.9}, 1),
+        ("sgd", {"momentum": 0.0}, 0),
+        ("adamw", {}, 2),
+        ("adam", {"optimizer_kwargs": {"amsgrad": True}}, 3),
+        ("RMSprop", {"optimizer_kwargs": {"momentum": 0.9, "centered": True}}, 3),
+        ("Adagrad", {}, 1),
+    ],
+)
+def test_the_optimizer_state_counted_is_the_configured_optimizers(
+    make_config, optimizer, extra, buffers
+):
+    config = make_config(optimizer=optimizer, **extra)
+    assert optimizer_buffers(config.training) == buffers
+
+
 @pytest.mark.parametrize(("world", "advice"), [(2, "fsdp"), (4, "hsdp")])
 def test_the_plan_suggests_sharding_when_a_replica_does_not_fit(make_config, world, advice):
     layers = _layers([1, 1, 1], param_mib=[10, 30, 20])
-    profile = DeviceProfile("cpu", memory_bytes=200 * MIB, micro_batch=8, layers=tuple(layers))
+    profile = DeviceProfile("cpu", memory_bytes=230 * MIB, micro_batch=8, layers=tuple(layers))
     config = make_config(batch_size=16 * world, momentum=0.9)
     plan = _recommend(
         config,
@@ -134,7 +156,7 @@ def test_the_plan_suggests_sharding_when_a_replica_does_not_fit(make_config, wor
     assert plan.recommendation.startswith(f"{advice} with parallel.dp_shard = 2: a DDP replica")
     rendered = plan.render().splitlines()
     assert "  ddp                      246.0 MiB  (60.0 + 120.0 + 60.0 + 6.0)" in rendered
-    assert "  fsdp, dp_shard=2         156.0 MiB  (60.0 + 60.0 + 30.0 + 6.0)" in rendered
+    assert "  fsdp, dp_shard=2         216.0 MiB  (90.0 + 90.0 + 30.0 + 6.0)" in rendered
 
 
 def test_plan_command_prints_profile_split_bubble_and_recommendation(tmp_path):

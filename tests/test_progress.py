@@ -8,13 +8,17 @@ DRAW = """
 import sys
 from workflows.progress import EpochProgress
 
+from workers.records import EpochRecord, StartRecord, StepRecord
+
 progress = EpochProgress(file=sys.stdout)
-progress({"kind": "start", "epochs": 2, "total_steps": 40})
+progress(StartRecord(strategy="ddp", world_size=2, epochs=2, total_steps=40).to_event())
 for epoch in (1, 2):
     for step in range(20 * epoch - 15, 20 * epoch + 1, 5):
-        progress({"kind": "step", "epoch": epoch, "step": step, "loss": 1.0 / step})
-    progress({"kind": "epoch", "epoch": epoch, "epochs": 2, "step": 20 * epoch, "loss": 0.5,
-              "accuracy": 0.75, "val_loss": 0.625, "val_accuracy": 0.8, "samples_per_s": 100.0})
+        progress(StepRecord(epoch=epoch, step=step, loss=1.0 / step).to_event())
+    figures = {"loss": 0.5, "accuracy": 0.75, "val_loss": 0.625, "val_accuracy": 0.8}
+    done = EpochRecord(epoch=epoch, epochs=2, step=20 * epoch, samples_per_s=100.0, lr=0.1,
+                       **figures)
+    progress(done.to_event())
 """
 
 

@@ -35,7 +35,7 @@ from workers.precision import Precision
 from workers.profiling import profile_module
 from workers.stage_cuts import check_cut, cut_points, trace_stages
 from workers.strategies import get_plan
-from workers.strategies.base import EpochSums, Strategy, get_strategy
+from workers.strategies.base import EpochSums, RankPlacement, Strategy, get_strategy
 from workers.strategies.pipeline import PipelineConfig, StagingSettings
 from workflows import launch
 from workflows.config import ConfigError
@@ -109,15 +109,15 @@ def _trained(ctx, model_name: str, strategy: str, pipeline: dict, steps: int) ->
     training = TrainingConfig(strategy=strategy, batch_size=BATCH)
     precision = Precision("fp32", ctx.device)
     layout = get_plan(training.strategy).degrees(training, config, world_size=ctx.world_size)
-    prepared = get_strategy(strategy).prepare(
-        build(model_name, seed=0),
+    placement = RankPlacement(
         layout=layout,
         rank=ctx.rank,
         device=ctx.device,
-        settings=StagingSettings(pipeline=config),
         precision=precision,
+        settings=StagingSettings(pipeline=config),
         sample=torch.zeros(layout.micro_batch, *IMAGE),
     )
+    prepared = get_strategy(strategy).prepare(build(model_name, seed=0), placement)
     optimizer = torch.optim.SGD(prepared.parameters(), lr=LR, momentum=0.9)
     sums = EpochSums([0.0, 0.0, 0.0], device=ctx.device)
     share = layout.per_rank_batch

@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from workers.models import build_model
+from workers.records import ReportRecord
 from workflows.batch_predict import predict
 from workflows.config import ConfigError, load_config
 from workflows.driver import train
@@ -113,11 +114,18 @@ def test_rank_api_reports_log_rank_0_with_its_step_or_a_counter(tmp_path):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = TrackingConfig(tensorboard=str(tmp_path / "tb"), mlflow_uri=store, experiment="api")
     tracker = Tracker.open(config, {"name": "fit", "training": {"epochs": 2}})
-    for attempt, rank in ((0, 0), (0, 1), (0, 0)):
-        tracker.record({"kind": "report", "rank": rank, "attempt": attempt, "reward": rank + 0.5})
-    tracker.record({"kind": "report", "rank": 0, "step": 10, "attempt": 0, "reward": 2.0})
-    tracker.record({"kind": "report", "rank": 1, "step": 10, "attempt": 0, "reward": 9.0})
-    tracker.record({"kind": "report", "rank": 0, "attempt": 0, "note": "text is no metric"})
+    sent: dict[int, int] = {}
+
+    def report(rank: int, **metrics) -> dict:
+        """ctx.report(**metrics)'s record from ``rank``, numbered as the rank numbers them."""
+        seq = sent[rank] = sent.get(rank, -1) + 1
+        return ReportRecord(rank=rank, attempt=0, seq=seq, time=0.0, **metrics).to_event()
+
+    for rank in (0, 1, 0):
+        tracker.record(report(rank, reward=rank + 0.5))
+    tracker.record(report(0, step=10, reward=2.0))
+    tracker.record(report(1, step=10, reward=9.0))
+    tracker.record(report(0, note="text is no metric"))
     tracker.finish({"strategy": "launch", "world_size": 2, "recoveries": []})
 
     assert _scalars(tmp_path / "tb") == {"report/reward": [(1, 0.5), (2, 0.5), (10, 2.0)]}

@@ -65,6 +65,7 @@ from workers.compat.cpython_private import PurePythonUnpickler
 # fsspec too (~60 ms), which only a URL needs.
 # Re-exported: the section's model lives in a torch-free module, for config checks.
 from workers.config_models import CheckpointConfig as CheckpointConfig
+from workers.records import CheckpointFailedRecord
 
 logger = logging.getLogger(__name__)
 
@@ -510,8 +511,8 @@ class AsyncCheckpoints:
         self.directory, self.keep = directory, keep
         self.signing_key_file, self.storage_options = signing_key_file, storage_options
         self.failures: list[dict[str, Any]] = []
-        # Rank 0's record of each failed write ({"kind": "checkpoint_failed", "step", "error"}):
-        # the built-in trainer sends it to the client.
+        # Rank 0's record of each failed write (a CheckpointFailedRecord's event): the built-in
+        # trainer sends it to the client.
         self.on_failure = on_failure
         self._pending: _Write | None = None
         # The world they were made in (its default group), the writers' group and the
@@ -742,9 +743,9 @@ class AsyncCheckpoints:
             "; ".join(errors),
         )
         if write.rank == 0 and self.on_failure is not None:
-            record = {"kind": "checkpoint_failed", "step": write.step, "error": "; ".join(errors)}
+            record = CheckpointFailedRecord(step=write.step, error="; ".join(errors))
             try:
-                self.on_failure(record)
+                self.on_failure(record.to_event())
             except Exception:  # the client may be gone (a stopped job): the warning stays
                 logger.exception("could not report the failed checkpoint of step %d", write.step)
 
@@ -938,6 +939,24 @@ def load_checkpoint(
         sums=state[sums_key].tolist() if sums_key in state else [],
         history=manifest["history"],
     )
+
+
+def load_model_tensors(path: str | Path, modules: list[nn.Module], *, prefix: str) -> None:
+    """The model's tensors of the DCP checkpoint at ``path`` (under ``prefix``: ``"model."``
+    in a run's checkpoint) into this rank's modules as laid out, each rank reading its own part
+    of each: DCP reshards (collective). A tensor the checkpoint lacks is DCP's error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = _whole(modules)
+    state = {k: v for k, v in get_model_state_dict(model).items() if not v.is_meta}
+    # DCP nests by the first dot: a run's checkpoint holds {"model": {...}, "optim": ...}.
+    dcp.load(
+        {prefix.rstrip("."): state} if prefix else state,
+        storage_reader=safe_reader(path),
+        planner=tensors_only_planner(),
+    )
+    set_model_state_dict(model, state)
 
 
 def _missing(where: Path | _Remote) -> tuple[type[Exception], ...]:

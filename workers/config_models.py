@@ -383,7 +383,9 @@ class ModelConfig(BaseModel):
         default=None,
         description="a file of the whole model's state dict to start from, on every worker "
         "(torch.save's .pt, or .safetensors): each rank maps it and copies only its own part, "
-        "so the model is never loaded whole; takes the place of model.init's values",
+        "so the model is never loaded whole; or a torch.distributed.checkpoint folder (a run's "
+        "checkpoint, or dcp.save(model.state_dict())), of which each rank loads its part; "
+        "takes the place of model.init's values",
     )
 
     @field_validator("name")

@@ -17,14 +17,16 @@ the place of its draw: the file is mapped, and each rank copies out only its own
 """
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from workers.checkpoint import load_model_tensors
 from workers.compat.torch_private import local_offsets
 from workers.model_sources import ModelError
-from workers.weight_files import WeightsError, open_weights
+from workers.weight_files import WeightsError, checkpoint_tensors, open_weights
 
 
 class InPlaceInitError(ModelError):
@@ -61,8 +63,10 @@ class InPlaceInit:
     def __init__(self, model: nn.Module, *, seed: int, weights: str | None = None) -> None:
         self.seed = seed
         self.owners = [(name, m) for name, m in model.named_modules() if _owned(m)]
-        # The file's tensors (mapped, not read): they take the place of drawn values.
+        # The file's tensors (mapped, not read): they take the place of drawn values. A DCP
+        # checkpoint's are shapes only: each rank loads its part after the draws.
         self.weights = open_weights(weights) if weights is not None else {}
+        self.checkpoint = weights if weights is not None and Path(weights).is_dir() else None
         if weights is not None:
             self._check_weights(model, weights)
         for name, module in self.owners:
@@ -106,12 +110,16 @@ class InPlaceInit:
         for root in roots:
             if is_meta(root):
                 root.to_empty(device=device)
+        roots = list(roots)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             for owner, module in self.owners:
                 self._draw(owner, module)
         # The file's pages this rank read count in its resident set while it is mapped.
         self.weights = {}
+        if self.checkpoint is not None:
+            _, prefix = checkpoint_tensors(Path(self.checkpoint))
+            load_model_tensors(self.checkpoint, roots, prefix=prefix)
 
     def _draw(self, owner: str, module: nn.Module) -> None:
         """``module.reset_parameters()`` on whole temporary tensors, or the weights file's
@@ -120,8 +128,9 @@ class InPlaceInit:
         held = _owned(module)
         if not self._drawn(owner, module):
             # No draw, so no random numbers taken: every rank skips the same modules.
-            given = {name: self.weights[_path(owner, name)] for name, _ in held}
-            _keep_parts(held, given)
+            if self.checkpoint is None:  # a checkpoint's come after the draws
+                given = {name: self.weights[_path(owner, name)] for name, _ in held}
+                _keep_parts(held, given)
             return
         whole = {
             name: torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
@@ -141,10 +150,12 @@ class InPlaceInit:
         finally:
             for name, tensor in held:
                 setattr(module, name, tensor)
-        # A module some of whose tensors the file gives: those are the file's.
-        drawn |= {
-            n: self.weights[_path(owner, n)] for n, _ in held if _path(owner, n) in self.weights
-        }
+        # A module some of whose tensors the file gives: those are the file's (a checkpoint's
+        # load after the draws overwrites them).
+        if self.checkpoint is None:
+            drawn |= {
+                n: self.weights[_path(owner, n)] for n, _ in held if _path(owner, n) in self.weights
+            }
         _keep_parts(held, drawn)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from workers.models import ModelConfig, build_model
+from workers.models import ModelConfig, build_model, largest_unit_bytes
 from workers.stage_cuts import cut_into_stages, cut_points, is_traced, trace_stages
 
 
@@ -36,6 +36,9 @@ class DeviceProfile:
     memory_bytes: int  # what one stage may use on this device
     micro_batch: int
     layers: tuple[LayerProfile, ...]
+    # The largest unit FSDP gathers whole (workers/models.py: largest_unit_bytes); 0: not
+    # measured, the largest layer stands in.
+    largest_unit_bytes: int = 0
 
 
 def profile_model(
@@ -70,6 +73,7 @@ def profile_model(
         memory_bytes=_device_memory(device),
         micro_batch=micro_batch,
         layers=tuple(layers),
+        largest_unit_bytes=largest_unit_bytes(model),
     )
 
 

@@ -16,13 +16,14 @@ import cloudpickle
 import torch
 from distributed import get_worker, secede
 
-from workers import live_recovery
+from workers import live_recovery, model_pieces
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
 from workers.device_mesh import forget_earlier_meshes
 from workers.elastic import Boundary, ResizeBoundary
 from workers.live_recovery import LiveSource
 from workers.peak_memory import PeakMemory
 from workers.process_group import Membership, current_membership, rank_threads
+from workers.records import BaseRecord, HeartbeatRecord, ReportRecord, parse_record
 from workers.remote_traceback import keep_positions
 
 
@@ -153,16 +154,13 @@ class RankContext:
                 record's step.
         """
         with self._lock:
-            record = {
-                "kind": "report",
-                **metrics,
-                "rank": self.rank,
-                "attempt": self.attempt,
-                "seq": len(self._reports),
-                "time": time.time(),
-            }
+            # Where it came from wins over a metric of the same name, as it always has.
+            bookkeeping = {"rank": self.rank, "attempt": self.attempt, "seq": len(self._reports)}
+            fields = {**metrics, **bookkeeping, "time": time.time()}
+            fields.pop("kind", None)
+            record = ReportRecord(**fields).to_event()
             self._reports.append(record)
-        self.emit(record)
+        self._send(self._job.event_topic, record)
         self._beat(samples=0)
 
     def peak_memory_bytes(self) -> int | None:
@@ -202,13 +200,22 @@ class RankContext:
         """``launch.release_timeout_s``: how long this rank may take to let go once stopped."""
         return self._job.release_timeout_s
 
-    def emit(self, record: Mapping[str, Any]) -> None:
-        """Send one record as it is (the built-in trainer's epoch and step records).
+    def emit(self, record: BaseRecord | Mapping[str, Any]) -> None:
+        """Send one record of ``workers/records.py`` (the built-in trainer's start, step and
+        epoch records) to the client.
 
         Args:
-            record: The record, sent to the client unchanged.
+            record: The typed record, or its ``to_event()`` dict.
+
+        Raises:
+            MalformedRecord: ``record`` is a dict of no record's shape: refused here, on the
+                rank that made it, rather than lost where it is read.
         """
-        self._worker.log_event(self._job.event_topic, dict(record))
+        typed = record if isinstance(record, BaseRecord) else parse_record(record)
+        self._send(self._job.event_topic, typed.to_event())
+
+    def _send(self, topic: str, event: dict[str, Any]) -> None:
+        self._worker.log_event(topic, event)
 
     def _beat(self, *, samples: int | None) -> None:
         """``samples=None``: the start, not progress."""
@@ -230,7 +237,7 @@ class RankContext:
             if peak is not None:
                 beat["peak_memory_bytes"] = peak
             self._last_beat, self._samples = now, 0
-        self._worker.log_event(self._job.heartbeat_topic, beat)
+        self._send(self._job.heartbeat_topic, HeartbeatRecord(**beat).to_event())
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -400,10 +407,8 @@ class RankContext:
         if not self._first_step_done:
             # When this generation's first step ended: a resize's pause ends here.
             self._first_step_done = True
-            self._worker.log_event(
-                self._job.heartbeat_topic,
-                {"rank": self.rank, "step": self._beats, "first_step_at": time.time()},
-            )
+            beat = HeartbeatRecord(rank=self.rank, step=self._beats, first_step_at=time.time())
+            self._send(self._job.heartbeat_topic, beat.to_event())
         if self.boundary is not None:
             self.boundary.passed(step)  # an elastic job's world changes here
 
@@ -445,6 +450,7 @@ def run_function(job: RankJob) -> RankOutcome:
         secede()
     # A state another job left here (its client died) must not share the device with this one.
     live_recovery.forget(job.job_id, others=True)
+    model_pieces.forget(job.job_id, others=True)  # nor the pieces it left for its client
     forget_earlier_meshes()  # nor may DTensor's caches of another job's meshes
     with rank_threads.running(job.generation):
         try:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from distributed import get_worker
 
 from workers.rank_context import RankContext
+from workers.records import OutputRecord
 
 OUTPUT_FLUSH_S = 0.1  # how long lines wait to travel together
 KEEP_RECORDS = 200  # output records a rank hands back for those still in flight
@@ -173,6 +174,9 @@ class _OutputStream:
     def __init__(self, ctx: RankContext) -> None:
         self.ctx = ctx
         self.records: list[dict[str, Any]] = []
+        # Output records sent so far: each one's seq. Not len(records), which stops growing
+        # at KEEP_RECORDS, and the client drops a record whose seq it has seen.
+        self.sent = 0
         self.tail: list[str] = []
         self._lines: list[str] = []
         self._since = time.monotonic()
@@ -207,13 +211,10 @@ class _OutputStream:
         self._since = time.monotonic()
         if not self._lines:
             return
-        record = {
-            "kind": "output",
-            "rank": self.ctx.rank,
-            "attempt": self.ctx.attempt,
-            "seq": len(self.records),
-            "lines": self._lines,
-        }
+        record = OutputRecord(
+            rank=self.ctx.rank, attempt=self.ctx.attempt, seq=self.sent, lines=self._lines
+        ).to_event()
+        self.sent += 1
         self._lines = []
         self.records.append(record)
         del self.records[:-KEEP_RECORDS]

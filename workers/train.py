@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from distributed import get_worker
 from pydantic import BaseModel
 from torch import nn
 
-from workers import live_recovery
+from workers import live_recovery, model_pieces
 from workers.activation_checkpointing import apply_activation_checkpointing
 from workers.checkpoint import (
     STOP_WAIT_SHARE,
@@ -45,7 +46,7 @@ from workers.in_place_init import InPlaceInit
 from workers.layout import Layout
 from workers.losses import Criterion
 from workers.malloc import freed_memory_returned
-from workers.model_pieces import Piece
+from workers.model_pieces import HeldPieces, Piece
 from workers.models import ModelConfig, build_model
 from workers.optimizers import (
     OptimizerFactory,
@@ -57,7 +58,8 @@ from workers.peak_memory import PeakMemory
 from workers.precision import Precision
 from workers.process_group import Membership
 from workers.rank_context import RankContext
-from workers.strategies.base import EpochSums, Strategy, get_strategy
+from workers.records import EpochRecord, StartRecord, StepRecord
+from workers.strategies.base import EpochSums, RankPlacement, Strategy, get_strategy
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class RankResult:
     steady_samples_per_s: float
     first_step_at: float
     # This rank's part of the final model (workers/model_pieces.py): the client assembles them.
-    model_pieces: dict[str, Piece] = field(default_factory=dict, repr=False)
+    # On a Dask worker, a handle to them: they wait there for the client to take them.
+    model_pieces: dict[str, Piece] | HeldPieces = field(default_factory=dict, repr=False)
     peak_memory_bytes: int | None = None  # workers/peak_memory.py; None: not measurable
 
 
@@ -320,7 +323,7 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
     # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py).
     sharded_on_cpu = layout.dp_shard > 1 and ctx.membership.device.type == "cpu"
     with freed_memory_returned() if sharded_on_cpu else contextlib.nullcontext():
-        return train(
+        result = train(
             job.data,
             job.model,
             job.training,
@@ -340,6 +343,12 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
             restore=_continue(ctx, job.checkpoint),
             collections=job.collections,
         )
+    # The pieces wait on this worker for the client to take them (workers/model_pieces.py):
+    # the task's result, which Dask may spill to disk, carries only their names.
+    pieces = result.model_pieces
+    assert isinstance(pieces, dict)
+    held = model_pieces.hold(ctx.job_id, pieces, worker=get_worker().address)
+    return replace(result, model_pieces=held)
 
 
 def _continue(ctx: RankContext, checkpoint: CheckpointConfig | None = None) -> Restore:
@@ -427,15 +436,13 @@ def train(
     if hooks.heartbeat:
         hooks.heartbeat(trainer.step)
     if hooks.report:
-        hooks.report(
-            {
-                "kind": "start",
-                "strategy": config.strategy,
-                "world_size": layout.world_size,
-                "epochs": config.epochs,
-                "total_steps": trainer.total_steps,
-            }
+        start = StartRecord(
+            strategy=config.strategy,
+            world_size=layout.world_size,
+            epochs=config.epochs,
+            total_steps=trainer.total_steps,
         )
+        hooks.report(start.to_event())
     try:
         for epoch in range(trainer.start.epoch, config.epochs):
             if trainer.step >= trainer.total_steps:
@@ -566,15 +573,15 @@ def lay_out_model(
     )
     if config.compile:
         apply_compile(model, backend=config.compile_backend)
-    strategy = get_strategy(config.strategy).prepare(
-        model,
+    placement = RankPlacement(
         layout=layout,
         rank=rank,
         device=device,
-        settings=settings,
         precision=precision,
+        settings=settings,
         sample=sample,
     )
+    strategy = get_strategy(config.strategy).prepare(model, placement)
     if in_place is not None:  # laid out on the meta device: each rank draws only its part
         in_place.materialize(strategy.modules, device=device)
     return strategy
@@ -673,8 +680,8 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         trainer.throughput.step_done(trainer.batches.job_rows(batch), epoch_started=epoch_started)
         if hooks.report and config.log_every_steps and trainer.step % config.log_every_steps == 0:
             assert loss is not None  # the reporting rank holds the last stage
-            at_step = {"kind": "step", "epoch": epoch + 1, "step": trainer.step}
-            hooks.report(at_step | {"loss": loss.item()})
+            at_step = StepRecord(epoch=epoch + 1, step=trainer.step, loss=loss.item())
+            hooks.report(at_step.to_event())
         last_of_epoch = i == steps_left - 1
         if trainer.step >= trainer.total_steps:
             if not last_of_epoch:
@@ -692,17 +699,17 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     val = evaluate(trainer)
     if hooks.heartbeat:
         hooks.heartbeat(trainer.step)  # validation is progress too
-    record = {
-        "kind": "epoch",
-        "epoch": epoch + 1,
-        "epochs": config.epochs,
-        "step": trainer.step,
+    # A dict, as TrainResult.history and the checkpoints keep it.
+    record = EpochRecord(
+        epoch=epoch + 1,
+        epochs=config.epochs,
+        step=trainer.step,
         # The task's figures: loss and accuracy, or loss, mse, mae and r2.
         **trainer.criterion.metrics(totals),
         **{f"val_{name}": value for name, value in val.items()},
-        "samples_per_s": samples_per_s,  # the job's, as TrainResult's
-        "lr": trainer.schedule.get_last_lr()[0],
-    }
+        samples_per_s=samples_per_s,  # the job's, as TrainResult's
+        lr=trainer.schedule.get_last_lr()[0],
+    ).to_event()
     if trainer.history and trainer.history[-1]["epoch"] == epoch + 1:
         # The epoch's record from a run that stopped in it (max_steps): this one is the
         # whole epoch's.

@@ -5,6 +5,11 @@ A ``torch.save`` file (``.pt``, ``.pth``, the ``model.pt`` of a run) is opened w
 either way each tensor is a view of the file's pages, and a rank that copies out its shard
 reads only the pages of that shard (workers/in_place_init.py). Every rank opens the same file;
 none loads it whole.
+
+A folder is a ``torch.distributed.checkpoint`` (DCP) checkpoint: a run's checkpoint (its
+model's tensors, under ``model.``), or ``dcp.save(model.state_dict(), ...)``'s. Its metadata
+gives the shapes; each rank then loads its own part of every tensor with DCP, which reshards
+(:func:`workers.checkpoint.load_model_tensors`).
 """
 
 import json
@@ -36,10 +41,13 @@ class WeightsError(ModelError):
 
 
 def open_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of the state dict in ``path``, each a view of the mapped file."""
+    """The tensors of the state dict in ``path``, each a view of the mapped file; of a DCP
+    checkpoint's folder, meta tensors (shapes and dtypes only)."""
     path = Path(path)
+    if path.is_dir():
+        return checkpoint_tensors(path)[0]
     if not path.is_file():
-        raise WeightsError(f"model.weights: {path} is not a file")
+        raise WeightsError(f"model.weights: {path} is neither a file nor a checkpoint's folder")
     try:
         if path.suffix == ".safetensors":
             return _safetensors(path)
@@ -75,3 +83,21 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin)
         state[name] = flat.view(entry["shape"])
     return state
+
+
+def checkpoint_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The model's tensors in the DCP checkpoint at ``path`` as meta tensors, by their names in
+    the model, and the prefix they have in the checkpoint (``"model."`` in a run's)."""
+    from workers.checkpoint import CheckpointDamaged, read_metadata
+
+    try:
+        items = read_metadata(path).state_dict_metadata
+    except CheckpointDamaged as error:
+        raise WeightsError(f"model.weights: {path} is no readable checkpoint: {error}") from None
+    prefix = "model." if any(key.startswith("model.") for key in items) else ""
+    tensors = {
+        key.removeprefix(prefix): torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+        for key, item in items.items()
+        if key.startswith(prefix)
+    }
+    return tensors, prefix

@@ -1,6 +1,8 @@
 """Client side of dask-train: config, cluster, launcher, drivers and CLI.
 
-The public API is small::
+The public API is ``workflows.__all__``, imported from ``workflows`` and listed in the docs'
+API reference (docs/reference/api.md); every other module and name is internal and may change.
+It is small::
 
     from workflows import launch, load_config, predict, start_cluster, sweep, train
 
@@ -30,7 +32,6 @@ _HOMES = {
     "train": "workflows.driver",
     "LaunchConfig": "workflows.launcher",
     "LaunchError": "workflows.launcher",
-    "ProcessGroup": "workflows.launcher",
     "RankFailed": "workflows.launcher",
     "WorkerSelection": "workflows.launcher",
     "PredictConfig": "workflows.prediction_request",
@@ -38,6 +39,8 @@ _HOMES = {
     "predict": "workflows.batch_predict",
     "SecurityConfig": "workflows.security",
     "CodeNotShippable": "workflows.code_shipping",
+    "DataError": "workflows.collections",
+    "CheckpointError": "workers.inference",
     "JobStopped": "workflows.launcher",
     "LaunchResult": "workflows.jobs",
     "TrainingFailed": "workflows.jobs",
@@ -59,16 +62,17 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CheckpointError",
     "ClusterConfig",
     "CodeNotShippable",
     "ConfigError",
+    "DataError",
     "JobStopped",
     "LaunchConfig",
     "LaunchError",
     "LaunchResult",
     "PredictConfig",
     "PredictResult",
-    "ProcessGroup",
     "RankContext",
     "RankFailed",
     "RunConfig",

@@ -221,9 +221,9 @@ def check_model(
             factory=factory,
         )
         weights = config.model.weights
-        if config.model.in_place_init and (weights is None or Path(weights).is_file()):
-            # Refuses a module whose values it cannot draw, or a weights file that is not
-            # the model's (when the client sees the file; else each rank checks it).
+        if config.model.in_place_init and (weights is None or Path(weights).exists()):
+            # Refuses a module whose values it cannot draw, or a weights file or checkpoint
+            # that is not the model's (when the client sees it; else each rank checks it).
             InPlaceInit(built, seed=0, weights=weights)
     except ModelError as error:
         raise ConfigError(str(error)) from None

@@ -38,10 +38,11 @@ from typing import Any
 import cloudpickle
 from distributed import Client
 
-from workers import elastic, live_recovery
+from workers import elastic, live_recovery, model_pieces
 from workers.checkpoint import latest_good_checkpoint
 from workers.live_recovery import LiveSource
 from workers.rank_context import RankJob, RankOutcome, run_pickled
+from workers.records import AdmittedRecord, RecoveryRecord, ResizedRecord, WorldRecord
 from workers.remote_traceback import rebuilt_traceback
 from workflows.admission import Admission
 from workflows.code_shipping import ship_code
@@ -178,17 +179,18 @@ class Resize:
     redone_steps: int | None = 0  # steps finished before that the new world does again
     reached: int | None = None  # the step the ranks stopped at together (not after a loss)
 
-    def record(self) -> dict[str, Any]:
-        return {
-            "kind": "resized",
-            "from": self.before,
-            "to": self.after,
-            "step": self.step,
-            "cause": self.cause,
-            "pause_s": self.pause_s,
-            "redone_steps": self.redone_steps,
-            "at": self.detected_at,
-        }
+    def record(self) -> ResizedRecord:
+        """The resize's record, as ``LaunchResult.resizes`` holds it (the job's topic gets it
+        with the job's id)."""
+        return ResizedRecord(
+            before=self.before,
+            after=self.after,
+            step=self.step,
+            cause=self.cause,
+            pause_s=self.pause_s,
+            redone_steps=self.redone_steps,
+            at=self.detected_at,
+        )
 
 
 @dataclass
@@ -322,19 +324,11 @@ class JobController:
                 self.workers = group.workers
                 if self.attempt == 0 and self._queued_once():
                     self.events.emit(
-                        {
-                            "kind": "admitted",
-                            "job_id": self.spec.job_id,
-                            "waited_s": self.admission.waited_s,
-                        }
+                        AdmittedRecord(job_id=self.spec.job_id, waited_s=self.admission.waited_s)
                     )
                 if self.attempt == 0:
                     self.events.emit(
-                        {
-                            "kind": "world",
-                            "job_id": self.spec.job_id,
-                            "world_size": len(group.workers),
-                        }
+                        WorldRecord(job_id=self.spec.job_id, world_size=len(group.workers))
                     )
                 source = self._continue_from(resume, recovery)
                 job = self._rank_job(group.spec.generation, resume, source)
@@ -445,9 +439,7 @@ class JobController:
                 recovery.from_replica(source)
             logger.warning("recovery %d: %s", len(self.recoveries), recovery.describe())
             # The dashboard counts them; on_event handlers see a "recovery" record.
-            self.events.emit(
-                {"kind": "recovery", "recoveries": len(self.recoveries), **recovery.summary()}
-            )
+            self.events.emit(RecoveryRecord(recoveries=len(self.recoveries), **recovery.summary()))
         resize, self.resize = self.resize, None
         if resize is not None:
             resize.after = len(self.workers)
@@ -481,7 +473,7 @@ class JobController:
         self.unreported = None
         start = resize.stopped_at if not math.isnan(resize.stopped_at) else resize.detected_at
         resize.pause_s = max(0.0, first_step_at - start)
-        self.events.emit({"job_id": self.spec.job_id, **resize.record()})
+        self.events.emit(resize.record().model_copy(update={"job_id": self.spec.job_id}))
 
     def _rank_job(
         self, generation: str, resume: tuple[Path, dict[str, Any]] | None, source: LiveSource | None
@@ -498,17 +490,15 @@ class JobController:
         )
 
     def _forget_kept(self) -> None:
-        """The job ends without another attempt: its ranks' workers drop the states they kept."""
+        """The job ends without another attempt: its ranks' workers drop the states they kept,
+        and the trained pieces that ranks which finished left for the client."""
         if not self.workers:
             return
-        with contextlib.suppress(Exception):
-            run_bounded(
-                self.client,
-                live_recovery.forget,
-                self.spec.job_id,
-                workers=self.workers,
-                timeout_s=5.0,
-            )
+        for forget in (live_recovery.forget, model_pieces.forget):
+            with contextlib.suppress(Exception):
+                run_bounded(
+                    self.client, forget, self.spec.job_id, workers=self.workers, timeout_s=5.0
+                )
 
 
 class _Watcher:

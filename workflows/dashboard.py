@@ -19,6 +19,7 @@ from tornado import web
 
 from workers.compat.distributed_private import dashboard_page_template
 from workers.config_models import METRICS
+from workers.records import REPORT_BOOKKEEPING
 
 ROUTE = "/training"
 REFRESH_S = 5
@@ -252,7 +253,7 @@ def _world_plot(figure: Any, world: list[dict[str, Any]], until: float | None) -
     plot.xaxis.ticker.desired_num_ticks = 4  # clock times, apart
     by_cause: dict[str, list[dict[str, Any]]] = {}
     for point in world:
-        cause = str(point.get("cause", "?")) if point["kind"] == "resized" else "formed"
+        cause = str(point.get("cause", "?"))  # "formed", or why the job resized
         by_cause.setdefault(cause, []).append(point)
     items, markers = [], []
     for cause, points in by_cause.items():
@@ -296,8 +297,6 @@ def _world_plot(figure: Any, world: list[dict[str, Any]], until: float | None) -
 
 def _report_plots(reports: list[dict[str, Any]], figure: Any) -> list[Any]:
     """One curve per metric a rank function reported (``ctx.report``), from rank 0."""
-    from workflows.events import REPORT_BOOKKEEPING
-
     names = sorted({k for r in reports for k in r} - REPORT_BOOKKEEPING - {"step"})[:4]
     plots = []
     for name in names:

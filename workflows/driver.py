@@ -19,7 +19,6 @@ from distributed import Client
 from workers.collection_shard import CollectionPlan
 from workers.config_models import LOSSES, DataConfig
 from workers.layout import Layout
-from workers.model_pieces import assemble
 from workers.model_sources import source_of
 from workers.optimizers import OptimizerFactory, ScheduleFactory
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
@@ -33,6 +32,7 @@ from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, TrainingFailed, launch_on
 from workflows.launcher import LaunchConfig, ranks_for
+from workflows.model_handback import collect_model
 from workflows.preprocess import prepare_store
 from workflows.stores import StoreManifest, read_manifest
 from workflows.tracking import Tracker
@@ -445,7 +445,7 @@ def _train_prepared(
     results: list[RankResult] = launched.results
     rank0 = results[0]
     # Each rank hands back its pieces (its shards, its stages); together the whole model.
-    state_dict = assemble(result.model_pieces for result in results)
+    state_dict = collect_model(client, [result.model_pieces for result in results])
     return TrainResult(
         name=config.name,
         strategy=config.training.strategy,

@@ -1,5 +1,12 @@
-"""The ranks' records on the client: Dask events, handed to ``on_event`` in order, once each."""
+"""The ranks' records on the client: Dask events, handed to ``on_event`` in order, once each.
 
+``on_event`` receives each record as the plain dict that travelled (``workers/records.py``
+says each kind's fields): what ``print`` shows, what ``metrics.jsonl``, ``LaunchResult.metrics``
+and ``TrainResult.history`` hold, and what every handler written so far reads. A handler that
+wants the typed record calls ``workers.records.parse_record(record)``.
+"""
+
+import contextlib
 import logging
 import queue
 import threading
@@ -9,9 +16,17 @@ from typing import Any
 
 from distributed import Client
 
+from workers.records import (
+    BaseRecord,
+    MalformedRecord,
+    NumberedRecord,
+    Record,
+    ReportRecord,
+    parse_record,
+)
+
+# Called with each record's dict (workers/records.py has the typed models).
 EventHandler = Callable[[dict[str, Any]], None]
-# Fields of a ctx.report record that say where it came from, not what was measured.
-REPORT_BOOKKEEPING = frozenset({"kind", "rank", "attempt", "seq", "time"})
 logger = logging.getLogger(__name__)
 
 
@@ -26,7 +41,8 @@ class EventRelay:
     record arrives exactly once.
 
     Report records (``ctx.report``) of every rank are also kept, per attempt, so that the
-    reports of an attempt that failed (whose results never came back) are not lost.
+    reports of an attempt that failed (whose results never came back) are not lost. A record
+    of no known shape (``workers.records.parse_record`` refuses it) is logged and dropped.
     """
 
     _STOP = object()
@@ -46,52 +62,62 @@ class EventRelay:
         self._thread = threading.Thread(target=self._pump, name="dask-train-events", daemon=True)
 
     def _handle(self, event: tuple[float, dict[str, Any]]) -> None:
-        record = event[1]
-        if record.get("kind") == "report":
+        data = event[1]
+        record = self._read(data)
+        if record is None:
+            return
+        if isinstance(record, ReportRecord):
             with self._lock:
-                self.reports.setdefault((record["attempt"], record["rank"]), []).append(record)
+                self.reports.setdefault((record.attempt, record.rank), []).append(data)
         if self.on_event is not None:
-            self._queue.put(record)
+            self._queue.put((record, data))
+
+    def _read(self, data: Any) -> Record | None:
+        """The typed record of a job-topic event, or None (logged) for what is none."""
+        try:
+            record = parse_record(data)
+        except MalformedRecord as error:
+            logger.warning("%s: %s; dropped", self.topic, error)
+            return None
+        if record.TOPIC != "job":
+            logger.warning("%s: a %s record on a job's topic; dropped", self.topic, record.kind)
+            return None
+        return record
 
     def _pump(self) -> None:
-        while (record := self._queue.get()) is not self._STOP:
-            self._deliver(record)
+        while (item := self._queue.get()) is not self._STOP:
+            self._deliver(*item)
 
-    def _deliver(self, record: dict[str, Any]) -> None:
-        key = self._key(record)
+    def _deliver(self, record: Record, data: dict[str, Any]) -> None:
+        key = _key(record)
         with self._lock:
             if key in self._seen:
                 return
             self._seen.add(key)
         if self.on_event is not None:
             try:
-                self.on_event(record)
+                self.on_event(data)
             except Exception:
                 # A failing handler must not keep the records that follow from reaching it.
-                logger.exception("on_event raised for a %s record", record.get("kind"))
+                logger.exception("on_event raised for a %s record", record.kind)
 
-    def emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: BaseRecord) -> None:
         """A record of the client's own (queued, admitted, recovery): to the scheduler's topic
         for the dashboard, and to ``on_event`` at once: the topic's subscription may not have
         reached the scheduler yet, and the copy that comes back is dropped as seen."""
-        self._handle((time.time(), record))
-        self.client.log_event(self.topic, record)
+        data = record.to_event()
+        self._handle((time.time(), data))
+        self.client.log_event(self.topic, data)
 
     def skip(self, records: list[dict[str, Any]]) -> None:
         """Never deliver these records (a resumed run's earlier epochs)."""
+        keys = []
+        for data in records:
+            # One of no known shape is never delivered anyway.
+            with contextlib.suppress(MalformedRecord):
+                keys.append(_key(parse_record(data)))
         with self._lock:
-            self._seen.update(self._key(record) for record in records)
-
-    @staticmethod
-    def _key(record: dict[str, Any]) -> tuple[Any, ...]:
-        if "seq" in record:  # a rank's numbered records: ctx.report, a script's output
-            return (record.get("kind"), record.get("attempt"), record.get("rank"), record["seq"])
-        return (
-            record.get("kind"),
-            record.get("epoch"),
-            record.get("step"),
-            record.get("recoveries"),
-        )
+            self._seen.update(keys)
 
     def reports_before(self, attempt: int, ranks: int) -> list[list[dict[str, Any]]]:
         """Per rank, the reports that arrived from attempts before ``attempt``, in order."""
@@ -110,8 +136,10 @@ class EventRelay:
         the missed records are dropped rather than delivered concurrently."""
         if self.on_event is None or self._thread.is_alive():
             return
-        for record in records:
-            self._deliver(record)
+        for data in records:
+            record = self._read(data)
+            if record is not None:
+                self._deliver(record, data)
 
     def __enter__(self) -> "EventRelay":
         if self.on_event is not None:
@@ -124,6 +152,19 @@ class EventRelay:
         if self.on_event is not None:
             self._queue.put(self._STOP)
             self._thread.join(timeout=60)
+
+
+def _key(record: Record) -> tuple[Any, ...]:
+    """What tells a record that arrives twice (as an event, and in a rank's result)."""
+    if isinstance(record, NumberedRecord):  # ctx.report, a script's output: numbered per rank
+        return (record.kind, record.attempt, record.rank, record.seq)
+    # The others by where they stand; a kind without one of these fields has None there.
+    return (
+        record.kind,
+        getattr(record, "epoch", None),
+        getattr(record, "step", None),
+        getattr(record, "recoveries", None),
+    )
 
 
 def _seq(record: dict[str, Any]) -> int:

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from workers.collection_shard import CollectionPlan
 from workers.rank_context import RankJob, RankOutcome
+from workers.records import BaseRecord, QueuedRecord
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.collections import check_fixed_world, prepared_data
 from workflows.config import ConfigError, one_line
@@ -122,7 +123,8 @@ def launch(
         storage_options: ``checkpoint_dir``'s fsspec options (an endpoint, credentials);
             default: what fsspec finds in the environment.
         on_event: Called with every record the ranks send (``ctx.report``, recoveries), in
-            order, on a thread of its own.
+            order, on a thread of its own: each a plain dict with a ``"kind"`` (the fields of
+            each kind: ``workers/records.py``; ``parse_record`` makes it typed).
         config: A `LaunchConfig` or a dict of its fields (the ``[launch]`` keys).
         max_failures: Overrides ``config.max_failures``: restarts before `TrainingFailed`.
         backend: Overrides ``config.backend`` (``"gloo"``, ``"nccl"``, ``"auto"``).
@@ -250,7 +252,7 @@ class JobHold:
         self.client, self.settings, self.on_event = client, settings, on_event
         self.spec = JobSpec.mint(name)
         # Until launch_on's relay exists, a record goes to the topic and on_event directly.
-        self.emit: Callable[[dict[str, Any]], None] = self._emit_directly
+        self.emit: Callable[[BaseRecord], None] = self._emit_directly
         self.admission = admit(
             client, settings, job_id=self.spec.job_id, name=name, on_queued=self._queued, stop=stop
         )
@@ -261,12 +263,19 @@ class JobHold:
 
     def _queued(self, status: dict[str, Any]) -> None:
         # on_event handlers, the Training page and /metrics see the job waiting.
-        self.emit({"kind": "queued", "job_id": self.spec.job_id, **status})
+        queued = QueuedRecord(
+            job_id=self.spec.job_id,
+            position=status["position"],
+            eligible=status["eligible"],
+            holders=status["holders"],
+        )
+        self.emit(queued)
 
-    def _emit_directly(self, record: dict[str, Any]) -> None:
-        self.client.log_event(self.spec.event_topic, record)
+    def _emit_directly(self, record: BaseRecord) -> None:
+        data = record.to_event()
+        self.client.log_event(self.spec.event_topic, data)
         if self.on_event is not None:
-            self.on_event(record)
+            self.on_event(data)
 
     def __enter__(self) -> "JobHold":
         return self
@@ -373,5 +382,5 @@ def launch_on(
         attempts=finished.attempts,
         outcomes=outcomes,
         job_id=spec.job_id,
-        resizes=[r.record() for r in finished.resizes],
+        resizes=[r.record().to_event() for r in finished.resizes],
     )

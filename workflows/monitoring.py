@@ -2,6 +2,7 @@
 and serves the latest figures of every job as Prometheus gauges at the dashboard's ``/metrics``.
 """
 
+import logging
 import threading
 import time
 import weakref
@@ -10,31 +11,47 @@ from typing import Any
 from distributed import Scheduler, SchedulerPlugin
 
 from workers.compat.distributed_private import dashboard_page_template
+from workers.records import (
+    AdmittedRecord,
+    BaseRecord,
+    EpochRecord,
+    HeartbeatRecord,
+    MalformedRecord,
+    OutputRecord,
+    QueuedRecord,
+    ReportRecord,
+    ResizedRecord,
+    StartRecord,
+    Topic,
+    TrialRecord,
+    WorldRecord,
+    parse_record,
+)
 from workflows.dashboard import (
     ROUTE,
     TrainingPage,
     add_to_navigation,
     training_page_url,
 )
-from workflows.events import REPORT_BOOKKEEPING
+
+logger = logging.getLogger(__name__)
 
 # Three kinds of topics, under prefixes none of which begins another: a name the user gives (a
 # job's, a study's) cannot carry its topic into another kind (a job named "sweep-a" was read as
-# a sweep's trials, one named "heartbeat-a" as heartbeats).
+# a sweep's trials, one named "heartbeat-a" as heartbeats). Each record's model says which kind
+# of topic it travels on (workers/records.py, ``TOPIC``); one that arrives on another is refused.
 TOPIC_ROOT = "dask-train-"
 # Job J's records (reports, epochs, resizes) travel on EVENT_PREFIX + J.
 EVENT_PREFIX = TOPIC_ROOT + "job-"
 # Each rank's heartbeat (step, samples/s) for job J travels on HEARTBEAT_PREFIX + J.
 HEARTBEAT_PREFIX = TOPIC_ROOT + "heartbeat-"
-# A sweep's trials (workflows/sweep.py) travel on SWEEP_PREFIX + the study's name.
+# A sweep's trials (workflows/sweeps.py) travel on SWEEP_PREFIX + the study's name.
 SWEEP_PREFIX = TOPIC_ROOT + "sweep-"
-# The client's records of a job's wait for workers: the queue itself (workflows/admission.py)
-# is what the page and /metrics show, not these.
-QUEUE_KINDS = frozenset({"queued", "admitted"})
-# The records that say how many ranks a job runs on: the controller's when the job's first group
-# forms ("world") and at each change of an elastic job ("resized"), and the built-in trainer's
-# "start" (alone, before any controller's, for a job that sends none).
-WORLD_KINDS = frozenset({"world", "resized"})
+TOPIC_PREFIXES: dict[Topic, str] = {
+    "job": EVENT_PREFIX,
+    "heartbeat": HEARTBEAT_PREFIX,
+    "sweep": SWEEP_PREFIX,
+}
 PLUGIN_NAME = "dask-train-metrics"
 KEEP_JOBS = 20  # a long-lived scheduler keeps the series of this many recent jobs
 KEEP_EPOCHS = 1000  # and this many epoch records of each, for the Training page's curves
@@ -81,8 +98,27 @@ RANK_GAUGES = (
 )
 
 
+def sweep_topic(study_name: str) -> str:
+    """The Dask event topic of a sweep's trials (a job's are its ``JobSpec``'s)."""
+    return SWEEP_PREFIX + study_name
+
+
+def read_topic(topic: str) -> tuple[Topic, str] | None:
+    """The kind of one of our topics and whose it is (a job's id, a study's name), or None for
+    anyone else's topic. No prefix begins another: at most one matches."""
+    for kind, prefix in TOPIC_PREFIXES.items():
+        if topic.startswith(prefix):
+            return kind, topic.removeprefix(prefix)
+    return None
+
+
 class TrainingMetrics(SchedulerPlugin):
-    """Keeps the latest record of each job (an event topic) and exports it to Prometheus."""
+    """Keeps the latest record of each job (an event topic) and exports it to Prometheus.
+
+    Every event on our topics is read as a typed record (``workers/records.py``); one of no
+    known shape, or on the wrong kind of topic, is logged (a warning once per topic and kind)
+    and skipped: a client of another version must not break the scheduler's page.
+    """
 
     name = PLUGIN_NAME
     idempotent = True  # registering again (the next job) keeps the one already running
@@ -90,10 +126,21 @@ class TrainingMetrics(SchedulerPlugin):
     def __init__(self) -> None:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.sweeps: dict[str, dict[int, dict[str, Any]]] = {}  # study -> trial number -> record
+        self._lock = threading.Lock()
+        # The last (topic, kind) pairs warned about, oldest first: one warning each.
+        self._refused: dict[tuple[str, str], None] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The plugin travels to the scheduler pickled, and locks do not: it gets a new one.
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     async def start(self, scheduler: Scheduler) -> None:
-        # Created here, in the scheduler: the plugin travels there pickled, and locks do not.
-        self._lock = threading.Lock()
         self.scheduler = scheduler
         _exporter.add(self)
         # The Training page, on the scheduler's web server next to the dashboard's pages.
@@ -108,61 +155,86 @@ class TrainingMetrics(SchedulerPlugin):
         _exporter.discard(self)
 
     def log_event(self, topic: str, msg: Any) -> None:
-        if not isinstance(msg, dict):
+        where = read_topic(topic) if isinstance(topic, str) else None
+        if where is None:
+            return  # the scheduler's own topics, and other libraries'
+        kind_of_topic, owner = where
+        try:
+            record = parse_record(msg)
+        except MalformedRecord as error:
+            self._refuse(topic, msg, str(error))
             return
-        if topic.startswith(SWEEP_PREFIX):
-            self._record_trial(topic.removeprefix(SWEEP_PREFIX), msg)
+        if kind_of_topic != record.TOPIC:
+            self._refuse(topic, msg, f"a {record.kind!r} record belongs on a {record.TOPIC} topic")
             return
-        heartbeat = topic.startswith(HEARTBEAT_PREFIX)
-        if not (heartbeat or topic.startswith(EVENT_PREFIX)) or msg.get("kind") in QUEUE_KINDS:
-            return
-        job = topic.removeprefix(HEARTBEAT_PREFIX if heartbeat else EVENT_PREFIX)
+        if isinstance(record, TrialRecord):
+            self._record_trial(owner, record)
+        elif isinstance(record, QueuedRecord | AdmittedRecord):
+            return  # the page and /metrics show the queue itself (workflows/admission.py)
+        else:
+            self._record_job(owner, record)
+
+    def _refuse(self, topic: str, msg: Any, why: str) -> None:
+        """Log a refused event: a warning the first time a topic has one of its kind, then
+        quietly (a client of another version would refuse every step)."""
+        kind = str(msg.get("kind")) if isinstance(msg, dict) else type(msg).__name__
+        with self._lock:
+            first = (topic, kind) not in self._refused
+            self._refused[topic, kind] = None
+            if len(self._refused) > KEEP_JOBS:
+                del self._refused[next(iter(self._refused))]
+        level = logging.WARNING if first else logging.DEBUG
+        logger.log(level, "event on %s skipped: %s", topic, why)
+
+    def _record_job(self, job: str, record: BaseRecord) -> None:
         with self._lock:
             if job not in self.jobs and len(self.jobs) >= KEEP_JOBS:
                 del self.jobs[next(iter(self.jobs))]  # the oldest job's series go
             state = self.jobs.setdefault(job, {})
             state["last_seen"] = time.time()  # where the page's world-size line ends
-            if heartbeat:
-                if isinstance(msg.get("samples_per_s"), int | float):
-                    ranks = state.setdefault("ranks", {})
-                    ranks[int(msg["rank"])] = float(msg["samples_per_s"])
-                if isinstance(msg.get("peak_memory_bytes"), int):
-                    state.setdefault("memory", {})[int(msg["rank"])] = msg["peak_memory_bytes"]
-                return
-            if msg.get("kind") == "report":
-                # A rank function's own metrics (ctx.report): rank 0's make the page's curves;
-                # the gauges keep the job's strategy and world size, not a rank's fields.
-                if msg.get("rank") == 0:
-                    reports = state.setdefault("reports", [])
-                    reports.append({k: v for k, v in msg.items() if isinstance(v, int | float)})
-                    del reports[:-KEEP_EPOCHS]
-                fields = {k: v for k, v in msg.items() if k not in REPORT_BOOKKEEPING}
-                state.update({k: v for k, v in fields.items() if isinstance(v, int | float)})
-                state.setdefault("strategy", "launch")
-                return
-            if msg.get("kind") in WORLD_KINDS:
-                _record_world(state, msg)
-                return
-            fields = {k: v for k, v in msg.items() if isinstance(v, int | float | str)}
-            if msg.get("kind") == "start" and isinstance(msg.get("world_size"), int):
-                if any(point["kind"] in WORLD_KINDS for point in state.get("world", [])):
-                    del fields["world_size"]  # the controller's records say it, in order
-                else:
-                    _record_world(state, msg)
-            state.update(fields)
-            if msg.get("kind") == "epoch":
-                history = state.setdefault("history", [])
-                if not any(r.get("epoch") == msg.get("epoch") for r in history):
-                    history.append(dict(msg))
-                del history[:-KEEP_EPOCHS]
+            match record:
+                case HeartbeatRecord():
+                    if record.samples_per_s is not None:
+                        state.setdefault("ranks", {})[record.rank] = record.samples_per_s
+                    if record.peak_memory_bytes is not None:
+                        state.setdefault("memory", {})[record.rank] = record.peak_memory_bytes
+                case ReportRecord():
+                    # A rank function's own metrics (ctx.report): rank 0's make the page's
+                    # curves; the gauges keep the job's strategy and world size, not a rank's.
+                    if record.rank == 0:
+                        reports = state.setdefault("reports", [])
+                        reports.append(_numbers(record.to_event()))
+                        del reports[:-KEEP_EPOCHS]
+                    state.update(_numbers(record.metrics))
+                    state.setdefault("strategy", "launch")
+                case WorldRecord() | ResizedRecord():
+                    _record_world(state, record)
+                case StartRecord():
+                    fields = _scalars(record)
+                    # A point of the controller's ("world", "resized") came first.
+                    if any(point["kind"] != record.kind for point in state.get("world", [])):
+                        del fields["world_size"]  # the controller's records say it, in order
+                    else:
+                        _record_world(state, record)
+                    state.update(fields)
+                case EpochRecord():
+                    state.update(_scalars(record))
+                    history = state.setdefault("history", [])
+                    if not any(r.get("epoch") == record.epoch for r in history):
+                        history.append(record.to_event())
+                    del history[:-KEEP_EPOCHS]
+                case OutputRecord():
+                    pass  # a script's lines are the client's to show
+                case _:
+                    # Steps, recoveries, failed checkpoints, a kind added later: their figures
+                    # are the job's latest (GAUGES names those /metrics exports).
+                    state.update(_scalars(record))
 
-    def _record_trial(self, sweep: str, msg: dict[str, Any]) -> None:
-        if not isinstance(msg.get("number"), int):
-            return
+    def _record_trial(self, sweep: str, record: TrialRecord) -> None:
         with self._lock:
             if sweep not in self.sweeps and len(self.sweeps) >= KEEP_JOBS:
                 del self.sweeps[next(iter(self.sweeps))]
-            self.sweeps.setdefault(sweep, {})[msg["number"]] = dict(msg)
+            self.sweeps.setdefault(sweep, {})[record.number] = record.to_event()
 
     def queue(self) -> dict[str, list[dict[str, Any]]]:
         """The jobs holding workers and those waiting for them, on this scheduler."""
@@ -191,22 +263,38 @@ class TrainingMetrics(SchedulerPlugin):
             }
 
 
-def _record_world(state: dict[str, Any], msg: dict[str, Any]) -> None:
-    """A job's world size from a "world", "resized" or "start" record: the gauges' value now
-    and a point of the page's world-size line (the record's time, else its arrival's)."""
-    kind = msg["kind"]
-    size = msg.get("to") if kind == "resized" else msg.get("world_size")
-    if not isinstance(size, int):
-        return
-    at = msg.get("at")
-    point = {
-        "kind": kind,
-        "at": float(at) if isinstance(at, int | float) else time.time(),
-        "world_size": size,
+def _numbers(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if isinstance(v, int | float)}
+
+
+def _scalars(record: BaseRecord) -> dict[str, Any]:
+    """A record's numbers and strings by name: what the page's facts and the gauges read (not
+    its kind, nor the worker Dask adds to a rank's)."""
+    event = record.to_event()
+    return {
+        k: v
+        for k, v in event.items()
+        if k not in ("kind", "worker") and isinstance(v, int | float | str)
     }
-    if kind == "resized":
-        fields = ("from", "step", "cause", "pause_s", "redone_steps")
-        point.update({k: msg[k] for k in fields if isinstance(msg.get(k), int | float | str)})
+
+
+def _record_world(state: dict[str, Any], record: WorldRecord | ResizedRecord | StartRecord) -> None:
+    """A job's world size from a "world", "resized" or "start" record: the gauges' value now
+    and a point of the page's world-size line (the record's time, else its arrival's), marked
+    by its cause ("formed" for a group's first)."""
+    resized = isinstance(record, ResizedRecord)
+    at = None if isinstance(record, StartRecord) else record.at
+    point: dict[str, Any] = {
+        "kind": record.kind,
+        "at": at if at is not None else time.time(),
+        "world_size": record.after if resized else record.world_size,
+        "cause": record.cause if resized else "formed",
+    }
+    if resized:
+        optional = {"step": record.step, "pause_s": record.pause_s}
+        optional["redone_steps"] = record.redone_steps
+        point["from"] = record.before
+        point.update({k: v for k, v in optional.items() if v is not None})
         state["resizes"] = state.get("resizes", 0) + 1
     state.setdefault("resizes", 0)
     world = state.setdefault("world", [])

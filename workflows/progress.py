@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
+from workers.records import EpochRecord, RecoveryRecord, StartRecord, StepRecord, parse_record
 from workflows.driver import format_epoch
 
 # How the CLI's recovery line names what the run continued from.
@@ -24,7 +25,8 @@ RECOVERED_FROM = {
 
 
 class EpochProgress:
-    """An ``on_event`` handler that draws one tqdm bar per epoch."""
+    """An ``on_event`` handler that draws one tqdm bar per epoch (from the start, step, epoch
+    and recovery records; it passes over the others)."""
 
     def __init__(self, file: TextIO | None = None) -> None:
         self.file = file
@@ -34,30 +36,28 @@ class EpochProgress:
         self._epoch = 0
 
     def __call__(self, record: dict[str, Any]) -> None:
-        kind = record.get("kind")
-        if kind == "start":
-            self.epochs = int(record["epochs"])
-            self.steps_per_epoch = math.ceil(int(record["total_steps"]) / max(1, self.epochs))
-        elif kind == "step":
-            epoch, loss = int(record["epoch"]), f"{record['loss']:.4f}"
-            done = int(record["step"]) - (epoch - 1) * self.steps_per_epoch
-            if self.steps_per_epoch:
-                done = max(0, min(done, self.steps_per_epoch))
-            if self._bar is None or epoch != self._epoch:
-                self._open(epoch, done, loss)  # its first drawing shows this step already
-            else:
-                self._bar.set_postfix(loss=loss, refresh=False)
-                self._bar.update(max(0, done - self._bar.n))
-        elif kind == "epoch":
-            self.close()
-            self._write(format_epoch(record))
-        elif kind == "recovery":
-            self.close()
-            origin = RECOVERED_FROM.get(record.get("recovered_from", ""), "")
-            self._write(
-                f"recovery {record.get('recoveries')}: {record.get('failure')}; resuming at "
-                f"step {record.get('resumed_from_step')}{origin}"
-            )
+        match parse_record(record):
+            case StartRecord(epochs=epochs, total_steps=total_steps):
+                self.epochs = epochs
+                self.steps_per_epoch = math.ceil(total_steps / max(1, epochs))
+            case StepRecord(epoch=epoch, step=step, loss=loss):
+                done = step - (epoch - 1) * self.steps_per_epoch
+                if self.steps_per_epoch:
+                    done = max(0, min(done, self.steps_per_epoch))
+                if self._bar is None or epoch != self._epoch:
+                    self._open(epoch, done, f"{loss:.4f}")  # its first drawing shows this step
+                else:
+                    self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                    self._bar.update(max(0, done - self._bar.n))
+            case EpochRecord():
+                self.close()
+                self._write(format_epoch(record))
+            case RecoveryRecord() as recovery:
+                self.close()
+                self._write(
+                    f"recovery {recovery.recoveries}: {recovery.failure}; resuming at step "
+                    f"{recovery.resumed_from_step}{RECOVERED_FROM[recovery.recovered_from]}"
+                )
 
     def _open(self, epoch: int, done: int, loss: str) -> None:
         self.close()

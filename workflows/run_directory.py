@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+from workers.records import EpochRecord, StepRecord, parse_record
 from workflows.config import ConfigError, RunConfig
 from workflows.run_storage import RunMirror, is_url, mirror_folder
 
@@ -391,11 +392,12 @@ class RunDirectory:
     def record(self, record: dict[str, Any]) -> None:
         """Append one metrics record (an ``on_event`` handler for :func:`train`)."""
         if self._metrics is not None:
-            self._metrics.write(json.dumps(record) + "\n")
-        if record.get("kind") in ("step", "epoch") and isinstance(record.get("step"), int):
-            self._reached = max(self._reached, record["step"])
-        if record.get("kind") == "epoch":
-            logger.info("epoch %s/%s: %s", record["epoch"], record["epochs"], record)
+            self._metrics.write(json.dumps(record) + "\n")  # as it travelled
+        typed = parse_record(record)
+        if isinstance(typed, StepRecord | EpochRecord):
+            self._reached = max(self._reached, typed.step)
+        if isinstance(typed, EpochRecord):
+            logger.info("epoch %s/%s: %s", typed.epoch, typed.epochs, record)
 
     def finish(self, result: "TrainResult") -> dict[str, Any]:
         """Write the final model and the summary; returns the summary. The attempt that trained

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from workers.records import OutputRecord, ReportRecord, parse_record
 from workers.script_runner import ScriptResult, ScriptSpec, run_script
 from workflows.cluster import ClusterConfig, start_cluster
 from workflows.code_shipping import ship_modules
@@ -77,13 +78,14 @@ def launch_script(
     metrics = (output / "metrics.jsonl").open("a", buffering=1) if output is not None else None
 
     def on_event(record: dict[str, Any]) -> None:
-        if record.get("kind") == "output":
-            text = "".join(f"[rank {record['rank']}] {line}" for line in record["lines"])
-            echo(text.rstrip("\n"))
-            if log is not None:
-                log.write(text)
-        elif record.get("kind") == "report" and metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
+        match parse_record(record):
+            case OutputRecord(rank=rank, lines=lines):
+                text = "".join(f"[rank {rank}] {line}" for line in lines)
+                echo(text.rstrip("\n"))
+                if log is not None:
+                    log.write(text)
+            case ReportRecord() if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")  # as it travelled
 
     try:
         with start_cluster(cluster) as training_cluster:

@@ -51,11 +51,12 @@ import pandas as pd
 from distributed import Client
 
 from workers.config_models import KEEP_CREDENTIALS
+from workers.records import EpochRecord, Record, ReportRecord, TrialRecord, parse_record
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import JobStopped, WorkerSelection, select_workers
-from workflows.monitoring import SWEEP_PREFIX
+from workflows.monitoring import sweep_topic
 from workflows.run_storage import is_url
 from workflows.sweep_directory import config_study
 from workflows.sweep_owners import TrialOwners
@@ -165,14 +166,14 @@ class FunctionTrials:
     def prepare(self, client: Client, space: Mapping[str, Any]) -> None:
         """Nothing to share between a function's trials."""
 
-    def read(self, record: dict[str, Any]) -> tuple[float, int] | None:
+    def read(self, record: Record) -> tuple[float, int] | None:
         """Rank 0's figure of the metric in a report record, with its step."""
-        if record.get("kind") != "report" or record.get("rank") != 0:
+        if not isinstance(record, ReportRecord) or record.rank != 0:
             return None
-        value, step = record.get(self.metric), record.get("step")
+        value, step = record.metrics.get(self.metric), record.metrics.get("step")
         if not is_number(value):
             return None
-        return float(value), step if isinstance(step, int) else int(record["seq"])
+        return float(value), step if isinstance(step, int) else record.seq
 
     def run(self, client: Client, job: TrialJob) -> TrialOutcome:
         from workflows.jobs import launch
@@ -277,11 +278,12 @@ class ConfigTrials:
             return
         prepare_store(client, config.data.resolved(), seed=config.training.seed)
 
-    def read(self, record: dict[str, Any]) -> tuple[float, int] | None:
+    def read(self, record: Record) -> tuple[float, int] | None:
         """The metric in an epoch record, with the epoch as its step."""
-        if record.get("kind") != "epoch" or not is_number(record.get(self.metric)):
+        if not isinstance(record, EpochRecord):
             return None
-        return float(record[self.metric]), int(record["epoch"])
+        value = record.to_event().get(self.metric)
+        return (float(value), record.epoch) if is_number(value) else None
 
     def run(self, client: Client, job: TrialJob) -> TrialOutcome:
         from workflows.driver import train
@@ -318,6 +320,11 @@ class SweepSpec:
     pruner: "BasePruner"
     storage: "BaseStorage"
     study_name: str
+
+    @property
+    def event_topic(self) -> str:
+        """The Dask event topic of the sweep's trials (the Training page's table)."""
+        return sweep_topic(self.study_name)
 
 
 def sweep(
@@ -670,7 +677,7 @@ class PruningFeed:
     def __init__(
         self,
         trial: "Trial",
-        read: Callable[[dict[str, Any]], tuple[float, int] | None],
+        read: Callable[[Record], tuple[float, int] | None],
         stop: threading.Event,
         reported: set[int],
     ) -> None:
@@ -681,7 +688,7 @@ class PruningFeed:
         self._steps = set(reported)
 
     def __call__(self, record: dict[str, Any]) -> None:
-        found = None if self.pruned else self.read(record)
+        found = None if self.pruned else self.read(parse_record(record))
         # A restarted attempt reports the steps since its checkpoint again.
         if found is None or found[1] in self._steps:
             return
@@ -717,7 +724,7 @@ class Sweep:
         self.optuna, self.spec, self.client, self.on_trial = optuna, spec, client, on_trial
         self.study = self._open_study()
         self.owners = TrialOwners(self.study, client, on_lost=self._stop_lost)
-        self.topic = SWEEP_PREFIX + spec.study_name
+        self.topic = spec.event_topic
         self._running: dict[Future, RunningTrial] = {}
 
     def _open_study(self) -> "Study":
@@ -922,23 +929,24 @@ class Sweep:
         error: str | None = None,
     ) -> None:
         """The trial's state change: a Dask event for the Training page, and ``on_trial``."""
-        record = {
-            "kind": "trial",
-            "sweep": self.spec.study_name,
-            "number": trial.number,
-            "state": state,
-            "value": value,
-            "params": trial.params,
-            "job_id": job_id,
-            "wall_s": wall_s,
-        }
+        record = TrialRecord(
+            sweep=self.spec.study_name,
+            number=trial.number,
+            state=state,
+            value=value,
+            params=trial.params,
+            job_id=job_id,
+            wall_s=wall_s,
+        )
         try:
-            self.client.log_event(self.topic, record)
+            self.client.log_event(self.topic, record.to_event())
         except Exception as failure:  # the page misses one change; the sweep goes on
             logger.warning("trial %d: no %s event: %s", trial.number, state, failure)
         if self.on_trial is not None:
+            if error:
+                record = record.model_copy(update={"error": error})
             try:
-                self.on_trial(record | {"error": error} if error else record)
+                self.on_trial(record.to_event())
             except Exception:
                 logger.exception("on_trial raised for trial %d", trial.number)
 

@@ -25,6 +25,16 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from workers.records import (
+    EpochRecord,
+    Record,
+    RecoveryRecord,
+    ReportRecord,
+    StartRecord,
+    StepRecord,
+    parse_record,
+)
+
 logger = logging.getLogger(__name__)
 EventHandler = Callable[[dict[str, Any]], None]
 
@@ -133,18 +143,17 @@ class _Metrics:
     def __init__(self) -> None:
         self._reports: dict[int, int] = {}  # per rank: reports seen, the step when none given
 
-    def points(self, record: Mapping[str, Any]) -> tuple[int | None, dict[str, float]]:
+    def points(self, record: Record) -> tuple[int | None, dict[str, float]]:
         """(step, {metrics.jsonl name: value}) of a record; rank API metrics keep their names."""
-        kind = record.get("kind")
-        if kind in ("step", "epoch"):
-            return int(record.get("step", 0)), _numbers(record)
-        if kind == "report":
-            rank = int(record.get("rank", 0))
-            count = self._reports[rank] = self._reports.get(rank, 0) + 1
-            if rank != 0:  # rank 0 speaks for the job, as in metrics.jsonl
-                return None, {}
-            step = record.get("step")
-            return int(step) if isinstance(step, int) else count, _numbers(record)
+        match record:
+            case StepRecord() | EpochRecord():
+                return record.step, _numbers(record.to_event())
+            case ReportRecord(rank=rank):
+                count = self._reports[rank] = self._reports.get(rank, 0) + 1
+                if rank != 0:  # rank 0 speaks for the job, as in metrics.jsonl
+                    return None, {}
+                step = record.metrics.get("step")
+                return step if isinstance(step, int) else count, _numbers(record.metrics)
         return None, {}
 
 
@@ -325,16 +334,16 @@ class Tracker:
 
     def record(self, record: dict[str, Any]) -> None:
         """Log one metrics record (an ``on_event`` handler)."""
-        kind = record.get("kind")
-        if kind == "start":
-            self._tag(strategy=record.get("strategy"), world_size=record.get("world_size"))
-            return
-        if kind == "recovery":
-            self._tag(recoveries=record.get("recoveries"))
-            return
-        step, metrics = self._metrics.points(record)
-        if step is not None and metrics:
-            self._each(lambda sink: sink.log(str(kind), step, metrics))
+        typed = parse_record(record)
+        match typed:
+            case StartRecord():
+                self._tag(strategy=typed.strategy, world_size=typed.world_size)
+            case RecoveryRecord():
+                self._tag(recoveries=typed.recoveries)
+            case _:
+                step, metrics = self._metrics.points(typed)
+                if step is not None and metrics:
+                    self._each(lambda sink: sink.log(typed.kind, step, metrics))
 
     def _tag(self, **values: Any) -> None:
         values = {k: str(v) for k, v in values.items() if v is not None}

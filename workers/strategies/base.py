@@ -10,6 +10,7 @@ checkpoint holds. A strategy family's runtime module registers its classes with
 import importlib
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -63,6 +64,25 @@ class EpochSums:
         return sums.tolist()
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RankPlacement:
+    """Where this rank sits in the job, and what its strategy lays its part of the model out
+    with: what :meth:`Strategy.prepare` is given besides the model.
+
+    Compared by identity (``eq=False``): ``==`` on the ``sample`` tensor gives a tensor, not a
+    truth value.
+    """
+
+    layout: Layout  # how the ranks share the model and the batch
+    rank: int  # this rank, in the job's world
+    device: torch.device  # this rank's device
+    precision: Precision  # the run's
+    # What the strategy's plan gives its runtime (``StrategyPlan.settings``); None: nothing.
+    settings: BaseModel | None = None
+    # One micro-batch of inputs on the CPU, for strategies that trace the model.
+    sample: torch.Tensor | None = None
+
+
 class Strategy(ABC):
     """How one parallelism lays the model over the ranks and runs one step on it."""
 
@@ -72,21 +92,9 @@ class Strategy(ABC):
 
     @classmethod
     @abstractmethod
-    def prepare(
-        cls,
-        model: nn.Module,
-        *,
-        layout: Layout,
-        rank: int,
-        device: torch.device,
-        settings: BaseModel | None = None,
-        precision: Precision,
-        sample: torch.Tensor | None = None,
-    ) -> "Strategy":
-        """Wrap or cut ``model`` for this rank; every rank of the job calls it. ``settings`` is
-        what the strategy's plan gives it (``StrategyPlan.settings``), ``precision`` the run's.
-        ``sample`` is one micro-batch of inputs on the CPU, for strategies that trace the
-        model."""
+    def prepare(cls, model: nn.Module, placement: RankPlacement) -> "Strategy":
+        """Wrap or cut ``model`` for the rank ``placement`` describes; every rank of the job
+        calls it."""
 
     @classmethod
     def lays_out_meta(cls, model: nn.Module) -> bool:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from workers.records import ReportRecord, ResizedRecord, parse_record
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.jobs import launch
 
@@ -86,10 +87,11 @@ class Steps:
         self._changed = threading.Condition()
 
     def __call__(self, record: dict[str, Any]) -> None:
+        typed = parse_record(record)
         with self._changed:
-            if record.get("kind") == "report" and record.get("rank") == 0:
+            if isinstance(typed, ReportRecord) and typed.rank == 0:
                 self.reports.append(record)
-            elif record.get("kind") == "resized":
+            elif isinstance(typed, ResizedRecord):
                 self.resizes.append(record)
             self._changed.notify_all()
 

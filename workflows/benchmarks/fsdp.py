@@ -1,7 +1,8 @@
-"""FSDP2 against DDP: peak memory per rank and throughput, at 2 and 4 ranks.
+"""FSDP2 against DDP: peak memory per rank and throughput, at 2 and 4 ranks, beside what
+``dask-train plan`` estimates.
 
-    python -m workflows.benchmarks.fsdp [--model mlp|gpt] [--width 4096] [--layers 6] [--steps 4]
-        [--activation-checkpointing none full selective]
+    python -m workflows.benchmarks.fsdp [--model mlp|gpt|vit] [--width 4096] [--layers 6]
+        [--steps 4] [--activation-checkpointing none full selective] [--no-estimate]
 
 On one machine, for each world size (2, then 4 workers), in one run: the same model, data and
 steps under ``ddp`` and ``fsdp``. The model is a stack of ``--layers`` square linear layers
@@ -10,6 +11,11 @@ optimizer state (SGD momentum) dominate a rank's memory, as in a large transform
 the synthetic store (32x32 RGB). ``--model gpt``: the built-in GPT, ``--layers`` blocks
 ``--width`` wide (8 x 1024: 101 M parameters), on windows of 64 bytes of the standard library's
 wsgiref package (the text store), global batch 8 unless ``--batch`` says otherwise.
+``--model vit``: torchvision's ``vit_b_16`` (86 M parameters) on the synthetic 32x32 images
+(``image_size = 32``), global batch 32. Its class token and position embedding cannot draw
+their values in place (no ``reset_parameters``), so it starts from a weights file the
+benchmark writes first from a seed (``model.weights``): each rank maps it and copies its part;
+``--init factory`` builds it whole on every rank instead.
 
 Memory: each rank's peak while training, as ``TrainResult.peak_memory_mib`` reports it (the
 growth of the worker's peak resident set on CPU, CUDA's allocator peak on a GPU; the model's
@@ -17,8 +23,12 @@ pieces copied for the client at the end left out), the largest rank's. A DDP ran
 parameters, their gradients, DDP's gradient buckets and the momentum, ~4 copies; an FSDP rank
 1/N of the three sharded states plus, while one layer runs, that layer whole: it is built on
 the meta device and draws only its shards (``model.init``; ``--init factory`` builds the
-linear stack whole on every rank first, as every model was before). Throughput: steady
+model whole on every rank first, as every model was before). Throughput: steady
 samples/s, FSDP over DDP, in the same run.
+
+After each job, on the same workers, the planner profiles the model
+(``workflows.planner.plan``, what ``dask-train plan`` prints) and its estimate of a rank's
+memory under that strategy and world size is printed beside the measured peak.
 
 ``--activation-checkpointing`` runs each strategy under each mode given
 (``training.activation_checkpointing``): the peak with and without the blocks' activations
@@ -27,15 +37,30 @@ kept, and what recomputing them costs in samples/s.
 
 import argparse
 import tempfile
+from pathlib import Path
 
 from workflows.cluster import start_cluster
 from workflows.config import RunConfig, load_config
 from workflows.driver import train
+from workflows.planner import plan
+
+VIT_IMAGE_SIZE, VIT_CLASSES = 32, 10
+
+
+def _vit_weights(folder: Path) -> Path:
+    """A vit_b_16's initial values from a seed, as a whole-model file (model.weights)."""
+    import torch
+    from torchvision.models import vit_b_16
+
+    torch.manual_seed(0)
+    path = folder / "vit_b_16.pt"
+    torch.save(vit_b_16(image_size=VIT_IMAGE_SIZE, num_classes=VIT_CLASSES).state_dict(), path)
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    parser.add_argument("--model", choices=("mlp", "gpt", "vit"), default="mlp")
     parser.add_argument("--width", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--steps", type=int, default=4)
@@ -46,7 +71,14 @@ def main() -> None:
         "--init",
         choices=("reset_parameters", "factory"),
         default="reset_parameters",
-        help="model.init of the linear stack: factory builds it whole on every rank first",
+        help="model.init of the linear stack and the ViT: factory builds it whole on every "
+        "rank first",
+    )
+    parser.add_argument(
+        "--no-estimate",
+        action="store_false",
+        dest="estimate",
+        help="skip the planner's estimate after each job",
     )
     parser.add_argument(
         "--activation-checkpointing",
@@ -60,7 +92,13 @@ def main() -> None:
     width = args.width or (1024 if gpt else 4096)
     layers = args.layers or (8 if gpt else 6)
     batch = args.batch or (8 if gpt else 32)
-    if gpt:
+    tmp = tempfile.TemporaryDirectory()
+    if args.model == "vit":
+        data = {"dataset": "synthetic", "synthetic_samples": 1024}
+        model = {"name": "torchvision:vit_b_16", "kwargs": {"image_size": VIT_IMAGE_SIZE}}
+        if args.init != "factory":
+            model["weights"] = str(_vit_weights(Path(tmp.name)))
+    elif gpt:
         # A small corpus: validation runs the 101 M-parameter model over the whole val split
         # (one file, 105 windows), which on a CPU takes longer than the steps measured.
         data = {
@@ -98,7 +136,7 @@ def main() -> None:
             }
         )
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tmp:
         for ranks in args.ranks:
             grown: dict[str, float] = {}
             speed: dict[str, float] = {}
@@ -109,12 +147,20 @@ def main() -> None:
                     # on the same workers measured 1.4 GiB per rank, 0.8 GiB on fresh ones).
                     # Each worker may hold a whole DDP replica: 24 GiB machines, 4 ranks of
                     # ~2 GiB.
+                    run = config(f"{tmp.name}/store", strategy, checkpointing)
                     with start_cluster(n_workers=ranks, dashboard_port=0) as cluster:
-                        result = train(
-                            config(f"{tmp}/store", strategy, checkpointing),
-                            cluster=cluster,
-                            on_event=None,
-                        )
+                        result = train(run, cluster=cluster, on_event=None)
+                        estimate = None
+                        if args.estimate and result.store is not None:
+                            # After the job: profiling builds the model whole on a worker.
+                            planned = plan(
+                                cluster.client,
+                                run,
+                                world_size=ranks,
+                                num_classes=result.store.num_classes,
+                            )
+                            estimate = planned.memory[ranks if strategy == "fsdp" else 1]
+                            profiled = planned.profile
                     # The largest rank's: TrainResult's per-rank peaks (workers/peak_memory.py).
                     if checkpointing == args.checkpointing[0]:
                         grown[strategy] = max(result.peak_memory_mib)
@@ -128,6 +174,26 @@ def main() -> None:
                         f"{result.steady_samples_per_s:.1f} samples/s",
                         flush=True,
                     )
+                    if estimate is not None:
+                        measured = max(result.peak_memory_mib)
+                        print(
+                            f"  plan's estimate {estimate.total / 2**20:,.0f} MiB (parameters "
+                            f"{estimate.parameters / 2**20:,.0f}, gradients "
+                            f"{estimate.gradients / 2**20:,.0f}, optimizer "
+                            f"{estimate.optimizer / 2**20:,.0f}, activations "
+                            f"{estimate.activations / 2**20:,.0f}); measured / estimate "
+                            f"{measured / (estimate.total / 2**20):.2f}",
+                            flush=True,
+                        )
+                        layers = profiled.layers
+                        print(
+                            f"  profile: parameters "
+                            f"{sum(x.param_bytes for x in layers) / 2**20:,.1f} MiB, largest "
+                            f"unit {profiled.largest_unit_bytes / 2**20:,.1f} MiB, "
+                            f"activations {sum(x.activation_bytes for x in layers) / 2**20:,.2f}"
+                            f" MiB per micro-batch of {profiled.micro_batch}",
+                            flush=True,
+                        )
             if {"ddp", "fsdp"} <= set(grown):
                 print(
                     f"{ranks} ranks: FSDP / DDP peak memory per rank "

@@ -3,7 +3,7 @@ stages on workers whose nanny kills them past ``cluster.memory_limit``, and comp
 process; built whole first (``model.init = 'factory'``), the same job is killed.
 
     python -m workflows.benchmarks.larger_than_a_worker [--limit-gib 3] [--ratio 1.05]
-        [--steps 2]
+        [--steps 2] [--runs fsdp pipeline fsdp-whole]
 
 The model is the built-in GPT, 1,024 wide, with as many blocks as make its float32 parameters
 ``--ratio`` times the limit. Each job trains ``--steps`` SGD steps (no momentum) on windows of
@@ -11,8 +11,8 @@ The model is the built-in GPT, 1,024 wide, with as many blocks as make its float
 ``launch.max_failures = 0``: a worker killed fails it, saying which. One process then trains the
 same model on the same batches, without a limit, and the largest difference of any parameter
 is printed beside the largest change training made, with each rank's peak
-(``peak_memory_mib``). Needs ~4 x the limit plus ~3 x the model of host memory. What it found
-(the model's pieces, sent back as the ranks' results, cost their workers two copies at the end):
+(``peak_memory_mib``). Needs ~19 GB of host memory (4 x the limit, then the one-process
+reference: ~5 x the model) and ~8 minutes on 2 cores. What it measured and found:
 docs/guides/parallelism.md, "Models larger than one worker".
 """
 
@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from workers.models import build_model
 from workflows.cluster import start_cluster
 from workflows.config import RunConfig, load_config
@@ -30,6 +32,11 @@ from workflows.jobs import TrainingFailed
 
 WIDTH, HEADS, SEQUENCE, BATCH, LR = 1024, 16, 8, 4, 0.02  # 256 byte tokens
 BLOCK_PARAMETERS = 12 * WIDTH**2 + 13 * WIDTH  # attention, feed-forward, two norms
+RUNS = {
+    "fsdp": ("fsdp", "auto"),
+    "pipeline": ("pipeline", "auto"),
+    "fsdp-whole": ("fsdp", "factory"),
+}
 TEXT = (
     "A model whose parameters exceed one worker's memory is trained by splitting it, so "
     "that each rank holds only its part: the shards of every layer, or its stages. "
@@ -75,6 +82,13 @@ def main() -> None:
     parser.add_argument("--limit-gib", type=float, default=3.0)
     parser.add_argument("--ratio", type=float, default=1.05)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        choices=RUNS,
+        default=list(RUNS),
+        help="which jobs: fsdp and pipeline laid out in place, fsdp-whole built whole first",
+    )
     args = parser.parse_args()
     limit = int(args.limit_gib * 2**30)
     layers = math.ceil(args.ratio * limit / 4 / BLOCK_PARAMETERS)
@@ -84,8 +98,9 @@ def main() -> None:
         (folder / "text" / "train.txt").write_text(TEXT * 20)
         (folder / "text" / "val.txt").write_text(TEXT[:80])
         with start_cluster(n_workers=4, dashboard_port=0, memory_limit=limit) as cluster:
-            results, config_of = {}, {}
-            for strategy, init in (("fsdp", "auto"), ("pipeline", "auto"), ("fsdp", "factory")):
+            saved: dict[str, Path] = {}
+            for run in args.runs:
+                strategy, init = RUNS[run]
                 config = _config(
                     folder, layers=layers, strategy=strategy, init=init, steps=args.steps
                 )
@@ -102,27 +117,40 @@ def main() -> None:
                     f"{parameters * 4 / limit:.2f} x the limit of {args.limit_gib} GiB; "
                     f"peak per rank {result.peak_memory_mib} MiB; {wall:.0f} s"
                 )
-                results[strategy], config_of[strategy] = result.state_dict, config
+                # To disk: the client holds one model at a time (a copy each would not fit
+                # beside the one-process reference on a 24 GiB machine; measured: OOM-killed).
+                saved[run] = folder / f"{run}.pt"
+                torch.save(result.state_dict, saved[run])
                 del result
-        # The repository's one-process reference (tests/reference.py): the ranks' batches,
-        # each rank's share through the model on its own, in float32.
-        from tests.reference import train_in_one_process
+        if not saved:
+            return
+        # The repository's one-process reference (tests/reference.py): the ranks' batches, each
+        # rank's share through the model on its own, in float32; one run at a time, as each
+        # takes ~5 copies of the model.
+        from tests import reference
 
-        initial = build_model(config.model, num_classes=256, seed=5, input_shape=(SEQUENCE,))
-        for strategy, state in results.items():
-            ranks = 4 if strategy == "fsdp" else 1  # the pipeline's 4 stages hold one copy
-            reference = train_in_one_process(
-                config_of[strategy], world_size=ranks, steps=args.steps
+        for run, path in saved.items():
+            strategy = RUNS[run][0]
+            expected = reference.train_in_one_process(
+                _config(folder, layers=layers, strategy=strategy, init="auto", steps=args.steps),
+                # FSDP's 4 ranks read 4 shards; the pipeline's one group of stages reads one.
+                world_size=4 if strategy == "fsdp" else 1,
+                steps=args.steps,
             )
-            worst = max((state[k] - v).abs().max().item() for k, v in reference.items())
-            update = max(
-                (v - initial.state_dict()[k]).abs().max().item() for k, v in reference.items()
-            )
+            reference._COMPUTED.clear()  # its cache: another copy of the model
+            initial = build_model(config.model, num_classes=256, seed=5, input_shape=(SEQUENCE,))
+            start = initial.state_dict()
+            update = max((v - start[k]).abs().max().item() for k, v in expected.items())
+            del initial, start
+            # Mapped: the file's pages, not another copy in the process's own memory.
+            state = torch.load(path, mmap=True, weights_only=True)
+            worst = max((state[k] - v).abs().max().item() for k, v in expected.items())
             print(
-                f"{strategy} against one process: largest difference {worst:.1e}, against "
-                f"the largest change training made {update:.1e}"
+                f"{run} against one process: largest difference {worst:.1e}, against "
+                f"the largest change training made {update:.1e}",
+                flush=True,
             )
-            del reference
+            del state, expected
 
 
 if __name__ == "__main__":

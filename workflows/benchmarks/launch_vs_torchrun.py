@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.models import build_model
+from workers.records import OutputRecord, ReportRecord, parse_record
 from workers.script_runner import ScriptSpec, run_script
 from workflows.benchmarks.ddp_vs_torchrun import benchmark_config, run_torchrun
 from workflows.cluster import start_cluster
@@ -52,8 +53,8 @@ def under_launch(client, config_json: str, workers: int) -> float:
     lines: list[str] = []
 
     def on_event(record: dict) -> None:
-        if record.get("kind") == "output":
-            lines.extend(record["lines"])
+        if isinstance(output := parse_record(record), OutputRecord):
+            lines.extend(output.lines)
 
     spec = ScriptSpec(target=SCRIPT, module=True, args=(config_json,), run_id="bench")
     launch_on(
@@ -121,7 +122,9 @@ def recovery_seconds(cluster, steps: int, every: int, recovery: str = "replica")
     killed: list[float] = []
 
     def kill(record: dict) -> None:
-        if not killed and record.get("kind") == "report" and record.get("step") == kill_at:
+        report = parse_record(record)
+        at_kill = isinstance(report, ReportRecord) and report.metrics.get("step") == kill_at
+        if not killed and at_kill:
             os.kill(victim, signal.SIGKILL)
             killed.append(time.time())
 

@@ -18,6 +18,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from workers.records import StepRecord, parse_record
 from workflows.cluster import start_cluster
 from workflows.config import load_config
 from workflows.driver import train
@@ -52,7 +53,8 @@ def main() -> None:
             )
             records: list[dict] = []
             train(config, cluster=cluster, on_event=records.append)
-            curves[label] = [(r["step"], r["loss"]) for r in records if r.get("kind") == "step"]
+            steps = [r for r in map(parse_record, records) if isinstance(r, StepRecord)]
+            curves[label] = [(r.step, r.loss) for r in steps]
     sgd_final = _smoothed(curves["SGD"])[-1][1]
     reached = next((step for step, loss in _smoothed(curves["AdamW"]) if loss <= sgd_final), None)
     for label, curve in curves.items():

@@ -29,7 +29,7 @@ from torch import nn
 from workers.config_models import TrainingConfig
 from workers.precision import Precision
 from workers.strategies import get_plan
-from workers.strategies.base import EpochSums, get_strategy
+from workers.strategies.base import EpochSums, RankPlacement, get_strategy
 from workers.strategies.pipeline import PipelineConfig, StagingSettings
 from workflows.cluster import start_cluster
 from workflows.config import load_config
@@ -55,15 +55,15 @@ def steady_samples_per_s(
     training = TrainingConfig(strategy="pipeline", batch_size=batch)
     precision = Precision("fp32", ctx.device)
     layout = get_plan(training.strategy).degrees(training, config, world_size=ctx.world_size)
-    strategy = get_strategy("pipeline").prepare(
-        resnet18(),
+    placement = RankPlacement(
         layout=layout,
         rank=ctx.rank,
         device=ctx.device,
-        settings=StagingSettings(pipeline=config),
         precision=precision,
+        settings=StagingSettings(pipeline=config),
         sample=torch.zeros(layout.micro_batch, *IMAGE),
     )
+    strategy = get_strategy("pipeline").prepare(resnet18(), placement)
     optimizer = torch.optim.SGD(strategy.parameters(), lr=0.01, momentum=0.9)
     sums = EpochSums([0.0, 0.0, 0.0], device=ctx.device)
     generator = torch.Generator().manual_seed(0)

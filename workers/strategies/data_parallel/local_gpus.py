@@ -1,13 +1,10 @@
 """The seed article's first example: ``nn.DataParallel`` over the GPUs one worker owns."""
 
 import torch
-from pydantic import BaseModel
 from torch import nn
 
 from workers.devices import declared_gpus, owned_device_indices
-from workers.layout import Layout
-from workers.precision import Precision
-from workers.strategies.base import WholeModel, register
+from workers.strategies.base import RankPlacement, WholeModel, register
 
 
 def apply_data_parallel(model: nn.Module, *, device: torch.device) -> nn.Module:
@@ -34,17 +31,7 @@ class DataParallel(WholeModel):
     name = "data_parallel"
 
     @classmethod
-    def prepare(
-        cls,
-        model: nn.Module,
-        *,
-        layout: Layout,
-        rank: int,
-        device: torch.device,
-        settings: BaseModel | None = None,
-        precision: Precision,
-        sample: torch.Tensor | None = None,
-    ) -> "DataParallel":
-        return cls(
-            apply_data_parallel(model, device=device), layout=layout, rank=rank, device=device
-        )
+    def prepare(cls, model: nn.Module, placement: RankPlacement) -> "DataParallel":
+        device = placement.device
+        wrapped = apply_data_parallel(model, device=device)
+        return cls(wrapped, layout=placement.layout, rank=placement.rank, device=device)

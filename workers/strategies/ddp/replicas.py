@@ -1,13 +1,10 @@
 """Data parallelism across ranks with DistributedDataParallel."""
 
 import torch
-from pydantic import BaseModel
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.layout import Layout
-from workers.precision import Precision
-from workers.strategies.base import WholeModel, register
+from workers.strategies.base import RankPlacement, WholeModel, register
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
@@ -29,15 +26,7 @@ class DDP(WholeModel):
     name = "ddp"
 
     @classmethod
-    def prepare(
-        cls,
-        model: nn.Module,
-        *,
-        layout: Layout,
-        rank: int,
-        device: torch.device,
-        settings: BaseModel | None = None,
-        precision: Precision,
-        sample: torch.Tensor | None = None,
-    ) -> "DDP":
-        return cls(apply_ddp(model, device=device), layout=layout, rank=rank, device=device)
+    def prepare(cls, model: nn.Module, placement: RankPlacement) -> "DDP":
+        device = placement.device
+        wrapped = apply_ddp(model, device=device)
+        return cls(wrapped, layout=placement.layout, rank=placement.rank, device=device)

@@ -24,11 +24,10 @@ from torch.distributed.tensor import DTensor
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.in_place_init import to_device
-from workers.layout import Layout
 from workers.model_pieces import Piece, own_pieces
 from workers.models import model_blocks
 from workers.precision import Precision
-from workers.strategies.base import EpochSums, WholeModel, register
+from workers.strategies.base import EpochSums, RankPlacement, WholeModel, register
 from workers.strategies.fsdp import ShardingSettings
 from workers.strategies.tensor_parallel import apply_tensor_parallel
 
@@ -77,18 +76,11 @@ class FSDP(WholeModel):
         return True  # fully_shard and parallelize_module lay out meta tensors
 
     @classmethod
-    def prepare(
-        cls,
-        model: nn.Module,
-        *,
-        layout: Layout,
-        rank: int,
-        device: torch.device,
-        settings: ShardingSettings | None = None,
-        precision: Precision,
-        sample: torch.Tensor | None = None,
-    ) -> "FSDP":
-        settings = settings or ShardingSettings()
+    def prepare(cls, model: nn.Module, placement: RankPlacement) -> "FSDP":
+        layout, rank, device = placement.layout, placement.rank, placement.device
+        settings = placement.settings or ShardingSettings()
+        if not isinstance(settings, ShardingSettings):
+            raise ValueError(f"{cls.name}: takes ShardingSettings, not {type(settings).__name__}")
         fsdp = settings.fsdp
         if fsdp.cpu_offload and device.type != "cuda":
             raise ValueError(
@@ -106,7 +98,7 @@ class FSDP(WholeModel):
         sharded = apply_fsdp(
             model,
             mesh=dp_mesh,
-            precision=precision,
+            precision=placement.precision,
             reshard_after_forward=fsdp.reshard_after_forward,
             cpu_offload=fsdp.cpu_offload,
         )

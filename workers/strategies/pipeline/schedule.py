@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -45,7 +44,7 @@ from workers.stage_cuts import (
     move_traced_ops,
     trace_stages,
 )
-from workers.strategies.base import EpochSums, Strategy, register
+from workers.strategies.base import EpochSums, RankPlacement, Strategy, register
 from workers.strategies.pipeline import TRACED_AND_CHECKPOINTED, PipelineConfig, StagingSettings
 from workers.strategies.tensor_parallel import apply_plan_part, tensor_parallel_plan
 
@@ -334,17 +333,8 @@ class PipelineStrategy(Strategy):
         return not is_traced(model)  # a traced cut runs the model
 
     @classmethod
-    def prepare(
-        cls,
-        model: nn.Module,
-        *,
-        layout: Layout,
-        rank: int,
-        device: torch.device,
-        settings: BaseModel | None = None,
-        precision: Precision,
-        sample: torch.Tensor | None = None,
-    ) -> "PipelineStrategy":
+    def prepare(cls, model: nn.Module, placement: RankPlacement) -> "PipelineStrategy":
+        settings = placement.settings
         if not isinstance(settings, StagingSettings):
             raise ValueError(f"{cls.name}: needs the [pipeline] section, split points resolved")
 
@@ -355,13 +345,13 @@ class PipelineStrategy(Strategy):
         pipe = apply_pipeline(
             model,
             config=settings.pipeline,
-            layout=layout,
+            layout=placement.layout,
             loss_fn=loss,
-            device=device,
-            sample=sample,
+            device=placement.device,
+            sample=placement.sample,
             tp_plan=settings.tp_plan,
         )
-        strategy = cls(pipe, layout=layout, device=device)
+        strategy = cls(pipe, layout=placement.layout, device=placement.device)
         return strategy
 
     @property
