@@ -7,10 +7,11 @@ larger than one worker thus ends a job as it trained: spread over the ranks.
 
 On a Dask worker the pieces wait on the worker (:func:`hold`) and the rank's result carries
 only their names and sizes (:class:`HeldPieces`); the client then takes them a few at a time
-(:func:`take`, a task each). A result holding the pieces themselves cost its worker a whole
-copy of them at the end: past ``distributed.worker.memory.spill`` (70% of the limit) Dask
-spills a finished task's result to disk, which serializes it (measured: a pipeline stage of
-780 MiB took its 3 GiB worker from 2.2 to 3.0 GiB, where its nanny kills it).
+(:func:`take`, by ``Client.run``: workflows/model_handback.py). A result holding the pieces
+themselves cost its worker a whole copy of them at the end: past
+``distributed.worker.memory.spill`` (70% of the limit) Dask spills a finished task's result to
+disk, which serializes it (measured: a pipeline stage of 780 MiB took its 3 GiB worker from 2.2
+to 3.0 GiB, where its nanny kills it).
 """
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -85,7 +86,7 @@ def hold(job_id: str, pieces: dict[str, Piece], *, worker: str) -> HeldPieces:
 
 
 def take(job_id: str, names: list[str]) -> dict[str, Piece]:
-    """The pieces ``names`` of ``job_id``, given up by this worker (a Dask task on it)."""
+    """The pieces ``names`` of ``job_id``, given up by this worker (``Client.run`` on it)."""
     waiting = _waiting.get(job_id)
     if waiting is None or any(name not in waiting for name in names):
         raise KeyError(f"this worker holds no pieces {names[:3]} of job {job_id}")

@@ -1,12 +1,15 @@
 """The trained model from the ranks' workers to the client, a batch of pieces at a time.
 
 Each rank leaves its pieces on its worker (``workers/model_pieces.py``: ``hold``); its result
-names them. The client takes them in batches of at most :data:`BATCH_BYTES`, one task on that
-worker each, fetched directly and let go before the next: a worker never holds more than a
-batch beyond the pieces it trained, whatever Dask does with a task's result while it waits
-(spill it to disk, a copy of it, past ``distributed.worker.memory.spill``).
+names them. The client takes them in batches of at most :data:`BATCH_BYTES`, each by
+``Client.run`` on that worker: not a task, so neither Dask's spilling of a task's result (a
+copy of it, past ``distributed.worker.memory.spill``) nor a paused worker's queue (past
+``distributed.worker.memory.pause``, where a worker that holds a rank's share may well be
+after training) stands in the way. A worker never holds more than a batch beyond the pieces it
+trained.
 """
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -14,12 +17,15 @@ from distributed import Client
 
 from workers import model_pieces
 from workers.model_pieces import HeldPieces, Piece, assemble
+from workflows.cluster import live_workers
 from workflows.controller import TrainingFailed
-from workflows.launcher import WorkerLost, fetch_from_worker
+from workflows.launcher import run_bounded
 
-# A batch's bytes: large enough that a model of gigabytes takes a few dozen tasks, small enough
+# A batch's bytes: large enough that a model of gigabytes takes a few dozen hand-overs, small enough
 # that a copy of one batch is nothing beside a rank's share of such a model.
 BATCH_BYTES = 64 * 2**20
+# A bound on one batch's hand-over: 64 MiB take well under a second on a local network.
+TAKE_TIMEOUT_S = 120.0
 
 
 def collect_model(
@@ -37,40 +43,39 @@ def collect_model(
             for rank, part in enumerate(parts)
         )
     finally:
-        # Taken, or lost with a failure here: nothing of this job stays on the workers.
+        # Taken, or lost with a failure here: nothing of this job stays on its workers.
+        workers = sorted({part.worker for part in held} & set(live_workers(client)))
         for job_id in {part.job_id for part in held}:
-            client.run(model_pieces.forget, job_id, on_error="ignore")
+            with contextlib.suppress(Exception):  # a worker that does not answer keeps them
+                run_bounded(client, model_pieces.forget, job_id, workers=workers, timeout_s=5.0)
 
 
 def _take(client: Client, held: HeldPieces, *, rank: int) -> dict[str, Piece]:
     pieces: dict[str, Piece] = {}
+    lost = (
+        f"rank {rank}'s worker {held.worker} left the cluster before its part of the trained "
+        "model reached the client; training itself finished (its last checkpoint, if the run "
+        "keeps them, holds the model)"
+    )
     for batch in held.batches(BATCH_BYTES):
-        future = client.submit(
-            model_pieces.take,
-            held.job_id,
-            batch,
-            workers=[held.worker],
-            allow_other_workers=False,
-            pure=False,
-            key=f"take-pieces-{held.job_id}-{rank}-{len(pieces)}",
-        )
+        if held.worker not in live_workers(client):
+            raise TrainingFailed(lost)
         try:
-            pieces |= fetch_from_worker(
+            answers = run_bounded(
                 client,
-                future,
-                worker=held.worker,
-                lost=lambda: WorkerLost(
-                    f"rank {rank}'s worker {held.worker} left the cluster before its part of "
-                    "the trained model reached the client",
-                    rank=rank,
-                    worker=held.worker,
-                ),
+                model_pieces.take,
+                held.job_id,
+                batch,
+                workers=[held.worker],
+                timeout_s=TAKE_TIMEOUT_S,
             )
-        except WorkerLost as lost:
+        except TimeoutError:
             raise TrainingFailed(
-                f"{lost}; training itself finished (its last checkpoint, if the run keeps "
-                "them, holds the model)"
-            ) from lost
-        finally:
-            future.release()  # the worker lets the batch go
+                f"rank {rank}'s worker {held.worker} did not hand over its part of the trained "
+                f"model within {TAKE_TIMEOUT_S:g} s (a stopped process?)"
+            ) from None
+        taken = answers.get(held.worker)
+        if not isinstance(taken, dict):  # the worker left, or the pieces were not there
+            raise TrainingFailed(lost if held.worker not in live_workers(client) else str(taken))
+        pieces |= taken
     return pieces
