@@ -189,6 +189,12 @@ def train_in_one_process(
 _COMPUTED: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
+def forget_computed() -> None:
+    """Drop the references computed so far (each a copy of its model: a benchmark of a large
+    model wants the memory back)."""
+    _COMPUTED.clear()
+
+
 def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict:
     t, d = config.training, config.data.resolved()
     pipelined = t.strategy == "pipeline"  # what each rank's share is cut into

@@ -157,6 +157,11 @@ def counted_then_raises(ctx, calls: str, error: str) -> None:
     with open(calls, "a") as file:
         file.write(f"{ctx.rank}\n")
     if ctx.rank == 1:
+        # Not before rank 0 has counted its call: raised at once, rank 1 could end the job
+        # before rank 0's task began (seen once in CI, under load: calls held only "1").
+        deadline = time.monotonic() + 60
+        while "0" not in Path(calls).read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.05)
         if error == "value":
             raise ValueError("the user's own bug on rank 1")
         if error == "worded":  # worded as gloo words a lost peer: told apart by evidence

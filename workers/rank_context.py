@@ -467,6 +467,14 @@ def run_function(job: RankJob) -> RankOutcome:
     return ctx.outcome(value)
 
 
+def forget_job(job_id: str, **_: Any) -> None:
+    """Drop what this worker keeps of ``job_id``: its rank's state for a live recovery, and the
+    pieces of the model it left for the client (run with ``Client.run``, which passes
+    ``dask_worker``)."""
+    live_recovery.forget(job_id)
+    model_pieces.forget(job_id)
+
+
 def run_pickled(payload: bytes) -> RankOutcome:
     """:func:`run_function` for a job pickled on the client. The scheduler unpickles a task's
     arguments; the user's code may come from a module only the workers have been sent, so it

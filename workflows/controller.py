@@ -38,10 +38,10 @@ from typing import Any
 import cloudpickle
 from distributed import Client
 
-from workers import elastic, live_recovery, model_pieces
+from workers import elastic, live_recovery
 from workers.checkpoint import latest_good_checkpoint
 from workers.live_recovery import LiveSource
-from workers.rank_context import RankJob, RankOutcome, run_pickled
+from workers.rank_context import RankJob, RankOutcome, forget_job, run_pickled
 from workers.records import AdmittedRecord, RecoveryRecord, ResizedRecord, WorldRecord
 from workers.remote_traceback import rebuilt_traceback
 from workflows.admission import Admission
@@ -494,11 +494,10 @@ class JobController:
         and the trained pieces that ranks which finished left for the client."""
         if not self.workers:
             return
-        for forget in (live_recovery.forget, model_pieces.forget):
-            with contextlib.suppress(Exception):
-                run_bounded(
-                    self.client, forget, self.spec.job_id, workers=self.workers, timeout_s=5.0
-                )
+        with contextlib.suppress(Exception):
+            run_bounded(
+                self.client, forget_job, self.spec.job_id, workers=self.workers, timeout_s=5.0
+            )
 
 
 class _Watcher:
