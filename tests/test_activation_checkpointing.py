@@ -60,7 +60,8 @@ def test_full_and_selective_give_the_same_gradients_and_keep_less():
 def test_the_gpts_blocks_are_checkpointed_by_default_or_the_classes_named():
     assert checkpointed_modules(_gpt("full")) == {f"layers.{i}": "full" for i in range(3)}
     # Every FeedForward; a class inside a named one is recomputed with it, not again.
-    named = _gpt("selective", module_classes=("FeedForward", "workers.models.TransformerBlock"))
+    block = "workers.model_sources.builtin.TransformerBlock"
+    named = _gpt("selective", module_classes=("FeedForward", block))
     assert checkpointed_modules(named) == {f"layers.{i}": "selective" for i in range(3)}
     named = _gpt("selective", module_classes=("FeedForward",))
     assert checkpointed_modules(named) == {

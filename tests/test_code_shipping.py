@@ -19,8 +19,8 @@ from tests.reference import assert_matches_one_process
 from tests.test_cli_launch import TORCHRUN_SCRIPT, _launch
 from tests.test_launch import _write_package
 from tests.test_models import BASE, _user_module
-from workers.config_models import ModelConfig
 from workers.data import open_store
+from workers.spec.sections import ModelConfig
 from workflows import CodeNotShippable, launch
 from workflows.batch_predict import predict
 from workflows.driver import train

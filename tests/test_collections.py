@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import Reference, assert_equivalent
 from workers.collection_shard import RankRows, RankShard, SplitPlan, batch_sizes
-from workers.config_models import DataConfig
+from workers.spec.sections import DataConfig
 from workflows import launch
 from workflows.collections import DataError, assign_rows, balanced_shares
 

@@ -120,8 +120,7 @@ def test_held_workers_are_never_retired_and_waiting_jobs_count_in_the_adaptive_t
 
     from distributed import Scheduler, Worker
 
-    from workflows.admission import QUEUE_PLUGIN_NAME, Request, WorkerQueue, _Entry
-    from workflows.launcher import WorkerSelection
+    from workflows.admission import QUEUE_PLUGIN_NAME, Request, WorkerQueue, WorkerSelection, _Entry
 
     async def check() -> tuple[list[str], list[str], int, str]:
         async with (

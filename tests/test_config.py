@@ -100,8 +100,8 @@ def test_validate_never_imports_torch_dcp_or_pipelining():
 def test_the_torch_free_model_tables_match_the_models():
     from torch import nn
 
-    from workers.config_models import BUILTIN_MODELS, MODEL_LAYERS
     from workers.models import MODELS, layer_names
+    from workers.spec.names import BUILTIN_MODELS, MODEL_LAYERS
 
     assert set(BUILTIN_MODELS) == set(MODELS)
     # Every built-in Sequential's cut points are written out; the others cut between blocks.

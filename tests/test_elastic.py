@@ -30,10 +30,10 @@ from workers.data import (
 )
 from workers.models import build_model
 from workflows import launch, start_cluster, train
-from workflows.admission import Request, WorkerQueue
+from workflows.admission import Request, WorkerQueue, WorkerSelection
 from workflows.cluster import live_workers
 from workflows.config import ConfigError, load_config
-from workflows.launcher import LaunchConfig, WorkerSelection
+from workflows.launcher import LaunchConfig
 
 GLOBAL_BATCH = 60  # every world from 1 to 5 splits it evenly: DDP's mean is the batch's
 WAIT_S = 60.0  # each phase of a test: the cluster and the job must get there within it

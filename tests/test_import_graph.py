@@ -1,10 +1,25 @@
-"""The code's modules import one another in one direction: no circles, lazy imports included."""
+"""The code's modules import one another in one direction: no circles, and the client
+(``workflows/``) above the workers' code (``workers/``) above the spec (``workers/spec/``).
+
+Every import counts: at the top, inside functions, under ``if TYPE_CHECKING:`` (an annotation
+that needs a module ties the two as much as a call does), and through ``importlib`` where the
+name is written in the code (a registry that imports its members by name).
+"""
 
 import ast
+import re
 
 from tests.conftest import REPO
 
 PACKAGES = ("workers", "workflows")
+SPEC = "workers.spec"
+
+# importlib calls whose module is not ours or not written in the code, with why.
+IMPORTS_OF_OTHERS = {
+    "workers.model_sources.base": "model.name's import path: a user's module",
+    "workers.compat.torch_private": "torch's own private modules, checked in one place",
+    "workflows.script_launch": "dask-train launch package.module:function: a user's module",
+}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -17,29 +32,99 @@ def _modules() -> dict[str, ast.Module]:
     return found
 
 
-def _type_checking_blocks(tree: ast.Module) -> set[int]:
-    """ids of the statements under ``if TYPE_CHECKING:`` (imports for annotations only)."""
-    inside = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            inside.update(id(child) for stmt in node.body for child in ast.walk(stmt))
-    return inside
+def _is_package(name: str, known: set[str]) -> bool:
+    return any(other.startswith(name + ".") for other in known)
 
 
-def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
-    """The modules of ours that ``name`` imports anywhere in its code (functions too)."""
-    skipped = _type_checking_blocks(tree)
+def _runtime_modules(modules: dict[str, ast.Module]) -> set[str]:
+    """The modules strategies' plans name as their runtime (``runtime = "..."``)."""
+    return {
+        node.value.value
+        for tree in modules.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(getattr(target, "id", None) == "runtime" for target in node.targets)
+        and isinstance(node.value, ast.Constant)
+    }
+
+
+def _string_tables(tree: ast.Module) -> dict[str, set[str]]:
+    """Module-level dicts whose values are strings, by name (``_HOMES = {"x": "mod"}``)."""
+    tables = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        strings = isinstance(value, ast.Dict) and value.values
+        strings = strings and all(isinstance(v, ast.Constant) for v in value.values)
+        if isinstance(target, ast.Name) and strings:
+            tables[target.id] = {v.value for v in value.values}
+    return tables
+
+
+def _dynamic_targets(
+    name: str, tree: ast.Module, call: ast.Call, known: set[str], runtimes: set[str]
+) -> set[str] | None:
+    """The modules of ours an ``importlib.import_module`` call can import; None where the code
+    does not say."""
+    if not call.args:
+        return None
+    argument = call.args[0]
+    package = name if _is_package(name, known) else name.rpartition(".")[0]
+    if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+        return {argument.value}
+    if isinstance(argument, ast.JoinedStr) and argument.values:
+        head = argument.values[0]
+        if isinstance(head, ast.FormattedValue) and getattr(head.value, "id", None) in (
+            "__name__",
+            "__package__",
+        ):
+            prefix = (name if head.value.id == "__name__" else package) + "."
+            return {module for module in known if module.startswith(prefix)}
+        return None
+    if isinstance(argument, ast.Subscript) and isinstance(argument.value, ast.Name):
+        return _string_tables(tree).get(argument.value.id)
+    if isinstance(argument, ast.Attribute) and argument.attr == "runtime":
+        return runtimes
+    return None
+
+
+def _is_import_module(call: ast.Call) -> bool:
+    function = call.func
+    return (isinstance(function, ast.Attribute) and function.attr == "import_module") or (
+        isinstance(function, ast.Name) and function.id in ("import_module", "__import__")
+    )
+
+
+def _imports(
+    name: str, tree: ast.Module, known: set[str], runtimes: set[str] = frozenset()
+) -> set[str]:
+    """The modules of ours that ``name`` imports anywhere in its code: functions, annotations'
+    ``TYPE_CHECKING`` blocks and ``importlib`` calls too."""
     targets = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             for alias in node.names:
                 submodule = f"{node.module}.{alias.name}"
                 targets.add(submodule if submodule in known else node.module)
         elif isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Call) and _is_import_module(node):
+            dynamic = _dynamic_targets(name, tree, node, known, runtimes)
+            if dynamic is None:
+                assert name in IMPORTS_OF_OTHERS, (
+                    f"{name} imports a module through importlib whose name the code does not "
+                    "write: write it (a constant, an f-string under __name__, a table), or add "
+                    "the module to IMPORTS_OF_OTHERS saying why"
+                )
+                continue
+            targets |= dynamic
     return {t for t in targets if t in known and t != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known, runtimes = set(modules), _runtime_modules(modules)
+    return {name: _imports(name, tree, known, runtimes) for name, tree in modules.items()}
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -75,15 +160,70 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_itself_through_others():
-    modules = _modules()
-    graph = {name: _imports(name, tree, set(modules)) for name, tree in modules.items()}
-    assert _circles(graph) == []
+    assert _circles(_graph()) == []
 
 
-def test_the_check_finds_a_circle_through_a_lazy_import():
+def test_the_workers_code_never_imports_the_client():
+    wrong = {
+        (name, target)
+        for name, targets in _graph().items()
+        if name.startswith("workers")
+        for target in targets
+        if target.startswith("workflows")
+    }
+    assert wrong == set()
+
+
+def test_the_spec_is_a_leaf():
+    """The spec imports nothing of the project outside itself: config sections, names, layout
+    and plans are read by both sides and depend on neither."""
+    wrong = {
+        (name, target)
+        for name, targets in _graph().items()
+        if name.startswith(SPEC)
+        for target in targets
+        if not target.startswith(SPEC)
+    }
+    assert wrong == set()
+
+
+# The layers of docs/design.md's picture, top to bottom: each imports only its own or lower ones.
+LAYERS = ("workflows", "workers", SPEC)
+
+
+def _layer(module: str) -> int:
+    return max(i for i, prefix in enumerate(LAYERS) if module.startswith(prefix))
+
+
+def test_the_packages_import_as_the_design_picture_draws():
+    picture = (REPO / "docs" / "design.md").read_text().split("```text\n", 1)[1].split("```")[0]
+    boxes = re.findall(r"^[ │▼]*((?:workflows|workers)/(?:\w+/)*)", picture, re.M)
+    assert boxes == [f"{layer.replace('.', '/')}/" for layer in LAYERS]
+    upward = {
+        (name, target)
+        for name, targets in _graph().items()
+        for target in targets
+        if _layer(target) < _layer(name)
+    }
+    assert upward == set()
+
+
+def test_the_strategies_runtimes_are_edges_of_the_graph():
+    graph = _graph()
+    assert "workers.strategies.fsdp.sharding" in graph["workers.strategies"]
+    assert "workers.spec.plans.pipeline" in graph["workers.spec.plans"]
+    assert "workers.sources.cifar10" in graph["workers.sources"]
+
+
+def test_the_check_finds_a_circle_through_a_lazy_a_typed_or_an_importlib_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
+    known = {"workflows.cli", "workflows.x", "workflows.plug", "workflows.plug.one"}
     lazy = ast.parse("def f():\n    from workflows.cli import main\n")
-    assert _imports("workflows.x", lazy, {"workflows.cli", "workflows.x"}) == {"workflows.cli"}
+    assert _imports("workflows.x", lazy, known) == {"workflows.cli"}
     typed = ast.parse("if TYPE_CHECKING:\n    from workflows.cli import main\n")
-    assert _imports("workflows.x", typed, {"workflows.cli", "workflows.x"}) == set()
+    assert _imports("workflows.x", typed, known) == {"workflows.cli"}
+    registry = ast.parse("def f(n):\n    importlib.import_module(f'{__name__}.{n}')\n")
+    assert _imports("workflows.plug", registry, known) == {"workflows.plug.one"}
+    table = ast.parse("H = {'a': 'workflows.cli'}\ndef f(n):\n    import_module(H[n])\n")
+    assert _imports("workflows.x", table, known) == {"workflows.cli"}

@@ -13,7 +13,7 @@ from workers.model_pieces import Piece, assemble
 from workers.models import ModelConfig, build_model
 from workers.peak_memory import PeakMemory
 from workers.precision import Precision
-from workers.strategies import get_plan
+from workers.spec.plans import get_plan
 from workers.strategies.base import Strategy
 from workers.train import lay_out_model
 from workflows import launch

@@ -17,10 +17,10 @@ from torch import nn
 
 from tests.commands import CONFIGS, dask_train
 from tests.reference import assert_matches_one_process, train_in_one_process
-from workers.config_models import ModelConfig
 from workers.data import open_store
 from workers.losses import Criterion
 from workers.models import build_model, largest_unit_bytes, model_blocks
+from workers.spec.sections import ModelConfig
 from workers.strategies.base import EpochSums
 from workflows.batch_predict import prepare
 from workflows.config import ConfigError, check_model, load_config

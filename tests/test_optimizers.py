@@ -18,14 +18,14 @@ from tests.reference import (
     bugs_that_apply,
 )
 from workers.checkpoint import MANIFEST, list_checkpoints
-from workers.config_models import (
+from workers.optimizers import build_optimizer, build_schedule, lr_factor
+from workers.spec.sections import (
     OPTIMIZER_ARGUMENTS,
     OPTIMIZERS,
     TORCH_OPTIMIZERS,
     TORCH_SCHEDULES,
     TrainingConfig,
 )
-from workers.optimizers import build_optimizer, build_schedule, lr_factor
 from workflows.config import ConfigError, check_model, load_config
 from workflows.driver import train
 

@@ -321,7 +321,7 @@ def test_a_config_validates_without_importing_any_source_module():
 
     code = (
         "import sys\n"
-        "from workers.config_models import DataConfig\n"
+        "from workers.spec.sections import DataConfig\n"
         "DataConfig(dataset='imagefolder', root='x')\n"
         "print(sorted(m for m in sys.modules if m.startswith('workers.sources.')))"
     )

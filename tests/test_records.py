@@ -16,7 +16,6 @@ import pytest
 
 from tests.conftest import REPO
 from workers.checkpoint import AsyncCheckpoints, _Write
-from workers.config_models import METRICS
 from workers.records import (
     AdmittedRecord,
     BaseRecord,
@@ -34,6 +33,7 @@ from workers.records import (
     parse_record,
 )
 from workers.script_runner import KEEP_RECORDS, _OutputStream
+from workers.spec.sections import METRICS
 from workflows.controller import Recovery, Resize
 from workflows.events import EventRelay
 from workflows.job_spec import JobSpec

@@ -24,9 +24,9 @@ from tests.reference import assert_equivalent
 from tests.test_launch import _wait_for_file, ddp_loop, one_process_reference
 from workers.process_group import ProcessGroupPlugin
 from workflows import launch, start_cluster
-from workflows.admission import Admission, AdmissionError, Request, queue_snapshot
+from workflows.admission import Admission, AdmissionError, Request, WorkerSelection, queue_snapshot
 from workflows.dashboard import training_page_url
-from workflows.launcher import LaunchError, WorkerSelection
+from workflows.launcher import LaunchError
 
 
 def where_and_sum(ctx, seconds: float) -> tuple[int, int]:

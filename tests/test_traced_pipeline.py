@@ -26,17 +26,18 @@ from tests.reference import (
     train_in_one_process,
 )
 from tests.traced_models import DataDependent, ResidualNet, build
-from workers.config_models import TrainingConfig
 from workers.data import StoreSplit, open_store
 from workers.losses import Criterion
 from workers.model_pieces import assemble
 from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
+from workers.spec.plans import get_plan
+from workers.spec.plans.pipeline import StagingSettings
+from workers.spec.sections import PipelineConfig, TrainingConfig
 from workers.stage_cuts import check_cut, cut_points, trace_stages
-from workers.strategies import get_plan
-from workers.strategies.base import EpochSums, RankPlacement, Strategy, get_strategy
-from workers.strategies.pipeline import PipelineConfig, StagingSettings
+from workers.strategies import get_strategy
+from workers.strategies.base import EpochSums, RankPlacement, Strategy
 from workflows import launch
 from workflows.config import ConfigError
 from workflows.driver import train

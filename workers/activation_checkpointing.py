@@ -32,8 +32,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from workers.config_models import ACTIVATION_CHECKPOINTING
 from workers.models import repeated_blocks
+from workers.spec.sections import ACTIVATION_CHECKPOINTING
 
 Mode = Literal["none", "full", "selective"]
 MODES: tuple[Mode, ...] = ACTIVATION_CHECKPOINTING

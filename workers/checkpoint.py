@@ -59,13 +59,13 @@ import torch.distributed as dist
 from torch import nn
 
 from workers.compat.cpython_private import PurePythonUnpickler
+from workers.records import CheckpointFailedRecord
 
 # torch.distributed.checkpoint is imported where it is used: it costs ~0.7 s, and the client
 # imports this module to find the checkpoint a run continues from, which needs none of it.
 # fsspec too (~60 ms), which only a URL needs.
 # Re-exported: the section's model lives in a torch-free module, for config checks.
-from workers.config_models import CheckpointConfig as CheckpointConfig
-from workers.records import CheckpointFailedRecord
+from workers.spec.sections import CheckpointConfig as CheckpointConfig
 
 logger = logging.getLogger(__name__)
 

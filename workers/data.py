@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import zarr
 
-from workers.config_models import DataConfig
+from workers.spec.sections import DataConfig
 
 
 def rank_epoch_indices(

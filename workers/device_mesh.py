@@ -2,7 +2,7 @@
 
 torchtitan's order, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. The ranks
 that talk most (a layer's ``tp`` slices, then a copy's shards) are neighbours, on one host
-where a host holds them. The mesh's rank order is the layout's (``workers/layout.py``).
+where a host holds them. The mesh's rank order is the layout's (``workers/spec/layout.py``).
 """
 
 import sys
@@ -10,7 +10,7 @@ import sys
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from workers.layout import Layout
+from workers.spec.layout import Layout
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.config_models import LOSSES, TrainingConfig
 from workers.model_sources import import_object
+from workers.spec.sections import LOSSES, TrainingConfig
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -28,7 +28,7 @@ _FUNCTIONS: dict[str, LossFunction] = {
     "mse": F.mse_loss,
     "l1": F.l1_loss,
 }
-assert set(_FUNCTIONS) == set(LOSSES), "workers/config_models.py LOSSES names the same losses"
+assert set(_FUNCTIONS) == set(LOSSES), "workers/spec/sections.py LOSSES names the same losses"
 
 # The sums each task keeps besides the loss's, in order.
 TERMS = {

@@ -6,7 +6,7 @@ the step a run starts from; ``workers/train.py`` loads a checkpoint into the opt
 the two. :func:`check` builds both once on stand-in parameters, so that what only torch can
 check (a class's arguments, their values) is a config error on the client before any worker
 is used; the names and the built-in classes' argument names are checked without torch, by the
-config itself (``workers/config_models.py``). The one-process reference of the equivalence tests
+config itself (``workers/spec/sections.py``). The one-process reference of the equivalence tests
 (tests/reference.py) builds with the same two functions, so the two cannot drift apart.
 """
 
@@ -21,8 +21,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from workers.config_models import TrainingConfig
 from workers.model_sources import ModelError, import_object
+from workers.spec.sections import TrainingConfig
 
 # train(config, optimizer=...): called with the model's parameters (a list, in the
 # strategy's order); the factory makes its own groups and hyperparameters.

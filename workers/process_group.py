@@ -31,6 +31,7 @@ from workers.compat.distributed_private import running_task_keys
 # the config) to check a config, and that must not cost torch's seconds-long import.
 if TYPE_CHECKING:
     import torch
+    import torch.distributed
 
 logger = logging.getLogger(__name__)
 
@@ -172,74 +173,23 @@ class ProcessGroupPlugin(WorkerPlugin):
             self.handle_sigterm(worker)
 
     def _join(self, address: str, dask_ports: set[int | None]) -> None:
-        import torch
-        import torch.distributed as dist
-
         # Its functions take ``group=group.WORLD`` as a default argument: imported while a group
         # exists (torch._dynamo imports it, and torch.distributed.checkpoint that), they would
         # hold that group forever, and gloo closes its connections only when the group is freed.
         # Imported before any group, the default is None.
-        import torch.distributed.nn.functional
-
-        from workers.devices import local_device
+        import torch.distributed.nn.functional  # noqa: F401
 
         spec = self.spec
         rank = spec.ranks[address]
-        if dist.is_initialized():
-            held = [p for p in _group_plugins() if p is not self and p.membership is not None]
-            if held:
-                # The queue gives a worker to one job at a time; torch has one default group
-                # per process, so a second job here would take the first one's.
-                raise RuntimeError(
-                    f"worker {address} already holds rank {held[0].membership.rank} of job "
-                    f"{held[0].spec.job_id}: a worker runs one rank of one job at a time"
-                )
-            # A previous generation whose teardown never ran (its worker plugin was replaced
-            # while a job still held it): leave it before joining the new one.
-            dist.destroy_process_group()
-        device = local_device(spec.local_ranks.get(address, 0))
-        if spec.backend == "nccl":
-            if device.type != "cuda":
-                raise RuntimeError(
-                    f"launch.backend: nccl needs a CUDA device, but worker rank {rank} has none; "
-                    "use backend = 'gloo' or 'auto'"
-                )
-            torch.cuda.set_device(device)
+        self._leave_an_earlier_group(address)
+        device = self._device(address, rank)
         if spec.socket_ifname is not None:
             self._saved_environ = {name: os.environ.get(name) for name in SOCKET_IFNAME_VARIABLES}
             os.environ.update(dict.fromkeys(SOCKET_IFNAME_VARIABLES, spec.socket_ifname))
         try:
-            connect_s = spec.init_timeout_s
-            if rank != 0:
-                # torch's store client waits 250-750 ms before trying again when rank 0's
-                # server is not listening yet: a warm job's whole first step is ~0.1 s.
-                connect_s = _wait_until_listening(spec.master_addr, spec.master_port, connect_s)
-            store = dist.TCPStore(
-                spec.master_addr,
-                spec.master_port,
-                world_size=spec.world_size,
-                is_master=rank == 0,
-                timeout=timedelta(seconds=connect_s),
-                wait_for_workers=False,
-            )
+            store = self._connect_store(rank)
             before = set(_sockets().values())
-            # Connecting the ranks uses the group's timeout, so the group starts with the
-            # rendezvous bound and gets the (longer) collective bound once everyone is in.
-            # torch before 2.12 cannot change it afterwards: there the group has the collective
-            # bound from the start, and the store's timeout still bounds the rendezvous.
-            set_timeout = getattr(dist, "set_timeout", None)
-            dist.init_process_group(
-                spec.backend,
-                store=dist.PrefixStore(f"dask-train/{spec.generation}", store),
-                rank=rank,
-                world_size=spec.world_size,
-                timeout=timedelta(
-                    seconds=spec.init_timeout_s if set_timeout else spec.collective_timeout_s
-                ),
-                device_id=device if spec.backend == "nccl" else None,
-            )
-            if set_timeout is not None:
-                set_timeout(timedelta(seconds=spec.collective_timeout_s))
+            self._form_group(rank, device, store)
         except (RuntimeError, TimeoutError) as error:  # torch's DistStoreError is a RuntimeError
             self._restore_environ()
             if "timeout" in str(error).lower() or "timed out" in str(error).lower():
@@ -264,6 +214,85 @@ class ProcessGroupPlugin(WorkerPlugin):
             node_rank=spec.node_rank(address),
             master_addr=spec.master_addr,
         )
+
+    def _leave_an_earlier_group(self, address: str) -> None:
+        """Leave a group this process still holds from an earlier generation; refuse to join
+        while another job's rank holds it."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        held = [p for p in _group_plugins() if p is not self and p.membership is not None]
+        if held:
+            # The queue gives a worker to one job at a time; torch has one default group per
+            # process, so a second job here would take the first one's.
+            raise RuntimeError(
+                f"worker {address} already holds rank {held[0].membership.rank} of job "
+                f"{held[0].spec.job_id}: a worker runs one rank of one job at a time"
+            )
+        # A previous generation whose teardown never ran (its worker plugin was replaced while
+        # a job still held it): leave it before joining the new one.
+        dist.destroy_process_group()
+
+    def _device(self, address: str, rank: int) -> "torch.device":
+        """The device this worker's rank runs on; for nccl, made CUDA's current one."""
+        import torch
+
+        from workers.devices import local_device
+
+        device = local_device(self.spec.local_ranks.get(address, 0))
+        if self.spec.backend == "nccl":
+            if device.type != "cuda":
+                raise RuntimeError(
+                    f"launch.backend: nccl needs a CUDA device, but worker rank {rank} has none; "
+                    "use backend = 'gloo' or 'auto'"
+                )
+            torch.cuda.set_device(device)
+        return device
+
+    def _connect_store(self, rank: int) -> "torch.distributed.TCPStore":
+        """Rank 0's store: served by rank 0, reached by the others."""
+        import torch.distributed as dist
+
+        spec = self.spec
+        connect_s = spec.init_timeout_s
+        if rank != 0:
+            # torch's store client waits 250-750 ms before trying again when rank 0's server is
+            # not listening yet: a warm job's whole first step is ~0.1 s.
+            connect_s = _wait_until_listening(spec.master_addr, spec.master_port, connect_s)
+        return dist.TCPStore(
+            spec.master_addr,
+            spec.master_port,
+            world_size=spec.world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=connect_s),
+            wait_for_workers=False,
+        )
+
+    def _form_group(
+        self, rank: int, device: "torch.device", store: "torch.distributed.TCPStore"
+    ) -> None:
+        """Meet the other ranks at the store and form this generation's group."""
+        import torch.distributed as dist
+
+        spec = self.spec
+        # Connecting the ranks uses the group's timeout, so the group starts with the
+        # rendezvous bound and gets the (longer) collective bound once everyone is in. torch
+        # before 2.12 cannot change it afterwards: there the group has the collective bound
+        # from the start, and the store's timeout still bounds the rendezvous.
+        set_timeout = getattr(dist, "set_timeout", None)
+        dist.init_process_group(
+            spec.backend,
+            store=dist.PrefixStore(f"dask-train/{spec.generation}", store),
+            rank=rank,
+            world_size=spec.world_size,
+            timeout=timedelta(
+                seconds=spec.init_timeout_s if set_timeout else spec.collective_timeout_s
+            ),
+            device_id=device if spec.backend == "nccl" else None,
+        )
+        if set_timeout is not None:
+            set_timeout(timedelta(seconds=spec.collective_timeout_s))
 
     def _timeout_message(self, rank: int) -> str:
         return (

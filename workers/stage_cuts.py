@@ -1,14 +1,14 @@
 """Where a model can be cut into pipeline stages, and the cut itself: what the client checks
-and plans with (the pipeline's plan, ``workers/strategies/pipeline/__init__.py``, and
-``workflows/planner.py``) and what the pipeline
-strategy (``workers/strategies/pipeline/schedule.py``) runs.
+and plans with (:func:`checked_cut`, which the pipeline's plan is given, and
+``workflows/planner.py``) and what the pipeline strategy
+(``workers/strategies/pipeline/schedule.py``) runs.
 
 Three kinds of cut, each keeping the full model's parameter names in every stage:
 
 - an ``nn.Sequential`` is cut at named top-level children into consecutive stages;
 - a model that names its blocks in ``pipeline_blocks`` (an ``nn.ModuleDict`` child whose
   blocks its ``forward`` runs in order, skipping each other child that is None: torchtitan's
-  convention, followed by ``workers.models.GPT``) is cut between blocks (``"layers.2"``): each
+  convention, followed by the built-in ``GPT``) is cut between blocks (``"layers.2"``): each
   stage is a copy of the model keeping its own blocks, the first also the children registered
   before them (embeddings), the last those after (the head). Its stages stay plain modules,
   which a tensor-parallel plan can split;
@@ -32,10 +32,48 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from workers.data import zero_samples
+from workers.models import build_model
+from workers.spec.plans.base import StrategySections
+from workers.spec.plans.pipeline import PipelinePlan, given_stage_replicas
+
 if TYPE_CHECKING:
     from torch.distributed.pipelining import Pipe
 
 logger = logging.getLogger(__name__)
+
+# A traced cut and activation checkpointing: refused on the client (checked_cut) and by a rank.
+TRACED_AND_CHECKPOINTED = (
+    "training.activation_checkpointing: {model} is cut into stages by tracing, which "
+    "checkpointed blocks do not survive; give the model pipeline_blocks "
+    "(docs/guides/parallelism.md) or set it to 'none'"
+)
+
+
+def checked_cut(sections: StrategySections, plan: PipelinePlan) -> list[str]:
+    """The cut points of a model whose layers are not written out in ``MODEL_LAYERS``: it is
+    built (and, unless it names its blocks, traced) here, so that a model that does not
+    trace, or a split point where no stage can begin, is a config error before anything
+    launches. ``plan``: the staged strategy's, which says the micro-batches."""
+    p, data, training = sections.pipeline, sections.data, sections.training
+    replicas = given_stage_replicas(p, sections.parallel) or 1  # whatever the world
+    micro_batch = max(1, training.batch_size // replicas // plan.micro_batches(p))
+    # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
+    model = build_model(
+        sections.model, num_classes=10, seed=training.seed, input_shape=data.sample_shape
+    )
+    if sections.parallel.tp > 1:
+        check_tensor_parallel_stages(model)
+    if training.activation_checkpointing != "none" and is_traced(model):
+        raise ValueError(TRACED_AND_CHECKPOINTED.format(model=type(model).__name__))
+    if training.compile and is_traced(model):
+        raise ValueError(
+            f"training.compile: {type(model).__name__} is cut into stages by tracing, "
+            "which compiles nothing; give the model pipeline_blocks "
+            "(docs/guides/parallelism.md) or set it to false"
+        )
+    sample = zero_samples(micro_batch, data.sample_shape, tokens=data.tokens)
+    return check_cut(model, sample, p.split_points)
 
 
 def cut_into_stages(model: nn.Module, split_points: Sequence[str]) -> list[nn.Module]:
@@ -200,7 +238,7 @@ def check_tensor_parallel_stages(model: nn.Module) -> None:
             f"parallel.tp: {type(model).__name__}'s pipeline stages are traced, and a traced "
             "stage's layers are graph nodes that a tensor-parallel plan cannot split; set "
             "parallel.tp = 1, or make the model an nn.Sequential or name its blocks "
-            "(pipeline_blocks, as workers.models.GPT does)"
+            "(pipeline_blocks, as workers.model_sources.builtin.GPT does)"
         )
 
 

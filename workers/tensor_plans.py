@@ -12,7 +12,7 @@ from workers.model_sources import ModelError
 
 
 def gpt(model: nn.Module, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
-    """Megatron's split of each block of ``workers.models.GPT``: q, k, v and the feed-forward's
+    """Megatron's split of each block of the built-in ``GPT``: q, k, v and the feed-forward's
     first layer by columns (each rank a share of the heads and hidden units), the attention's
     output and the feed-forward's second layer by rows (their partial sums all-reduced). The
     embeddings, norms and head stay whole on every rank."""

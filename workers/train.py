@@ -39,11 +39,9 @@ from workers.collection_shard import (
     trainer_splits,
 )
 from workers.compilation import apply_compile
-from workers.config_models import TrainingConfig
 from workers.data import DataConfig, RankBatches, StoreSplit, open_store, zero_samples
 from workers.elastic import ResizeBoundary
 from workers.in_place_init import InPlaceInit
-from workers.layout import Layout
 from workers.losses import Criterion
 from workers.malloc import freed_memory_returned
 from workers.model_pieces import HeldPieces, Piece
@@ -59,7 +57,10 @@ from workers.precision import Precision
 from workers.process_group import Membership
 from workers.rank_context import RankContext
 from workers.records import EpochRecord, StartRecord, StepRecord
-from workers.strategies.base import EpochSums, RankPlacement, Strategy, get_strategy
+from workers.spec.layout import Layout
+from workers.spec.sections import TrainingConfig
+from workers.strategies import get_strategy
+from workers.strategies.base import EpochSums, RankPlacement, Strategy
 
 
 @dataclass(frozen=True)

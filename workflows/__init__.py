@@ -33,7 +33,7 @@ _HOMES = {
     "LaunchConfig": "workflows.launcher",
     "LaunchError": "workflows.launcher",
     "RankFailed": "workflows.launcher",
-    "WorkerSelection": "workflows.launcher",
+    "WorkerSelection": "workflows.admission",
     "PredictConfig": "workflows.prediction_request",
     "PredictResult": "workflows.batch_predict",
     "predict": "workflows.batch_predict",

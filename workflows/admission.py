@@ -28,6 +28,7 @@ by priority, then first come, first served.
 
 import asyncio
 import contextlib
+import fnmatch
 import logging
 import re
 import threading
@@ -37,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Scheduler, SchedulerPlugin, Status
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.compat.distributed_private import raise_adaptive_target
 
-if TYPE_CHECKING:  # the launcher holds jobs' admissions; this module needs only the type
+if TYPE_CHECKING:
     from distributed.scheduler import WorkerState
 
-    from workflows.launcher import WorkerSelection
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,54 @@ SCHEDULER_CALL_TIMEOUT_S = 30.0
 RELEASE_TIMEOUT_S = 5.0
 
 
+class WorkerSelection(BaseModel):
+    """Which of an existing cluster's workers may take ranks (all of them by default): the
+    ``[launch.workers]`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="only workers offering at least these (dask worker --resources 'GPU=1')",
+    )
+    name_pattern: str | None = Field(
+        default=None, description="only workers whose name matches this glob ('gpu-node-*')"
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _positive(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if amount <= 0:
+                raise ValueError(
+                    f"launch.workers.resources.{name}: {amount:g} selects every worker; give a "
+                    "positive amount or leave the resource out"
+                )
+        return resources
+
+    @field_validator("name_pattern")
+    @classmethod
+    def _not_empty(cls, pattern: str | None) -> str | None:
+        if pattern is not None and not pattern.strip():
+            raise ValueError("launch.workers.name_pattern: empty; leave it out to take every name")
+        return pattern
+
+    def matches(self, identity: dict[str, Any]) -> bool:
+        """Whether a worker, as the scheduler describes it, is eligible."""
+        offered = identity.get("resources") or {}
+        if any(offered.get(name, 0) < amount for name, amount in self.resources.items()):
+            return False
+        return self.name_pattern is None or fnmatch.fnmatchcase(
+            str(identity.get("name")), self.name_pattern
+        )
+
+    def describe(self) -> str:
+        parts = [f"resources {self.resources}"] if self.resources else []
+        if self.name_pattern is not None:
+            parts.append(f"name matching {self.name_pattern!r}")
+        return " and ".join(parts) or "any"
+
+
 @dataclass(frozen=True)
 class Request:
     """What a job asks the queue for; made on the client, checked there."""
@@ -69,7 +118,7 @@ class Request:
     client: str
     minimum: int
     maximum: int
-    selection: "WorkerSelection"
+    selection: WorkerSelection
     lease_s: float = 20.0
     # Worker plugins of the job, removed when its holder goes away without releasing.
     plugins: tuple[str, ...] = ()

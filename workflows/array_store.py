@@ -31,7 +31,7 @@ import zarr
 from dask.base import tokenize
 from distributed import Client
 
-from workers.config_models import DataConfig
+from workers.spec.sections import DataConfig
 from workflows.collections import (
     DataError,
     checked_splits,

@@ -46,15 +46,15 @@ from workers.inference import (
     write_zarr_partition,
     zarr_columns,
 )
-from workers.model_sources import source_of
 from workers.sources import InputPlan, SourceError
-from workflows.admission import Admission, Request
+from workers.spec.names import model_source
+from workflows.admission import Admission, Request, WorkerSelection
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.config import ConfigError, RunConfig
 from workflows.confusion import confusion_metrics, plot_confusion_matrix
 from workflows.job_spec import JobSpec
-from workflows.launcher import LaunchConfig, WorkerSelection
+from workflows.launcher import LaunchConfig
 from workflows.prediction_request import (
     PredictConfig,
     PreparedPrediction,
@@ -185,7 +185,7 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     """Score a checked request on ``client``'s cluster and write everything out."""
     started = time.perf_counter()
     # A model named by import path: its module goes to the workers that cannot import it.
-    if source_of(prepared.spec.name)[0] == "import_path":
+    if model_source(prepared.spec.name)[0] == "import_path":
         ship_modules(client, {prepared.spec.name.partition(":")[0].split(".")[0]})
     # The job scores on the workers no other job holds (at least one: it waits for one), each
     # of them loading the model once, here.
@@ -211,53 +211,19 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
 def _score(
     client: Client, prepared: PreparedPrediction, held: list[str], *, started: float
 ) -> PredictResult:
+    """Score every partition on the ``held`` workers, write the predictions once each, and
+    the metrics and summary beside them."""
     plan, settings, job = prepared.plan, prepared.settings, prepared.job
     fs, root = fsspec.core.url_to_fs(prepared.output, **prepared.storage_options)
     predictions = f"{prepared.output.rstrip('/')}/{PREDICTIONS[settings.format]}"
-    tag = job.token[:8]
-    workers = len(held)
     plugin = ModelPlugin(prepared.spec, held)
     client.register_plugin(plugin, name=plugin.name)
     futures: list[Any] = []
     try:
-        # One task per partition, ("predict-<name>-<job>-…", i) on the dashboard. Sample ids
-        # are str already: dask's string conversion would only add a task per partition.
-        with dask.config.set({"dataframe.convert-string": False}):
-            frame = dd.from_map(
-                score_partition,
-                plan.partitions,
-                job=job,
-                meta=empty_frame(job),
-                label=f"predict-{prepared.name}-{tag}",
-                enforce_metadata=False,
-            )
         fs.makedirs(root, exist_ok=True)
-        if settings.format == "parquet":
-            # Each partition goes to its own numbered file: a partition rescored after its
-            # worker died rewrites the same file, so every sample is written exactly once.
-            write = frame.to_parquet(
-                predictions,
-                write_index=False,
-                compute=False,
-                name_function=_part_name,
-                storage_options=prepared.storage_options or None,
-            )
-        else:
-            _create_zarr(predictions, job, plan, prepared.storage_options)
-            write = frame.map_partitions(
-                write_zarr_partition,
-                predictions,
-                prepared.storage_options,
-                meta=pd.Series(dtype=np.int64),
-            ).sum()
-        # With labels, the confusion counts: a Dask reduction over the same partitions,
-        # computed in the same pass as the writes.
-        collections: list[Any] = [write]
-        if job.label_map is not None:
-            # One output partition: a few dozen counts need no shuffle, and a P2P shuffle cannot
-            # move its outputs off a lost worker onto one outside the job's share.
-            collections.append(frame.groupby(["label", "prediction"]).size(split_out=1))
-        futures = client.compute(collections, workers=held, allow_other_workers=False)
+        futures = client.compute(
+            _scoring_graph(prepared, predictions), workers=held, allow_other_workers=False
+        )
         try:
             wait_futures(futures, timeout_s=settings.timeout_s)
         except TimeoutError:
@@ -282,20 +248,14 @@ def _score(
         raise RuntimeError(f"wrote {count} predictions, but the input has {plan.count} samples")
     metrics = None
     if job.label_map is not None:
-        matrix = np.zeros((len(job.classes),) * 2, dtype=np.int64)
-        for (truth, guess), n in results[1].items():
-            matrix[int(truth), int(guess)] += int(n)
-        metrics = confusion_metrics(matrix, list(job.classes))
-        _write_json(fs, f"{root}/metrics.json", metrics)
-        with fs.open(f"{root}/confusion_matrix.png", "wb") as f:
-            plot_confusion_matrix(matrix, list(job.classes)).savefig(f, format="png", dpi=100)
+        metrics = _write_confusion(fs, root, results[1], classes=list(job.classes))
     result = PredictResult(
         output=prepared.output,
         predictions=predictions,
         format=settings.format,
         count=count,
         partitions=len(plan.partitions),
-        workers=workers,
+        workers=len(held),
         classes=list(job.classes),
         seconds=seconds,
         images_per_s=count / seconds,
@@ -303,32 +263,86 @@ def _score(
         token=job.token,
         notes=list(prepared.notes),
     )
-    _write_json(
-        fs,
-        f"{root}/summary.json",
-        {
-            "model": prepared.trained.checkpoint,
-            "model_name": prepared.spec.name,
-            "input": plan.url,
-            "input_kind": plan.kind,
-            "predictions": predictions,
-            "format": settings.format,
-            "count": count,
-            "partitions": result.partitions,
-            "workers": workers,
-            "seconds": seconds,
-            "images_per_s": result.images_per_s,
-            "accuracy": metrics["accuracy"] if metrics else None,
-            "classes": result.classes,
-            "mean": prepared.trained.mean,
-            "std": prepared.trained.std,
-            "settings": settings.model_dump(),
-            "notes": result.notes,
-        },
-    )
-    logger.info("scored %d samples in %.1f s on %d workers", count, seconds, workers)
+    _write_json(fs, f"{root}/summary.json", _summary(prepared, result))
+    logger.info("scored %d samples in %.1f s on %d workers", count, seconds, len(held))
     _track(prepared, fs, root)
     return result
+
+
+def _scoring_graph(prepared: PreparedPrediction, predictions: str) -> list[Any]:
+    """The Dask collections that score and write every partition, and with labels count the
+    confusion matrix in the same pass: the writes' (a row count for zarr), then the counts."""
+    plan, settings, job = prepared.plan, prepared.settings, prepared.job
+    # One task per partition, ("predict-<name>-<job>-…", i) on the dashboard. Sample ids
+    # are str already: dask's string conversion would only add a task per partition.
+    with dask.config.set({"dataframe.convert-string": False}):
+        frame = dd.from_map(
+            score_partition,
+            plan.partitions,
+            job=job,
+            meta=empty_frame(job),
+            label=f"predict-{prepared.name}-{job.token[:8]}",
+            enforce_metadata=False,
+        )
+    if settings.format == "parquet":
+        # Each partition goes to its own numbered file: a partition rescored after its
+        # worker died rewrites the same file, so every sample is written exactly once.
+        write = frame.to_parquet(
+            predictions,
+            write_index=False,
+            compute=False,
+            name_function=_part_name,
+            storage_options=prepared.storage_options or None,
+        )
+    else:
+        _create_zarr(predictions, job, plan, prepared.storage_options)
+        write = frame.map_partitions(
+            write_zarr_partition,
+            predictions,
+            prepared.storage_options,
+            meta=pd.Series(dtype=np.int64),
+        ).sum()
+    if job.label_map is None:
+        return [write]
+    # One output partition: a few dozen counts need no shuffle, and a P2P shuffle cannot
+    # move its outputs off a lost worker onto one outside the job's share.
+    return [write, frame.groupby(["label", "prediction"]).size(split_out=1)]
+
+
+def _write_confusion(fs: Any, root: str, counts: Any, *, classes: list[str]) -> dict[str, Any]:
+    """The confusion matrix of ``counts`` (by (label, prediction)), its metrics and its plot
+    written beside the predictions; the metrics returned."""
+    matrix = np.zeros((len(classes),) * 2, dtype=np.int64)
+    for (truth, guess), n in counts.items():
+        matrix[int(truth), int(guess)] += int(n)
+    metrics = confusion_metrics(matrix, classes)
+    _write_json(fs, f"{root}/metrics.json", metrics)
+    with fs.open(f"{root}/confusion_matrix.png", "wb") as f:
+        plot_confusion_matrix(matrix, classes).savefig(f, format="png", dpi=100)
+    return metrics
+
+
+def _summary(prepared: PreparedPrediction, result: PredictResult) -> dict[str, Any]:
+    """``summary.json``: what was scored, with which model and settings, and how fast."""
+    return {
+        "model": prepared.trained.checkpoint,
+        "model_name": prepared.spec.name,
+        "input": prepared.plan.url,
+        "input_kind": prepared.plan.kind,
+        "predictions": result.predictions,
+        "format": result.format,
+        "count": result.count,
+        "partitions": result.partitions,
+        "workers": result.workers,
+        "seconds": result.seconds,
+        "images_per_s": result.images_per_s,
+        "accuracy": result.metrics["accuracy"] if result.metrics else None,
+        "classes": result.classes,
+        "mean": prepared.trained.mean,
+        "std": prepared.trained.std,
+        "settings": prepared.settings.model_dump(),
+        "notes": result.notes,
+    }
 
 
 def _track(prepared: PreparedPrediction, fs: Any, root: str) -> None:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from workers.config_models import LOSSES
 from workers.sources import SourceError, check_root, store_to_build
+from workers.spec.sections import LOSSES
 from workflows.config import ConfigError, RunConfig, load_config, read_raw_config
 from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError

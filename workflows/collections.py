@@ -26,9 +26,8 @@ from distributed import Client, Future, futures_of
 
 from workers.collection_shard import CollectionPlan, Piece, SplitPlan
 from workers.futures import wait_futures
-from workflows.cluster import live_workers
 from workflows.config import ConfigError
-from workflows.launcher import LaunchConfig, select_workers
+from workflows.launcher import LaunchConfig
 
 logger = logging.getLogger(__name__)
 SPLITS = ("train", "val")
@@ -78,21 +77,19 @@ def prepared_data(
     data: Mapping[str, Any],
     settings: LaunchConfig,
     *,
+    workers: Sequence[str],
     shares: Mapping[str, Shares] | None = None,
     timeout_s: float = 600.0,
-    workers: Sequence[str] | None = None,
 ) -> Iterator[PreparedData]:
     """:func:`prepare_data` for the ranks of ``settings``, released on exit: ``workers`` are
-    the job's (held from the scheduler's queue, in rank order); without them, the workers the
-    launcher would choose on an idle cluster."""
+    the job's, held from the scheduler's queue in rank order, as many as its ranks."""
     check_fixed_world(settings)
-    eligible = list(workers or select_workers(live_workers(client), settings.workers))
-    world_size = settings.world_size or max(1, len(eligible))
+    world_size = settings.world_size or len(workers)
     assert isinstance(world_size, int)
     prepared = prepare_data(
         client,
         data,
-        workers=eligible[:world_size],
+        workers=list(workers[:world_size]),
         world_size=world_size,
         shares=shares,
         timeout_s=timeout_s,
@@ -110,8 +107,8 @@ def trainer_data(
     strategy: str,
     settings: LaunchConfig,
     *,
+    workers: Sequence[str],
     classification: bool = True,
-    workers: Sequence[str] | None = None,
 ) -> Iterator[PreparedData]:
     """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split,
     of class labels where the task is ``classification``; validation in the contiguous shares
@@ -129,7 +126,7 @@ def trainer_data(
 def check_trainer_data(data: Any, strategy: str) -> None:
     """What the built-in trainer needs of ``train(config, data=...)``, whether the collections
     are persisted or written into a store: a flat strategy, and both splits."""
-    from workers.strategies import get_plan
+    from workers.spec.plans import get_plan
 
     if get_plan(strategy).staged:
         raise DataError(
@@ -354,27 +351,16 @@ def _plan_split(
     timeout_s: float,
     dataset: str,
 ) -> tuple[SplitPlan, list[Future]]:
+    """One split's plan: its X and y persisted on the job's workers, partitioned alike, each
+    rank's share of rows assigned where they lie (``mode``), and the rows that change hands
+    cut and held on their new rank. Also the futures the plan reads, to keep."""
     import dask.array as da
 
     where = f"data[{name!r}]"
-    x_futures = _persisted(client, x, workers, timeout_s, where)
-    x_rows = _where_held(client, _partition_rows, x_futures, timeout_s, where)
+    x_futures, x_rows, y_futures, facts = _persisted_alike(
+        client, x, y, workers, timeout_s=timeout_s, where=where
+    )
     n = sum(x_rows)
-    if isinstance(y, da.Array):
-        if y.shape[0] != n:
-            raise DataError(f"{where}: X has {n} rows but y has {y.shape[0]}")
-        if list(y.chunks[0]) != x_rows:
-            y = y.rechunk({0: tuple(x_rows)})  # partitioned as X, so a rank reads both alike
-    y_futures = _persisted(client, y, workers, timeout_s, where)
-    facts = _where_held(client, target_facts, y_futures, timeout_s, where)
-    y_rows = [f[0] for f in facts]
-    if sum(y_rows) != n:
-        raise DataError(f"{where}: X has {n} rows but y has {sum(y_rows)}")
-    if y_rows != x_rows:
-        # A Series partitioned otherwise: as an array with known chunks, cut like X.
-        y_array = y.to_dask_array(lengths=y_rows).rechunk({0: tuple(x_rows)})
-        y_futures = _persisted(client, y_array, workers, timeout_s, where)
-        facts = _where_held(client, target_facts, y_futures, timeout_s, where)
     require_no_nan(where, sum(f[1] for f in facts))
     if n < world_size:
         raise DataError(f"{where}: {n} samples cannot give each of {world_size} ranks one")
@@ -388,46 +374,10 @@ def _plan_split(
         else balanced_shares(n, world_size, _local_rows(x_rows, holders, world_size))
     )
     assignment = assign_rows(x_rows, holders, targets)
-    y_holders = _holder_ranks(client, y_futures, workers)
-
-    # Cut the rows that change hands where they lie, then hold each cut on its new rank.
-    keep = [*x_futures, *y_futures]
-    pieces: list[list[Piece]] = []
-    moved: list[Future] = []
-    cuts: list[Future] = []
-    moved_rows = 0
-    for rank, ranges in enumerate(assignment):
-        rank_pieces = []
-        for p, start, stop in ranges:
-            keys = []
-            for futures, held_by in ((x_futures, holders), (y_futures, y_holders)):
-                if rank in held_by[p] or rank >= len(workers):
-                    keys.append((futures[p].key, start, stop))
-                    continue
-                cut = client.submit(
-                    _rows,
-                    futures[p],
-                    start,
-                    stop,
-                    key=f"dask-train-cut-{uuid.uuid4().hex}",
-                    # Strictly where the partition lies (see _where_held), until it ran.
-                    workers=[workers[r] for r in held_by[p]] or None,
-                    allow_other_workers=False,
-                )
-                cuts.append(cut)
-                staged = client.submit(
-                    _held,
-                    cut,
-                    key=f"dask-train-moved-{uuid.uuid4().hex}",
-                    workers=[workers[rank]],
-                    allow_other_workers=False,
-                )
-                moved.append(staged)
-                keys.append((staged.key, 0, stop - start))
-                moved_rows += (stop - start) if futures is x_futures else 0
-            (x_key, x_start, x_stop), (y_key, y_start, _) = keys
-            rank_pieces.append(Piece(x_key, y_key, x_start, y_start, x_stop - x_start))
-        pieces.append(rank_pieces)
+    held_by = {"x": holders, "y": _holder_ranks(client, y_futures, workers)}
+    pieces, cuts, moved, moved_rows = _cut_and_move(
+        client, assignment, {"x": x_futures, "y": y_futures}, held_by, workers
+    )
     wait_for_partitions(moved, timeout_s, where)
     # Pinned so that no idle worker steals them, which would copy whole partitions; once they
     # ran, any worker may recompute them (after a worker loss, the pinned one may be gone).
@@ -435,7 +385,6 @@ def _plan_split(
     if lifted:
         client.sync(client.scheduler.set_restrictions, worker=lifted)
     moved_bytes = sum(_where_held(client, _nbytes, moved, timeout_s, where))
-    keep += moved
     split = SplitPlan(
         name=name,
         n=n,
@@ -450,7 +399,86 @@ def _plan_split(
         dataset=dataset,
         moved_bytes=moved_bytes,
     )
-    return split, keep
+    return split, [*x_futures, *y_futures, *moved]
+
+
+def _persisted_alike(
+    client: Client, x: Any, y: Any, workers: list[str], *, timeout_s: float, where: str
+) -> tuple[list[Future], list[int], list[Future], list[Any]]:
+    """X and y persisted on ``workers`` in partitions of the same rows, so that a rank reads
+    both alike: X's futures and rows per partition, y's futures and its facts per partition
+    (:func:`target_facts`)."""
+    import dask.array as da
+
+    x_futures = _persisted(client, x, workers, timeout_s, where)
+    x_rows = _where_held(client, _partition_rows, x_futures, timeout_s, where)
+    n = sum(x_rows)
+    if isinstance(y, da.Array):
+        if y.shape[0] != n:
+            raise DataError(f"{where}: X has {n} rows but y has {y.shape[0]}")
+        if list(y.chunks[0]) != x_rows:
+            y = y.rechunk({0: tuple(x_rows)})
+    y_futures = _persisted(client, y, workers, timeout_s, where)
+    facts = _where_held(client, target_facts, y_futures, timeout_s, where)
+    y_rows = [f[0] for f in facts]
+    if sum(y_rows) != n:
+        raise DataError(f"{where}: X has {n} rows but y has {sum(y_rows)}")
+    if y_rows != x_rows:
+        # A Series partitioned otherwise: as an array with known chunks, cut like X.
+        y_array = y.to_dask_array(lengths=y_rows).rechunk({0: tuple(x_rows)})
+        y_futures = _persisted(client, y_array, workers, timeout_s, where)
+        facts = _where_held(client, target_facts, y_futures, timeout_s, where)
+    return x_futures, x_rows, y_futures, facts
+
+
+def _cut_and_move(
+    client: Client,
+    assignment: list[list[tuple[int, int, int]]],
+    futures: dict[str, list[Future]],
+    held_by: dict[str, list[set[int]]],
+    workers: list[str],
+) -> tuple[list[list[Piece]], list[Future], list[Future], int]:
+    """Each rank's pieces of rows (``assignment``: partition, start, stop), read where they
+    lie when a worker of the rank holds the partition, else cut where it lies and held on the
+    rank's worker. Also the cuts, the held copies and the rows of X that moved."""
+    pieces: list[list[Piece]] = []
+    cuts: list[Future] = []
+    moved: list[Future] = []
+    moved_rows = 0
+    for rank, ranges in enumerate(assignment):
+        rank_pieces = []
+        for p, start, stop in ranges:
+            keys = {}
+            for side in ("x", "y"):
+                partition, holders = futures[side][p], held_by[side][p]
+                if rank in holders or rank >= len(workers):
+                    keys[side] = (partition.key, start, stop)
+                    continue
+                cut = client.submit(
+                    _rows,
+                    partition,
+                    start,
+                    stop,
+                    key=f"dask-train-cut-{uuid.uuid4().hex}",
+                    # Strictly where the partition lies (see _where_held), until it ran.
+                    workers=[workers[r] for r in holders] or None,
+                    allow_other_workers=False,
+                )
+                cuts.append(cut)
+                staged = client.submit(
+                    _held,
+                    cut,
+                    key=f"dask-train-moved-{uuid.uuid4().hex}",
+                    workers=[workers[rank]],
+                    allow_other_workers=False,
+                )
+                moved.append(staged)
+                keys[side] = (staged.key, 0, stop - start)
+                moved_rows += (stop - start) if side == "x" else 0
+            (x_key, x_start, x_stop), (y_key, y_start, _) = keys["x"], keys["y"]
+            rank_pieces.append(Piece(x_key, y_key, x_start, y_start, x_stop - x_start))
+        pieces.append(rank_pieces)
+    return pieces, cuts, moved, moved_rows
 
 
 def _where_held(

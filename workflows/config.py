@@ -1,9 +1,9 @@
 """A run's configuration: TOML in, one validated, frozen :class:`RunConfig` out.
 
-Each component owns its section's model (cluster, launch, data, model, training) and each
-strategy's plan its own sections and checks (``workers/strategies/<family>/``); this module only
-composes them, checks what spans sections, and turns pydantic's errors into one line that names
-the field.
+The trainer's sections are the spec's (``workers/spec/sections.py``), the client's own are their
+components' (cluster, launch, tracking), and each strategy's checks are its plan's
+(``workers/spec/plans/``); this module only composes them, checks what spans sections, and turns
+pydantic's errors into one line that names the field.
 """
 
 import tomllib
@@ -14,18 +14,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from workers.config_models import (
+from workers.spec.layout import Layout
+from workers.spec.names import STRATEGIES
+from workers.spec.plans import StrategyPlan, StrategySections, get_plan
+from workers.spec.plans.fsdp import FSDPPlan
+from workers.spec.sections import (
     SCHEDULES_OVER_THE_RUN,
     CheckpointConfig,
     DataConfig,
+    FSDPConfig,
     ModelConfig,
     ParallelConfig,
+    PipelineConfig,
     TrainingConfig,
 )
-from workers.layout import Layout
-from workers.strategies import STRATEGIES, StrategyPlan, get_plan
-from workers.strategies.fsdp import FSDPConfig
-from workers.strategies.pipeline import PipelineConfig
 from workflows.cluster import ClusterConfig
 from workflows.launcher import LaunchConfig
 from workflows.tracking import TrackingConfig
@@ -92,10 +94,36 @@ class RunConfig(BaseModel):
                 f"data.image_size: {self.model.name} pools twice, so the size must be a "
                 f"multiple of 4 (got {self.data.image_size})"
             )
+        plan = self.strategy_plan
+        if self.fsdp.cpu_offload and self.cluster.kind == "cpu" and isinstance(plan, FSDPPlan):
+            raise ValueError(
+                "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
+                "cpu_offload = false (it moves a GPU's shards to the host)"
+            )
+        plan.check_given_world(world)
         # An unknown world: the driver's resolve_run checks the layout once the cluster's
         # size is known.
-        self.strategy_plan.check(self, self.strategy_plan.world_size(world or workers))
+        plan.check(self.sections, plan.world_size(world or workers), layer_names=self._layer_names)
         return self
+
+    def _layer_names(self) -> list[str]:
+        """Where a staged run's model can be cut, by building it (imports torch): a model that
+        does not trace, or a split point where no stage can begin, is a config error here."""
+        from workers.stage_cuts import checked_cut
+
+        return checked_cut(self.sections, self.strategy_plan)  # type: ignore[arg-type]
+
+    @property
+    def sections(self) -> StrategySections:
+        """The sections a strategy's plan reads."""
+        return StrategySections(
+            data=self.data,
+            model=self.model,
+            training=self.training,
+            pipeline=self.pipeline,
+            parallel=self.parallel,
+            fsdp=self.fsdp,
+        )
 
     @property
     def strategy_plan(self) -> StrategyPlan:
@@ -105,7 +133,7 @@ class RunConfig(BaseModel):
     @property
     def strategy_settings(self) -> BaseModel | None:
         """What ``training.strategy``'s ``prepare`` is given (None: it takes nothing)."""
-        return self.strategy_plan.settings(self)
+        return self.strategy_plan.settings(self.sections)
 
     @property
     def world_size(self) -> int | None:
@@ -142,14 +170,11 @@ class RunConfig(BaseModel):
             self._check_per_rank(low)
         layouts = {}
         for world in range(low, high + 1):
-            config = self
+            sections = self.sections
             if per_rank:  # this world's global batch: each rank's times the ranks
-                rows = self.training.batch_size // low * world
-                config = self.model_copy(
-                    update={"training": self.training.model_copy(update={"batch_size": rows})}
-                )
+                sections = sections.with_batch(self.training.batch_size // low * world)
             try:
-                layouts[world] = plan.layout(config, world, elastic=self.launch.elastic_batch)
+                layouts[world] = plan.layout(sections, world, elastic=self.launch.elastic_batch)
             except ValueError as error:
                 raise ValueError(f"{given} includes {world} ranks, and {error}") from None
         return layouts
@@ -177,7 +202,7 @@ class RunConfig(BaseModel):
         """How ``world_size`` ranks share this run's model and batch; a :class:`ConfigError`
         naming the field where they cannot."""
         try:
-            return self.strategy_plan.layout(self, world_size)
+            return self.strategy_plan.layout(self.sections, world_size)
         except ValueError as error:
             raise ConfigError(str(error)) from None
 

@@ -18,8 +18,8 @@ from typing import Any
 from tornado import web
 
 from workers.compat.distributed_private import dashboard_page_template
-from workers.config_models import METRICS
 from workers.records import REPORT_BOOKKEEPING
+from workers.spec.sections import METRICS
 
 ROUTE = "/training"
 REFRESH_S = 5

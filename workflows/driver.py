@@ -17,11 +17,11 @@ import torch
 from distributed import Client
 
 from workers.collection_shard import CollectionPlan
-from workers.config_models import LOSSES, DataConfig
-from workers.layout import Layout
-from workers.model_sources import source_of
 from workers.optimizers import OptimizerFactory, ScheduleFactory
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
+from workers.spec.layout import Layout
+from workers.spec.names import model_source
+from workers.spec.sections import LOSSES, DataConfig
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, start_cluster
@@ -30,7 +30,7 @@ from workflows.collections import DataError, check_fixed_world, check_trainer_da
 from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
-from workflows.jobs import JobHold, TrainingFailed, launch_on
+from workflows.jobs import JobHold, LaunchResult, TrainingFailed, launch_on
 from workflows.launcher import LaunchConfig, ranks_for
 from workflows.model_handback import collect_model
 from workflows.preprocess import prepare_store
@@ -392,19 +392,8 @@ def _train_prepared(
         manifest = prepare_store(client, data, seed=config.training.seed)
     settings, points = config.strategy_settings, None
     if config.strategy_plan.staged:
-        # torch.distributed.pipelining costs ~0.8 s to import: only staged runs pay it.
-        from workflows.planner import resolve_split_points
-
-        # Cut once on the client, so every rank holds the same stages.
         assert manifest is not None  # staged strategies take no collections (trainer_data)
-        # A factory is built here as every rank builds it, to check and plan its cut.
-        points = resolve_split_points(
-            client,
-            config,
-            layout=layout,
-            num_classes=manifest.num_classes,
-            build=None if factory is None else model_builder(config, manifest.num_classes, factory),
-        )
+        points = _cut_once(client, run, num_classes=manifest.num_classes, factory=factory)
         cut = config.pipeline.model_copy(update={"split_points": points})
         settings = settings.model_copy(update={"pipeline": cut})
     checkpoint = config.checkpoint
@@ -442,10 +431,55 @@ def _train_prepared(
         stop=stop,
         hold=hold,
     )
+    # Each rank hands back its pieces (its shards, its stages); together the whole model.
+    state_dict = collect_model(client, [result.model_pieces for result in launched.results])
+    return _train_result(
+        config,
+        launched,
+        state_dict=state_dict,
+        store=manifest,
+        split_points=points,
+        times=(called_at, launched_at),
+    )
+
+
+def _cut_once(
+    client: Client,
+    run: ResolvedRun,
+    *,
+    num_classes: int,
+    factory: Callable[..., torch.nn.Module] | None,
+) -> tuple[str, ...]:
+    """A staged run's split points, resolved once on the client so that every rank holds the
+    same stages: the configured ones, or planned. A factory is built here as every rank
+    builds it, to check and plan its cut."""
+    # torch.distributed.pipelining costs ~0.8 s to import: only staged runs pay it.
+    from workflows.planner import resolve_split_points
+
+    config = run.config
+    return resolve_split_points(
+        client,
+        config,
+        layout=run.layout,
+        num_classes=num_classes,
+        build=None if factory is None else model_builder(config, num_classes, factory),
+    )
+
+
+def _train_result(
+    config: RunConfig,
+    launched: LaunchResult,
+    *,
+    state_dict: dict[str, Any],
+    store: StoreManifest | None,
+    split_points: tuple[str, ...] | None,
+    times: tuple[float, float],
+) -> TrainResult:
+    """What ``train`` hands back, from the job's rank 0 and the times it was called and
+    launched at (epoch seconds)."""
+    called_at, launched_at = times
     results: list[RankResult] = launched.results
     rank0 = results[0]
-    # Each rank hands back its pieces (its shards, its stages); together the whole model.
-    state_dict = collect_model(client, [result.model_pieces for result in results])
     return TrainResult(
         name=config.name,
         strategy=config.training.strategy,
@@ -456,11 +490,11 @@ def _train_prepared(
         wall_s=time.time() - launched_at,
         first_step_s=rank0.first_step_at - called_at,
         first_step_after_launch_s=rank0.first_step_at - launched_at,
-        store=manifest,
+        store=store,
         state_dict=state_dict,
         recoveries=launched.recoveries,
         resizes=launched.resizes,
-        split_points=points,
+        split_points=split_points,
         job_id=launched.job_id,
         peak_memory_mib=[
             None if r.peak_memory_bytes is None else round(r.peak_memory_bytes / 2**20, 1)
@@ -475,7 +509,7 @@ def _imported_modules(config: RunConfig) -> set[str]:
     training = config.training
     named = (training.loss, training.optimizer, training.lr_schedule)
     paths = [name for name in named if ":" in name]
-    source, _ = source_of(config.model.name)
+    source, _ = model_source(config.model.name)
     if source == "import_path":
         paths.append(config.model.name)
     return {path.partition(":")[0].split(".")[0] for path in paths}

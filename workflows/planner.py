@@ -15,18 +15,19 @@ import torch
 from distributed import Client
 from torch import nn
 
-from workers.config_models import MODEL_LAYERS, TrainingConfig
 from workers.data import zero_samples
-from workers.layout import Layout
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
+from workers.spec.layout import Layout
+from workers.spec.names import MODEL_LAYERS
+from workers.spec.plans import get_plan
+from workers.spec.plans.pipeline import PipelinePlan
+from workers.spec.sections import TrainingConfig
 from workers.stage_cuts import (
     check_cut,
     check_tensor_parallel_stages,
     cut_points,
     even_split,
 )
-from workers.strategies import get_plan
-from workers.strategies.pipeline import PipelinePlan
 from workflows.cluster import live_workers
 from workflows.config import ConfigError, RunConfig
 

@@ -220,6 +220,48 @@ def prepare(
     options = dict(trained.config.data.storage_options)
     output_url = _check_output(output, options)
     token = uuid.uuid4().hex
+    spec, shape = _model_spec(trained, settings, options, token=token)
+    if settings.outputs == "top_k" and settings.top_k > len(trained.classes):
+        raise ConfigError(
+            f"predict.top_k: {settings.top_k} is more than the model's {len(trained.classes)} "
+            "classes"
+        )
+    request = InputRequest(
+        image_size=trained.image_size,
+        channels=shape[0],
+        split=settings.split,
+        partition_size=settings.partition_size,
+        storage_options=options,
+    )
+    plan = plan_input(input, request)
+    if not plan.count:
+        raise ConfigError(f"--input: {plan.url} holds no samples")
+    label_map, notes = _label_map(plan, trained, settings)
+    job = _score_job(trained, plan, settings, label_map, notes, token=token, options=options)
+    cluster_config = config.cluster if isinstance(config, RunConfig) else trained.config.cluster
+    return PreparedPrediction(
+        name=trained.config.name,
+        trained=trained,
+        settings=settings,
+        plan=plan,
+        spec=spec,
+        job=job,
+        output=output_url,
+        storage_options=options,
+        cluster=cluster_config,
+        notes=tuple(notes),
+        # MLflow: the store this request names, else the one the model's run logged to.
+        tracking=config.tracking
+        if config is not None and config.tracking.mlflow_uri
+        else trained.config.tracking,
+    )
+
+
+def _model_spec(
+    trained: TrainedModel, settings: PredictConfig, options: dict[str, Any], *, token: str
+) -> tuple[ModelSpec, tuple[int, ...]]:
+    """What the workers build the model from, and the input shape it takes: built here once,
+    which checks the checkpoint file against the model."""
     spec = ModelSpec(
         name=trained.config.model.name,
         kwargs=dict(trained.config.model.kwargs),
@@ -237,22 +279,21 @@ def prepare(
         shape = input_shape(spec.build(torch.device("cpu")), spec.image_size)  # checks the file
     except ModelError as error:  # the run's model cannot be built here (its code is missing)
         raise ConfigError(f"--model: {trained.checkpoint}: {error}") from None
-    if settings.outputs == "top_k" and settings.top_k > len(trained.classes):
-        raise ConfigError(
-            f"predict.top_k: {settings.top_k} is more than the model's {len(trained.classes)} "
-            "classes"
-        )
-    request = InputRequest(
-        image_size=trained.image_size,
-        channels=shape[0],
-        split=settings.split,
-        partition_size=settings.partition_size,
-        storage_options=options,
-    )
-    plan = plan_input(input, request)
-    if not plan.count:
-        raise ConfigError(f"--input: {plan.url} holds no samples")
-    label_map, notes = _label_map(plan, trained, settings)
+    return spec, shape
+
+
+def _score_job(
+    trained: TrainedModel,
+    plan: InputPlan,
+    settings: PredictConfig,
+    label_map: tuple[int, ...] | None,
+    notes: list[str],
+    *,
+    token: str,
+    options: dict[str, Any],
+) -> ScoreJob:
+    """What each partition's task is given; an input normalized with other statistics than
+    the model's is re-normalized with the model's (and ``notes`` says so)."""
     same_statistics = plan.mean is None or (
         np.allclose(plan.mean, trained.mean, rtol=0, atol=0)
         and np.allclose(plan.std, trained.std, rtol=0, atol=0)
@@ -262,7 +303,7 @@ def prepare(
             f"the input store was normalized with other statistics; re-normalized with the "
             f"model's (mean {_short(trained.mean)}, std {_short(trained.std)})"
         )
-    job = ScoreJob(
+    return ScoreJob(
         token=token,
         batch_size=settings.batch_size,
         outputs=settings.outputs,
@@ -275,23 +316,6 @@ def prepare(
         input_std=None if same_statistics else tuple(plan.std or ()),
         label_map=label_map,
         storage_options=options,
-    )
-    cluster_config = config.cluster if isinstance(config, RunConfig) else trained.config.cluster
-    return PreparedPrediction(
-        name=trained.config.name,
-        trained=trained,
-        settings=settings,
-        plan=plan,
-        spec=spec,
-        job=job,
-        output=output_url,
-        storage_options=options,
-        cluster=cluster_config,
-        notes=tuple(notes),
-        # MLflow: the store this request names, else the one the model's run logged to.
-        tracking=config.tracking
-        if config is not None and config.tracking.mlflow_uri
-        else trained.config.tracking,
     )
 
 

@@ -59,13 +59,43 @@ def prepare_store(
 def _build(
     client: Client, config: DataConfig, listing: Listing, fingerprint: str, seed: int
 ) -> dict[str, Any]:
+    """Build the store of ``listing`` in two graphs, decode then normalize, and mark it
+    complete last; its attributes returned."""
     url, options = config.store_url, config.storage_options or None
     tag = fingerprint[:8]
     group = zarr.open_group(url, mode="w", storage_options=options)  # wipes the old store
     group.attrs.update({"format": STORE_FORMAT, "complete": False})  # ours, not finished
+    outcomes, mean, std = _decode(client, config, listing, seed, tag=tag)
+    bad = [tuple(r) for split in outcomes.values() for outcome in split for r in outcome["bad"]]
+    counts = _normalize(client, config, outcomes, mean, std, bad=len(bad), tag=tag)
 
-    # Decode and resize: one task per partition, each writing its own raw uint8 block and
-    # returning its count, labels, bad records and per-channel sums of x and x².
+    group = zarr.open_group(url, mode="a", storage_options=options)
+    del group["raw"]
+    attrs = {
+        "format": STORE_FORMAT,
+        "fingerprint": fingerprint,
+        "dataset": config.dataset,
+        "image_size": config.image_size,
+        "counts": counts,
+        "mean": [float(v) for v in mean],
+        "std": [float(v) for v in std],
+        "classes": listing.classes,
+        "bad_records": [list(record) for record in bad],
+    }
+    group.attrs.update(attrs)
+    group.attrs["complete"] = True  # last: only now is the store visible as finished
+    if bad:
+        logger.warning("skipped %d bad records, e.g. %s: %s", len(bad), *bad[0])
+    return {**attrs, "complete": True}
+
+
+def _decode(
+    client: Client, config: DataConfig, listing: Listing, seed: int, *, tag: str
+) -> tuple[dict[str, list[dict[str, Any]]], Any, Any]:
+    """Decode and resize: one task per partition, each writing its own raw uint8 block and
+    returning its count, labels, bad records and per-channel sums of x and x². Each split's
+    outcomes, and the training images' mean and std."""
+    url = config.store_url
     decoded: dict[str, list[Future]] = {}
     size = listing.partition_size
     how = Decoding(config.image_size, seed, config.on_bad, config.storage_options)
@@ -90,19 +120,31 @@ def _build(
     )
     results = gather_settled(client, [*decoded["train"], *decoded["val"], statistics])
     n_train = len(decoded["train"])
-    outcomes = {"train": results[:n_train], "val": results[n_train:-1]}
     mean, std = results[-1]
-    bad = [tuple(r) for split in outcomes.values() for outcome in split for r in outcome["bad"]]
+    return {"train": results[:n_train], "val": results[n_train:-1]}, mean, std
 
-    # Normalize and write: one task per store chunk, reading the raw blocks it overlaps and
-    # writing its own region (chunks never overlap, so no locks are needed).
+
+def _normalize(
+    client: Client,
+    config: DataConfig,
+    outcomes: dict[str, list[dict[str, Any]]],
+    mean: Any,
+    std: Any,
+    *,
+    bad: int,
+    tag: str,
+) -> dict[str, int]:
+    """Normalize and write: one task per store chunk, reading the raw blocks it overlaps and
+    writing its own region (chunks never overlap, so no locks are needed). The samples of
+    each split."""
+    url, options = config.store_url, config.storage_options or None
     counts = {}
     writes = []
     for split, parts in outcomes.items():
         blocks = [(o["component"], o["count"]) for o in parts if o["count"]]
         total = sum(count for _, count in blocks)
         if not total:
-            raise SourceError(f"data.root: no readable {split} images ({len(bad)} bad records)")
+            raise SourceError(f"data.root: no readable {split} images ({bad} bad records)")
         shape = (total, 3, config.image_size, config.image_size)
         zarr.create_array(
             url,
@@ -138,25 +180,7 @@ def _build(
         )
         counts[split] = len(labels)
     gather_settled(client, writes)
-
-    group = zarr.open_group(url, mode="a", storage_options=options)
-    del group["raw"]
-    attrs = {
-        "format": STORE_FORMAT,
-        "fingerprint": fingerprint,
-        "dataset": config.dataset,
-        "image_size": config.image_size,
-        "counts": counts,
-        "mean": [float(v) for v in mean],
-        "std": [float(v) for v in std],
-        "classes": listing.classes,
-        "bad_records": [list(record) for record in bad],
-    }
-    group.attrs.update(attrs)
-    group.attrs["complete"] = True  # last: only now is the store visible as finished
-    if bad:
-        logger.warning("skipped %d bad records, e.g. %s: %s", len(bad), *bad[0])
-    return {**attrs, "complete": True}
+    return counts
 
 
 def _fingerprint(listing: Listing, config: DataConfig, seed: int) -> str:

@@ -20,19 +20,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 from workflows.config import ConfigError
-
-if TYPE_CHECKING:
-    from workflows.sweeps import SweepResult
+from workflows.sweeps import SweepResult, config_study
 
 REQUEST, TRIALS, BEST = "sweep.json", "trials.csv", "best.json"
-
-
-def config_study(config_name: str) -> str:
-    """The study a stored sweep of a config continues by default."""
-    return f"{config_name}-sweep"
 
 
 @dataclass
@@ -103,7 +96,7 @@ class SweepDirectory:
             shutil.rmtree(self.path, ignore_errors=True)
             self.created = False
 
-    def write_results(self, result: "SweepResult", *, metric: str, mode: str) -> None:
+    def write_results(self, result: SweepResult, *, metric: str, mode: str) -> None:
         from workflows.run_directory import write_atomically
 
         trials = result.trials.copy()

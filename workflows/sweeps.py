@@ -50,15 +50,15 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from distributed import Client
 
-from workers.config_models import KEEP_CREDENTIALS
 from workers.records import EpochRecord, Record, ReportRecord, TrialRecord, parse_record
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root
+from workers.spec.sections import KEEP_CREDENTIALS
+from workflows.admission import WorkerSelection
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
-from workflows.launcher import JobStopped, WorkerSelection, select_workers
+from workflows.launcher import JobStopped, select_workers
 from workflows.monitoring import sweep_topic
 from workflows.run_storage import is_url
-from workflows.sweep_directory import config_study
 from workflows.sweep_owners import TrialOwners
 from workflows.sweep_space import (
     PRUNERS,
@@ -1003,3 +1003,8 @@ def sweep_result(study: "Study", spec: SweepSpec) -> SweepResult:
         config=config,
     )
     return SweepResult(spec.study_name, chosen.params, chosen.value, chosen, frame, study)
+
+
+def config_study(config_name: str) -> str:
+    """The study a stored sweep of a config continues by default."""
+    return f"{config_name}-sweep"

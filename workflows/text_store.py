@@ -18,7 +18,6 @@ import numpy as np
 import zarr
 from distributed import Client
 
-from workers.config_models import DataConfig
 from workers.sources import Listing, SourceError, digest, list_records
 from workers.sources.text import (
     ARRAYS,
@@ -28,6 +27,7 @@ from workers.sources.text import (
     token_dtype,
     vocabulary,
 )
+from workers.spec.sections import DataConfig
 from workflows.stores import (
     STORE_FORMAT,
     StoreManifest,

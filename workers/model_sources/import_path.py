@@ -2,7 +2,7 @@
 that returns an ``nn.Module``. Workers that cannot import the module get it shipped by the
 client (workflows/code_shipping.py)."""
 
-from workers.model_sources import Factory, import_object
+from workers.model_sources.base import Factory, import_object
 
 
 def factory(target: str) -> Factory:

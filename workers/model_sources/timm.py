@@ -4,7 +4,7 @@ timm is the optional extra ``dask-train[timm]``."""
 import difflib
 import functools
 
-from workers.model_sources import Factory, ModelError, parameters_of
+from workers.model_sources.base import Factory, ModelError, parameters_of
 
 
 def factory(target: str) -> Factory:

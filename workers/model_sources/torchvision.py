@@ -6,7 +6,7 @@ import functools
 
 import torchvision
 
-from workers.model_sources import Factory, ModelError, parameters_of
+from workers.model_sources.base import Factory, ModelError, parameters_of
 
 
 def factory(target: str) -> Factory:

@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from workers.compat.cpython_private import PurePythonUnpickler
-from workers.sources import (
+from workers.sources.base import (
     Decoded,
     Decoding,
     InputPlan,
@@ -37,7 +37,7 @@ from workers.sources import (
 from workers.sources.images import resize, stack
 
 if TYPE_CHECKING:
-    from workers.config_models import DataConfig
+    from workers.spec.sections import DataConfig
 
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))

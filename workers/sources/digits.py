@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from workers.sources import (
+from workers.sources.base import (
     Decoded,
     Decoding,
     Listing,
@@ -22,7 +22,7 @@ from workers.sources import (
 from workers.sources.images import resize, stack
 
 if TYPE_CHECKING:
-    from workers.config_models import DataConfig
+    from workers.spec.sections import DataConfig
 
 # The file load_digits reads: one scan a line.
 DIGITS_FILE = ("datasets", "data", "digits.csv.gz")

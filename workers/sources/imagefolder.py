@@ -11,7 +11,7 @@ import fsspec
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from workers.sources import (
+from workers.sources.base import (
     Decoded,
     Decoding,
     InputPlan,
@@ -30,7 +30,7 @@ from workers.sources import (
 from workers.sources.images import IMAGE_SUFFIXES, resize, stack
 
 if TYPE_CHECKING:
-    from workers.config_models import DataConfig
+    from workers.spec.sections import DataConfig
 
 
 def imagefolder_root(root: str, storage_options: dict[str, Any]) -> tuple[Any, str]:

@@ -5,11 +5,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workers.sources import Decoded, Decoding, Listing, Source, digest, register, split_records
+from workers.sources.base import Decoded, Decoding, Listing, Source, digest, register, split_records
 from workers.sources.images import stack
 
 if TYPE_CHECKING:
-    from workers.config_models import DataConfig
+    from workers.spec.sections import DataConfig
 
 
 @register

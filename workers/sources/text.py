@@ -20,7 +20,7 @@ import fsspec
 import numpy as np
 import zarr
 
-from workers.sources import (
+from workers.sources.base import (
     Listing,
     Source,
     SourceError,
@@ -32,7 +32,7 @@ from workers.sources import (
 )
 
 if TYPE_CHECKING:
-    from workers.config_models import DataConfig
+    from workers.spec.sections import DataConfig
 
 Tokenizer = Literal["byte", "char"]
 BYTES = 256

@@ -4,10 +4,10 @@
 
 from typing import TYPE_CHECKING, Any
 
-from workers.sources import Source, SourceError, check_files_exist, register
+from workers.sources.base import Source, SourceError, check_files_exist, register
 
 if TYPE_CHECKING:
-    from workers.config_models import DataConfig
+    from workers.spec.sections import DataConfig
 
 
 @register

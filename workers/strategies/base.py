@@ -1,13 +1,12 @@
-"""The one interface every strategy implements, and the registry that finds one by name.
+"""The one interface every strategy implements, and the registry its runtimes join.
 
 The training loop (``workers/train.py``) only talks to a :class:`Strategy`: it prepares the
 model, runs one step's forward and backward, clips, evaluates, and names the modules a
 checkpoint holds. A strategy family's runtime module registers its classes with
-:func:`register`; :func:`get_strategy` imports the module that the strategy's plan names
-(``StrategyPlan.runtime``) on first use.
+:func:`register`; ``workers.strategies.get_strategy`` imports the module that the strategy's
+plan names (``StrategyPlan.runtime``) on first use.
 """
 
-import importlib
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -20,11 +19,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.data import StoreSplit, eval_batches
-from workers.layout import Layout
 from workers.losses import CROSS_ENTROPY, TERMS, Criterion
 from workers.model_pieces import Piece, own_pieces
 from workers.precision import Precision
-from workers.strategies import STRATEGIES, get_plan
+from workers.spec.layout import Layout
+from workers.spec.names import STRATEGIES
 
 
 class EpochSums:
@@ -146,30 +145,17 @@ class Strategy(ABC):
         each value once, and none gathers the model whole."""
 
 
-_REGISTRY: dict[str, type[Strategy]] = {}
+REGISTERED: dict[str, type[Strategy]] = {}
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
     """Class decorator: make ``cls`` the strategy called ``cls.name``."""
     if cls.name not in STRATEGIES:
         raise ValueError(
-            f"strategy {cls.name!r}: add its name to STRATEGIES in workers/strategies/__init__.py"
+            f"strategy {cls.name!r}: add its name to STRATEGIES in workers/spec/names.py"
         )
-    _REGISTRY[cls.name] = cls
+    REGISTERED[cls.name] = cls
     return cls
-
-
-def get_strategy(name: str) -> type[Strategy]:
-    """The runtime of the strategy called ``name`` (imports torch)."""
-    plan = get_plan(name)  # refuses an unknown name
-    if name not in _REGISTRY:
-        importlib.import_module(plan.runtime)
-    return _REGISTRY[name]
-
-
-def registered() -> dict[str, type[Strategy]]:
-    """The strategies registered so far, by name."""
-    return dict(_REGISTRY)
 
 
 class WholeModel(Strategy):

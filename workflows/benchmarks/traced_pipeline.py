@@ -26,11 +26,12 @@ import torch
 import torchvision
 from torch import nn
 
-from workers.config_models import TrainingConfig
 from workers.precision import Precision
-from workers.strategies import get_plan
-from workers.strategies.base import EpochSums, RankPlacement, get_strategy
-from workers.strategies.pipeline import PipelineConfig, StagingSettings
+from workers.spec.plans import get_plan
+from workers.spec.plans.pipeline import StagingSettings
+from workers.spec.sections import PipelineConfig, TrainingConfig
+from workers.strategies import get_strategy
+from workers.strategies.base import EpochSums, RankPlacement
 from workflows.cluster import start_cluster
 from workflows.config import load_config
 from workflows.jobs import launch

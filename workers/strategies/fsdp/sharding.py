@@ -27,8 +27,8 @@ from workers.in_place_init import to_device
 from workers.model_pieces import Piece, own_pieces
 from workers.models import model_blocks
 from workers.precision import Precision
+from workers.spec.plans.fsdp import ShardingSettings
 from workers.strategies.base import EpochSums, RankPlacement, WholeModel, register
-from workers.strategies.fsdp import ShardingSettings
 from workers.strategies.tensor_parallel import apply_tensor_parallel
 
 

@@ -34,10 +34,13 @@ from workers.compat.torch_private import flatten_mesh
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.in_place_init import is_meta, to_device
-from workers.layout import Layout
 from workers.model_pieces import Piece, own_pieces
 from workers.precision import Precision
+from workers.spec.layout import Layout
+from workers.spec.plans.pipeline import StagingSettings
+from workers.spec.sections import PipelineConfig
 from workers.stage_cuts import (
+    TRACED_AND_CHECKPOINTED,
     check_tensor_parallel_stages,
     cut_into_stages,
     is_traced,
@@ -45,7 +48,6 @@ from workers.stage_cuts import (
     trace_stages,
 )
 from workers.strategies.base import EpochSums, RankPlacement, Strategy, register
-from workers.strategies.pipeline import TRACED_AND_CHECKPOINTED, PipelineConfig, StagingSettings
 from workers.strategies.tensor_parallel import apply_plan_part, tensor_parallel_plan
 
 SCHEDULES = {
@@ -86,6 +88,24 @@ class Pipeline:
             stage.train(mode)
 
 
+def _cut(
+    model: nn.Module, split_points: Sequence[str], *, sample: torch.Tensor | None, sharded: bool
+) -> tuple[list[nn.Module], Pipe | None, Pipe | None]:
+    """Every stage of ``model``, and for a traced model its trace (``Pipe``) and the eval-mode
+    trace validation runs (none where FSDP shards the stages)."""
+    if not is_traced(model):
+        return cut_into_stages(model, split_points), None, None
+    if checkpointed_modules(model):
+        raise ValueError(TRACED_AND_CHECKPOINTED.format(model=type(model).__name__))
+    if sample is None:
+        raise ValueError(f"pipeline: {type(model).__name__} is traced, which needs a sample")
+    # Every rank traces the whole model the same way and keeps its own stages.
+    pipe = trace_stages(model, sample, split_points)
+    stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+    eval_pipe = None if sharded else trace_eval_stages(model, sample, split_points)
+    return stages, pipe, eval_pipe
+
+
 def apply_pipeline(
     model: nn.Module,
     *,
@@ -122,19 +142,7 @@ def apply_pipeline(
     if tp > 1:  # the whole model's plan, for each stage to split its part by
         check_tensor_parallel_stages(model)
         plan = tensor_parallel_plan(model, mesh=mesh["tp"], plan_path=tp_plan)
-    pipe = eval_pipe = None
-    if is_traced(model):
-        if checkpointed_modules(model):
-            raise ValueError(TRACED_AND_CHECKPOINTED.format(model=type(model).__name__))
-        if sample is None:
-            raise ValueError(f"pipeline: {type(model).__name__} is traced, which needs a sample")
-        # Every rank traces the whole model the same way and keeps its own stages.
-        pipe = trace_stages(model, sample, config.split_points)
-        stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
-        if not sharded:
-            eval_pipe = trace_eval_stages(model, sample, config.split_points)
-    else:
-        stages = cut_into_stages(model, config.split_points)
+    stages, pipe, eval_pipe = _cut(model, config.split_points, sample=sample, sharded=sharded)
     if len(stages) != n_stages:
         raise ValueError(
             f"pipeline.split_points: {len(config.split_points)} points make {len(stages)} "
@@ -146,7 +154,7 @@ def apply_pipeline(
     tp_rank = mesh.get_local_rank("tp") if tp > 1 else 0
     pp_group = mesh.get_group("pp")
     dp_group = replica_mesh.get_group() if dp > 1 else None
-    assert dist.get_rank() == (pp_rank * dp + dp_rank) * tp + tp_rank
+    assert dist.get_rank() == layout.rank(pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank)
 
     # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
     mine = list(range(pp_rank, n_stages, pp))

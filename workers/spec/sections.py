@@ -1,5 +1,5 @@
-"""The config sections of the worker-side components: checkpoint, data, model, training,
-parallel. A strategy's own sections live with its plan (``workers/strategies/<family>/``).
+"""The config sections of the trainer's components: checkpoint, data, model, training,
+parallel, and the strategies' own: fsdp, pipeline (their plans: ``workers/spec/plans/``).
 
 They live here, apart from the code that uses them, because this module must not import torch:
 ``dask-train validate`` and every config check import it, and torch alone takes seconds to
@@ -21,30 +21,15 @@ from pydantic import (
     model_validator,
 )
 
-from workers.model_sources import IMPORT_PATH, check_name
-from workers.sources import COLLECTION_SOURCES, SOURCES
-from workers.strategies import STRATEGIES
-
-# The built-in models (workers/models.py), named here so that a config validates without torch.
-BUILTIN_MODELS = ("cifar_cnn", "small_resnet", "gpt")
-# The top-level modules of the built-in nn.Sequential models: where each can be cut into stages.
-# Written out so that checking split points needs no torch; a test compares them with the
-# modules the models really have. (gpt is cut between its blocks, as many as model.kwargs
-# gives it: its cut is checked by building it.)
-# fmt: off
-MODEL_LAYERS: dict[str, tuple[str, ...]] = {
-    "cifar_cnn": (
-        "conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc1", "relu3", "fc2",
-    ),
-    "small_resnet": (
-        "stem", "block1", "block2", "block3", "block4", "down1", "block5", "down2", "block6",
-        "pool", "flatten", "fc",
-    ),
-}
-# fmt: on
-# The built-in models with a tensor-parallel plan of their own.
-BUILTIN_TP_PLANS = {"gpt": "workers.tensor_plans:gpt"}
-
+from workers.spec.names import (
+    BUILTIN_MODELS,
+    BUILTIN_TP_PLANS,
+    COLLECTION_SOURCES,
+    IMPORT_PATH,
+    SOURCES,
+    STRATEGIES,
+    check_model_name,
+)
 
 # Words in the names of fsspec options that carry credentials: s3fs's key, secret, token and
 # client_kwargs' aws_*_key_id / aws_secret_access_key / aws_session_token, gcsfs's token,
@@ -391,7 +376,7 @@ class ModelConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _known_syntax(cls, name: str) -> str:
-        check_name(name, sorted(BUILTIN_MODELS))
+        check_model_name(name)
         return name
 
     @field_validator("tp_plan")
@@ -734,3 +719,84 @@ class ParallelConfig(BaseModel):
     def given(self) -> bool:
         """Whether a data-parallel degree is set."""
         return self.dp_replicate is not None or self.dp_shard is not None
+
+
+class FSDPConfig(BaseModel):
+    """How ``fsdp`` and ``hsdp`` shard (FSDP2's ``fully_shard``): each top-level module that
+    holds parameters is one unit, gathered for its forward and backward, then the root."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="free a unit's gathered parameters after its forward and gather them "
+        "again for the backward (false: keep them, more memory, one all-gather less)",
+    )
+    cpu_offload: bool = Field(
+        default=False,
+        description="keep the sharded parameters, gradients and optimizer state in host memory "
+        "(GPU: the optimizer steps on the CPU)",
+    )
+
+
+class PipelineConfig(BaseModel):
+    """How the model is cut into stages and how the stages are scheduled.
+
+    ``model_parallel`` uses the cut (``split_points`` / ``balance``) and ignores the schedule.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        default="1f1b", description="the pipeline schedule (torch.distributed.pipelining)"
+    )
+    n_microbatches: int = Field(
+        default=8, ge=1, description="micro-batches per step (model_parallel: 1)"
+    )
+    stages_per_rank: int = Field(default=1, ge=1, description="more than 1: interleaved only")
+    split_points: tuple[str, ...] | None = Field(
+        default=None,
+        description="where stage 2, 3, … begin: top-level module names, blocks of a model that "
+        "names them (gpt: 'layers.2'), or module paths of a traced model; unset: planned",
+    )
+    balance: Literal["profile", "layers"] = Field(
+        default="profile",
+        description="without split_points: profile each layer on a worker and balance time, "
+        "or give each stage an equal number of layers",
+    )
+    dp: int = Field(default=1, ge=1, description="data-parallel replicas of every stage")
+    dp_mode: Literal["fsdp", "ddp"] = Field(
+        default="fsdp",
+        description="how a stage's replicas average gradients: FSDP2, or DDP (1f1b only)",
+    )
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> "PipelineConfig":
+        interleaved = self.schedule == "interleaved_1f1b"
+        if interleaved and self.stages_per_rank < 2:
+            raise ValueError(
+                "pipeline.stages_per_rank: interleaved_1f1b runs several stages per rank; "
+                "set stages_per_rank = 2 or more, or use schedule = '1f1b'"
+            )
+        if not interleaved and self.stages_per_rank > 1:
+            raise ValueError(
+                f"pipeline.stages_per_rank: {self.schedule} runs one stage per rank; "
+                "set stages_per_rank = 1, or use schedule = 'interleaved_1f1b'"
+            )
+        if self.dp > 1 and self.dp_mode == "ddp":
+            self.check_ddp_stages("pipeline.dp_mode", "use dp_mode = 'fsdp'")
+        if self.split_points is not None and len(set(self.split_points)) != len(self.split_points):
+            raise ValueError(f"pipeline.split_points: names repeat in {list(self.split_points)}")
+        return self
+
+    def check_ddp_stages(self, field: str, instead: str) -> None:
+        """DDP-wrapped stages (replicas of each stage that average gradients by DDP) need the
+        1f1b schedule. Measured with torch 2.14 on gloo: GPipe over DDP-wrapped stages trips
+        the reducer's "rebuilt params size" assert on the second step, because every
+        micro-batch's backward runs before DDP's bucket rebuild; 1F1B interleaves them and
+        stays correct."""
+        if self.schedule != "1f1b":
+            raise ValueError(
+                f"{field}: DDP-wrapped stages only work with the 1f1b schedule (with "
+                f"{self.schedule} DDP's reducer fails); {instead}, or schedule = '1f1b'"
+            )

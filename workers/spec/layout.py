@@ -85,7 +85,11 @@ class Layout:
     @property
     def reporting_rank(self) -> int:
         """The first replica of the last stage, which knows the loss (rank 0 without stages)."""
-        return (self.pp - 1) * self.dp * self.tp
+        return self.rank(pp_rank=self.pp - 1, dp_rank=0, tp_rank=0)
+
+    def rank(self, *, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """The rank at a place of the ``(pp, dp, tp)`` mesh."""
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     @property
     def dp_replicate(self) -> int:
