@@ -172,6 +172,12 @@ class RankContext:
         """
         return self._memory.bytes()
 
+    def reset_peak_memory(self) -> None:
+        """Measure :meth:`peak_memory_bytes` from now on: after what a rank loads once per
+        worker process (a library's code: torchvision's is up to 165 MiB resident), so that
+        the peak is the job's own memory."""
+        self._memory = PeakMemory.start(self.device)
+
     def heartbeat(self, samples: int = 0) -> None:
         """Tell the launcher this rank makes progress.
 

@@ -45,6 +45,7 @@ from workers.in_place_init import InPlaceInit
 from workers.losses import Criterion
 from workers.malloc import freed_memory_returned
 from workers.model_pieces import HeldPieces, Piece
+from workers.model_sources import resolve
 from workers.models import ModelConfig, build_model
 from workers.optimizers import (
     OptimizerFactory,
@@ -321,6 +322,12 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         checkpoints = Checkpoints.in_directory(
             job.checkpoint, report=ctx.emit, release_timeout_s=ctx.release_timeout_s
         )
+    if job.factory is None:
+        # The model's library first (torchvision's code: 165 MiB resident in a process that
+        # holds only torch, measured): the peak this rank reports is the job's memory, which
+        # the plan estimates, not code its worker loads once.
+        resolve(job.model.name)
+        ctx.reset_peak_memory()
     # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py).
     sharded_on_cpu = layout.dp_shard > 1 and ctx.membership.device.type == "cpu"
     with freed_memory_returned() if sharded_on_cpu else contextlib.nullcontext():
@@ -695,7 +702,21 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
             _save(trainer, at, hooks=hooks)
     train_seconds = time.perf_counter() - epoch_started
     samples_per_s = trainer.throughput.epoch_done(train_seconds, samples_before=samples_before)
+    return _close_epoch(trainer, epoch, sums, samples_per_s, stopped=stopped, hooks=hooks)
 
+
+def _close_epoch(
+    trainer: Trainer,
+    epoch: int,
+    sums: EpochSums,
+    samples_per_s: float,
+    *,
+    stopped: Progress | None,
+    hooks: Hooks,
+) -> dict[str, Any]:
+    """The end of an epoch (or of a run stopped in one, at ``stopped``): validation, the
+    epoch's record in the history and out to the client, and the checkpoint it calls for."""
+    config, checkpoints = trainer.config, hooks.checkpoints
     totals = sums.all_reduced()
     val = evaluate(trainer)
     if hooks.heartbeat:
