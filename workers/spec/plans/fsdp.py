@@ -51,10 +51,7 @@ class FSDPPlan(StrategyPlan):
         self.check_tp_plan(sections)
         if world_size is None and parallel.dp_replicate and parallel.dp_shard:
             world_size = parallel.dp_replicate * parallel.dp_shard * parallel.tp
-        if world_size is not None:
-            self.layout(sections, world_size)
-        else:
-            self.check_without_world(sections)
+        super().check(sections, world_size)
 
     def check_without_world(self, sections: StrategySections) -> None:
         """What can be refused before the world size is known (fsdp shards over whatever
