@@ -23,6 +23,7 @@ from workflows.planner import (
     stage_memory,
     suggested_shard,
 )
+from workflows.resolved_run import resolve_run
 
 MIB = 2**20
 
@@ -195,9 +196,10 @@ def test_plan_command_refuses_a_config_that_cannot_be_staged(tmp_path):
 def test_a_worker_killed_for_memory_while_profiling_is_an_error_naming_it(make_config):
     # A model of ~1.5 GiB on a worker allowed 1 GiB: the nanny kills the worker while the
     # profile builds it. Dask would keep the task bound to the gone worker forever.
+    # A DDP run on the one worker: planned as a 2-stage pipeline beside it, profiled all the same.
     config = make_config(
         {"cluster": {"n_workers": 1, "memory_limit": "1GiB", "dashboard_port": 0}},
-        strategy="pipeline",
+        strategy="ddp",
     )
 
     def too_large() -> nn.Module:
@@ -207,7 +209,12 @@ def test_a_worker_killed_for_memory_while_profiling_is_an_error_naming_it(make_c
     with start_cluster(config.cluster) as cluster:
         (worker,) = live_workers(cluster.client)
         with pytest.raises(ProfileFailed) as failed:
-            plan(cluster.client, config, world_size=2, num_classes=10, build=too_large)
+            plan(
+                cluster.client,
+                resolve_run(cluster.client, config),
+                num_classes=10,
+                build=too_large,
+            )
     message = str(failed.value)
     assert f"({worker}) left the cluster" in message
     assert "cluster.memory_limit = '1GiB'" in message and "pipeline.split_points" in message

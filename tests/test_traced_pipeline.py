@@ -10,6 +10,7 @@ can begin, are refused naming why.
 """
 
 import copy
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -42,6 +43,7 @@ from workflows import launch
 from workflows.config import ConfigError
 from workflows.driver import train
 from workflows.planner import balanced_split, plan, resolve_split_points
+from workflows.resolved_run import resolve_run
 
 BATCH, STEPS, LR, SAMPLES, VAL_SAMPLES = 16, 3, 0.05, 64, 40
 IMAGE = (3, 32, 32)
@@ -356,12 +358,17 @@ def test_the_planner_profiles_the_cut_points_of_a_traced_model():
 
 def test_the_planner_plans_a_traced_model_on_a_worker(cluster, make_config):
     config = make_config(
-        {"name": "traced-plan", "pipeline": {"schedule": "1f1b", "n_microbatches": 4}},
+        {
+            "name": "traced-plan",
+            "pipeline": {"schedule": "1f1b", "n_microbatches": 4},
+            "launch": {"world_size": 2},
+        },
         strategy="pipeline",
         batch_size=32,
     )
     resnet18 = partial(build, "resnet18_group_norm", seed=0)
-    result = plan(cluster.client, config, world_size=2, num_classes=10, build=resnet18)
+    run = resolve_run(cluster.client, config)
+    result = plan(cluster.client, run, num_classes=10, build=resnet18)
     assert [layer.name for layer in result.profile.layers] == RESNET18_CUT_POINTS
     (point,) = result.split_points
     assert point in RESNET18_CUT_POINTS[1:]
@@ -375,8 +382,7 @@ def test_the_planner_plans_a_traced_model_on_a_worker(cluster, make_config):
     named = config.model.model_copy(update={"name": "torchvision:resnet18"})
     even = resolve_split_points(
         cluster.client,
-        config.model_copy(update={"pipeline": by_layers, "model": named}),
-        layout=config.layout(2),
+        replace(run, config=run.config.model_copy(update={"pipeline": by_layers, "model": named})),
         num_classes=10,
     )
     assert even == ("layer3",)  # 13 pieces: 7 in the first stage, 6 in the second

@@ -406,8 +406,8 @@ def plan(
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
     _start_worker_imports(resolved)
     from workflows.cluster import start_cluster
-    from workflows.driver import resolve_run
     from workflows.planner import plan as plan_stages
+    from workflows.resolved_run import resolve_run
     from workflows.stores import read_manifest
 
     data = resolved.data.resolved()
@@ -417,12 +417,9 @@ def plan(
     # A ValueError here is the planner's: the model does not fit the stages it is given.
     with _exit_codes("planning", ValueError), start_cluster(resolved.cluster) as cluster:
         run = resolve_run(cluster.client, resolved)
-        world_size = run.layout.world_size
-        result = plan_stages(
-            cluster.client, run.config, world_size=world_size, num_classes=num_classes
-        )
+        result = plan_stages(cluster.client, run, num_classes=num_classes)
     click.echo(
-        f"{resolved.model.name} on {world_size} workers, global batch "
+        f"{resolved.model.name} on {run.layout.world_size} workers, global batch "
         f"{resolved.training.batch_size}"
     )
     click.echo(result.render())

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ from distributed import Client
 from workers.collection_shard import CollectionPlan
 from workers.optimizers import OptimizerFactory, ScheduleFactory
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
-from workers.spec.layout import Layout
 from workers.spec.names import model_source
 from workers.spec.sections import LOSSES, DataConfig
 from workers.train import RankResult, TrainJob, run_rank
@@ -31,9 +30,9 @@ from workflows.config import ConfigError, RunConfig, check_model, load_config, m
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, LaunchResult, TrainingFailed, launch_on
-from workflows.launcher import LaunchConfig, ranks_for
 from workflows.model_handback import collect_model
 from workflows.preprocess import prepare_store
+from workflows.resolved_run import ResolvedRun, resolve_run
 from workflows.stores import StoreManifest, read_manifest
 from workflows.tracking import Tracker
 
@@ -220,49 +219,6 @@ def train(
 
 # train(optimizer=..., lr_schedule=...), passed on together to the job.
 Components = tuple[OptimizerFactory | None, ScheduleFactory | None]
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    """One run's facts, worked out once on the client before anything starts; every step after
-    reads them here rather than working them out again."""
-
-    config: RunConfig  # its data and checkpoint paths absolute
-    layout: Layout  # its world size among the rest (an elastic run's: at the range's top)
-    launch: LaunchConfig  # [launch] with the world size
-    store_named: bool  # whether the config names data.store (else it is the dataset's default)
-    layouts: dict[int, Layout] | None = None  # an elastic run's, for each world of its range
-
-    def with_data(self, data: DataConfig) -> "ResolvedRun":
-        """This run reading ``data`` instead (collections written into a store)."""
-        return replace(self, config=self.config.model_copy(update={"data": data}))
-
-
-def resolve_run(client: Client, config: RunConfig) -> ResolvedRun:
-    """``config`` on the cluster of ``client``: its world size (the workers it may hold), the
-    layout of its ranks, its paths made absolute. A batch that does not split is a
-    :class:`ConfigError` here, before any data is read or any rank starts."""
-    absolute = config.model_copy(
-        update={"data": config.data.resolved(), "checkpoint": config.checkpoint.resolved()}
-    )
-    try:
-        layouts = config.elastic_layouts()
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if layouts is not None:  # an elastic run: its world changes within its range
-        return ResolvedRun(
-            config=absolute,
-            layout=layouts[max(layouts)],
-            launch=config.launch,
-            store_named=config.data.store is not None,
-            layouts=layouts,
-        )
-    world_size = config.world_size or ranks_for(client, config.launch)
-    layout = config.layout(world_size)
-    launch = config.launch.model_copy(update={"world_size": world_size})
-    return ResolvedRun(
-        config=absolute, layout=layout, launch=launch, store_named=config.data.store is not None
-    )
 
 
 def _train_on(
@@ -456,13 +412,11 @@ def _cut_once(
     # torch.distributed.pipelining costs ~0.8 s to import: only staged runs pay it.
     from workflows.planner import resolve_split_points
 
-    config = run.config
     return resolve_split_points(
         client,
-        config,
-        layout=run.layout,
+        run,
         num_classes=num_classes,
-        build=None if factory is None else model_builder(config, num_classes, factory),
+        build=None if factory is None else model_builder(run.config, num_classes, factory),
     )
 
 

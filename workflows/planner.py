@@ -30,6 +30,7 @@ from workers.stage_cuts import (
 )
 from workflows.cluster import live_workers
 from workflows.config import ConfigError, RunConfig
+from workflows.resolved_run import ResolvedRun
 
 # Per parameter byte a stage also holds its gradient and SGD's momentum buffer.
 _PARAM_COPIES = 3
@@ -236,19 +237,19 @@ def balanced_split(
 
 def plan(
     client: Client,
-    config: RunConfig,
+    run: ResolvedRun,
     *,
-    world_size: int,
     num_classes: int,
     build: Callable[[], nn.Module] | None = None,
 ) -> Plan:
-    """Profile the model on the first worker and plan its stages for ``world_size`` ranks.
+    """Profile the model on the first worker and plan its stages for the run's ranks.
 
     ``build`` (run on the worker) gives the model instead of ``config.model``. The layers of a
     model that is not an ``nn.Sequential`` are the pieces between its cut points, traced.
     """
+    config, world_size = run.config, run.layout.world_size
     p = config.pipeline
-    layout = planned_layout(config, world_size)
+    layout = planned_layout(run)
     n_stages, m = layout.n_stages, layout.n_microbatches
     # What the schedule keeps alive per stage: GPipe every micro-batch, 1F1B at most p.
     in_flight = m if p.schedule == "gpipe" else min(m, n_stages)
@@ -343,14 +344,15 @@ def _profile_on(
         future.cancel()
 
 
-def planned_layout(config: RunConfig, world_size: int) -> Layout:
-    """The layout a plan is for: the run's own for a staged strategy. Any other config is
+def planned_layout(run: ResolvedRun) -> Layout:
+    """The layout a plan is for: the run's own for a staged strategy. Any other run is
     planned as the pipeline its [pipeline] section describes, on at least 2 stages, to compare.
     """
+    config = run.config
     if config.strategy_plan.staged:
-        return config.layout(world_size)
+        return run.layout
     dp = config.pipeline.dp
-    world_size = dp * max(2, world_size // dp)
+    world_size = dp * max(2, run.layout.world_size // dp)
     return _staged_plan(config).degrees(config.training, config.pipeline, world_size=world_size)
 
 
@@ -448,15 +450,16 @@ def _recommend(
 
 def resolve_split_points(
     client: Client,
-    config: RunConfig,
+    run: ResolvedRun,
     *,
-    layout: Layout,
     num_classes: int,
     build: Callable[[], nn.Module] | None = None,
 ) -> tuple[str, ...]:
-    """The cut every rank will use: the configured one, an even one, or a planned one.
-    ``build`` gives the model instead of ``config.model``; it is checked here first, traced
-    as the ranks will trace it: a :class:`ConfigError` naming the field where it fails."""
+    """The cut every rank of a staged run will use: the configured one, an even one, or a
+    planned one. ``build`` gives the model instead of ``config.model``; it is checked here
+    first, traced as the ranks will trace it: a :class:`ConfigError` naming the field where it
+    fails."""
+    config, layout = run.config, run.layout
     p = config.pipeline
     if build is not None:
         # The config checked the cut of model.name's model when it loaded, not this one's.
@@ -478,9 +481,7 @@ def resolve_split_points(
             else:
                 names = _cut_points(config, layout=layout, num_classes=num_classes, build=build)
             return tuple(even_split(names, layout.n_stages))
-        return plan(
-            client, config, world_size=layout.world_size, num_classes=num_classes, build=build
-        ).split_points
+        return plan(client, run, num_classes=num_classes, build=build).split_points
     except ConfigError:
         raise
     except ValueError as error:

@@ -43,6 +43,7 @@ from workflows.cluster import start_cluster
 from workflows.config import RunConfig, load_config
 from workflows.driver import train
 from workflows.planner import plan
+from workflows.resolved_run import resolve_run
 
 VIT_IMAGE_SIZE, VIT_CLASSES = 32, 10
 
@@ -155,8 +156,7 @@ def main() -> None:
                             # After the job: profiling builds the model whole on a worker.
                             planned = plan(
                                 cluster.client,
-                                run,
-                                world_size=ranks,
+                                resolve_run(cluster.client, run),  # on its `ranks` workers
                                 num_classes=result.store.num_classes,
                             )
                             estimate = planned.memory[ranks if strategy == "fsdp" else 1]

@@ -36,6 +36,7 @@ from workflows.cluster import start_cluster
 from workflows.config import load_config
 from workflows.jobs import launch
 from workflows.planner import plan, resolve_split_points
+from workflows.resolved_run import resolve_run
 
 IMAGE = (3, 32, 32)
 
@@ -104,14 +105,14 @@ def main() -> None:
     with start_cluster(n_workers=2, dashboard_port=0) as cluster:
         client = cluster.client
         started = time.perf_counter()
-        planned = plan(client, config, world_size=2, num_classes=10, build=resnet18)
+        run = resolve_run(client, config)  # on the cluster's 2 workers
+        planned = plan(client, run, num_classes=10, build=resnet18)
         print(f"planned in {time.perf_counter() - started:.1f} s (trace and profile on a worker)")
         print(planned.render())
         by_layers = config.pipeline.model_copy(update={"balance": "layers"})
         even = resolve_split_points(
             client,
-            config.model_copy(update={"pipeline": by_layers}),
-            layout=config.layout(2),
+            resolve_run(client, config.model_copy(update={"pipeline": by_layers})),
             num_classes=10,
             build=resnet18,
         )
