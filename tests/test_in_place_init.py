@@ -246,6 +246,53 @@ def test_a_weights_file_gives_each_rank_its_part(four_workers, make_config, tmp_
         assert held < 0.3 * whole
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.save here
+def test_a_runs_checkpoint_in_a_bucket_starts_a_four_stage_pipeline(
+    four_workers, make_config, s3, tmp_path
+):
+    """A run's checkpoint (the model under "model", the optimizer's state beside it) kept in
+    a bucket: each of 4 pipeline stages reads its own blocks from the bucket through DCP,
+    nothing mapped from a disk, and holds the file's values, a quarter of them or so."""
+    import torch.distributed.checkpoint as dcp
+
+    model = {"name": "gpt", "kwargs": {"dim": 64, "n_layers": 4, "n_heads": 4, "num_classes": 64}}
+    state = build_model(ModelConfig(**model), num_classes=64, seed=11, input_shape=(SEQUENCE,))
+    state = state.state_dict()
+    dcp.save(
+        {"model": state, "optim": {"step": torch.zeros(1)}},
+        checkpoint_id=tmp_path / "s",
+        no_dist=True,
+    )
+    url = f"{s3.bucket('weights')}/runs/gpt/checkpoints/step-00000100"
+    s3.filesystem().put(str(tmp_path / "s"), url, recursive=True)
+    raw = {
+        "data": text.CORPUS,
+        "model": model | {"weights": url, "storage_options": s3.storage_options},
+        "parallel": {"pp": 4},
+        "pipeline": {"n_microbatches": 4, "split_points": ["layers.1", "layers.2", "layers.3"]},
+    }
+    config = make_config(raw, strategy="pipeline", batch_size=8, seed=3)
+    assert s3.storage_options["secret"] not in config.model_dump_json()  # never written out
+    ranks = launch(_weights_on_the_rank, config, cluster=four_workers).results
+    got = assemble(pieces for pieces, _ in ranks)
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], state[k]) for k in state), "other values than the bucket's"
+    whole = sum(v.numel() * v.element_size() for v in state.values()) / 2**20
+    assert all(held < 0.5 * whole for _, held in ranks)  # a stage's blocks, never the model
+
+
+def test_a_weights_url_is_a_checkpoint_or_refused_naming_it(make_config, s3):
+    options = s3.storage_options
+    bucket = s3.bucket("no-weights")
+    for url, message in (
+        (f"{bucket}/gpt.safetensors", "is a file at a URL, which no rank can map"),
+        (f"{bucket}/runs/none", "is no readable checkpoint"),
+    ):
+        raw = {"data": text.CORPUS, "model": GPT | {"weights": url, "storage_options": options}}
+        with pytest.raises(ConfigError, match=f"model.weights: {url} {message}"):
+            check_model(make_config(raw, strategy="fsdp"), num_classes=64)
+
+
 @pytest.mark.parametrize(
     ("saved", "message"),
     [

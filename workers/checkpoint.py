@@ -109,6 +109,13 @@ def _where(location: str | os.PathLike[str], storage_options: StorageOptions) ->
     return _Remote(fs, path.rstrip("/"), location.rstrip("/"))
 
 
+def local_path(location: str | os.PathLike[str], storage_options: StorageOptions) -> Path | None:
+    """``location`` as a local path (a ``file://`` URL's too), or None where it is a URL of
+    another filesystem (s3://, gs://, memory://)."""
+    where = _where(location, storage_options)
+    return where if isinstance(where, Path) else None
+
+
 def _label(where: Path | _Remote) -> str:
     """``where`` for messages: the path, or the URL as written."""
     return str(where) if isinstance(where, Path) else where.url
@@ -941,10 +948,17 @@ def load_checkpoint(
     )
 
 
-def load_model_tensors(path: str | Path, modules: list[nn.Module], *, prefix: str) -> None:
-    """The model's tensors of the DCP checkpoint at ``path`` (under ``prefix``: ``"model."``
-    in a run's checkpoint) into this rank's modules as laid out, each rank reading its own part
-    of each: DCP reshards (collective). A tensor the checkpoint lacks is DCP's error."""
+def load_model_tensors(
+    path: str | Path,
+    modules: list[nn.Module],
+    *,
+    prefix: str,
+    storage_options: StorageOptions = None,
+) -> None:
+    """The model's tensors of the DCP checkpoint at ``path`` (a folder, or a URL through
+    fsspec; under ``prefix``: ``"model."`` in a run's checkpoint) into this rank's modules as
+    laid out, each rank reading its own part of each: DCP reshards (collective). A tensor the
+    checkpoint lacks is DCP's error."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -953,7 +967,7 @@ def load_model_tensors(path: str | Path, modules: list[nn.Module], *, prefix: st
     # DCP nests by the first dot: a run's checkpoint holds {"model": {...}, "optim": ...}.
     dcp.load(
         {prefix.rstrip("."): state} if prefix else state,
-        storage_reader=safe_reader(path),
+        storage_reader=safe_reader(path, storage_options),
         planner=tensors_only_planner(),
     )
     set_model_state_dict(model, state)

@@ -17,13 +17,12 @@ the place of its draw: the file is mapped, and each rank copies out only its own
 """
 
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from workers.checkpoint import load_model_tensors
+from workers.checkpoint import StorageOptions, load_model_tensors, local_path
 from workers.compat.torch_private import local_offsets
 from workers.model_sources import ModelError
 from workers.weight_files import WeightsError, checkpoint_tensors, open_weights
@@ -60,13 +59,24 @@ class InPlaceInit:
     drawn from. Made from the whole model (on the meta device) before any strategy touches
     it: the strategy may cut, shard or drop modules, and these are still the whole model's."""
 
-    def __init__(self, model: nn.Module, *, seed: int, weights: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        seed: int,
+        weights: str | None = None,
+        storage_options: StorageOptions = None,
+    ) -> None:
         self.seed = seed
         self.owners = [(name, m) for name, m in model.named_modules() if _owned(m)]
         # The file's tensors (mapped, not read): they take the place of drawn values. A DCP
-        # checkpoint's are shapes only: each rank loads its part after the draws.
-        self.weights = open_weights(weights) if weights is not None else {}
-        self.checkpoint = weights if weights is not None and Path(weights).is_dir() else None
+        # checkpoint's (a folder, or a URL) are shapes only: each rank loads its part after
+        # the draws.
+        self.storage_options = storage_options
+        self.weights = open_weights(weights, storage_options) if weights is not None else {}
+        self.checkpoint = (
+            weights if weights is not None and _is_checkpoint(weights, storage_options) else None
+        )
         if weights is not None:
             self._check_weights(model, weights)
         for name, module in self.owners:
@@ -118,8 +128,10 @@ class InPlaceInit:
         # The file's pages this rank read count in its resident set while it is mapped.
         self.weights = {}
         if self.checkpoint is not None:
-            _, prefix = checkpoint_tensors(Path(self.checkpoint))
-            load_model_tensors(self.checkpoint, roots, prefix=prefix)
+            _, prefix = checkpoint_tensors(self.checkpoint, self.storage_options)
+            load_model_tensors(
+                self.checkpoint, roots, prefix=prefix, storage_options=self.storage_options
+            )
 
     def _draw(self, owner: str, module: nn.Module) -> None:
         """``module.reset_parameters()`` on whole temporary tensors, or the weights file's
@@ -157,6 +169,13 @@ class InPlaceInit:
                 n: self.weights[_path(owner, n)] for n, _ in held if _path(owner, n) in self.weights
             }
         _keep_parts(held, drawn)
+
+
+def _is_checkpoint(weights: str, storage_options: StorageOptions) -> bool:
+    """Whether ``model.weights`` is a DCP checkpoint (a folder, or a URL, where only a
+    checkpoint is taken) rather than a file to map."""
+    local = local_path(weights, storage_options)
+    return local is None or local.is_dir()
 
 
 def _path(owner: str, name: str) -> str:

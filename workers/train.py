@@ -630,9 +630,13 @@ def _built_model(
     weights = model_config.weights
     if get_strategy(config.strategy).lays_out_meta(model):
         # Refuses a module it cannot draw, or a weights file that is not the model's.
-        return model, InPlaceInit(model, seed=config.seed, weights=weights)
+        return model, InPlaceInit(
+            model, seed=config.seed, weights=weights, storage_options=model_config.storage_options
+        )
     model = build(meta=False)
-    in_place = InPlaceInit(model, seed=config.seed, weights=weights)
+    in_place = InPlaceInit(
+        model, seed=config.seed, weights=weights, storage_options=model_config.storage_options
+    )
     if weights is not None or not model_config.builtin:
         in_place.materialize([model], device=torch.device("cpu"))
     return model, None

@@ -9,7 +9,9 @@ none loads it whole.
 A folder is a ``torch.distributed.checkpoint`` (DCP) checkpoint: a run's checkpoint (its
 model's tensors, under ``model.``), or ``dcp.save(model.state_dict(), ...)``'s. Its metadata
 gives the shapes; each rank then loads its own part of every tensor with DCP, which reshards
-(:func:`workers.checkpoint.load_model_tensors`).
+(:func:`workers.checkpoint.load_model_tensors`). Such a checkpoint may also lie at an fsspec
+URL (a run's checkpoint in a bucket): DCP reads each rank's part from there. A file at a URL is
+refused: a ``.pt`` is a zip that ``torch.load`` reads whole, and a mapped file needs a disk.
 """
 
 import json
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from workers.checkpoint import CheckpointDamaged, StorageOptions, local_path, read_metadata
 from workers.model_sources import ModelError
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors, the format's spec).
@@ -40,10 +43,27 @@ class WeightsError(ModelError):
     """A weights file that cannot give the model its values (names the file and the key)."""
 
 
-def open_weights(path: str | Path) -> dict[str, torch.Tensor]:
+# What a file of the whole state dict is called: refused at a URL, where it cannot be mapped.
+WHOLE_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+
+def open_weights(
+    path: str | Path, storage_options: StorageOptions = None
+) -> dict[str, torch.Tensor]:
     """The tensors of the state dict in ``path``, each a view of the mapped file; of a DCP
-    checkpoint's folder, meta tensors (shapes and dtypes only)."""
-    path = Path(path)
+    checkpoint's folder (on disk, or at an fsspec URL), meta tensors (shapes and dtypes
+    only)."""
+    local = local_path(path, storage_options)
+    if local is None:
+        if str(path).rstrip("/").endswith(WHOLE_FILE_SUFFIXES):
+            raise WeightsError(
+                f"model.weights: {path} is a file at a URL, which no rank can map; give a "
+                "torch.distributed.checkpoint folder there (a run's checkpoint, or "
+                "dcp.save(model.state_dict(), checkpoint_id=url)), of which each rank reads "
+                "its part, or copy the file to every worker's disk"
+            )
+        return checkpoint_tensors(path, storage_options)[0]
+    path = local
     if path.is_dir():
         return checkpoint_tensors(path)[0]
     if not path.is_file():
@@ -85,13 +105,14 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def checkpoint_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """The model's tensors in the DCP checkpoint at ``path`` as meta tensors, by their names in
-    the model, and the prefix they have in the checkpoint (``"model."`` in a run's)."""
-    from workers.checkpoint import CheckpointDamaged, read_metadata
-
+def checkpoint_tensors(
+    path: str | Path, storage_options: StorageOptions = None
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The model's tensors in the DCP checkpoint at ``path`` (a folder, or a URL) as meta
+    tensors, by their names in the model, and the prefix they have in the checkpoint
+    (``"model."`` in a run's)."""
     try:
-        items = read_metadata(path).state_dict_metadata
+        items = read_metadata(path, storage_options).state_dict_metadata
     except CheckpointDamaged as error:
         raise WeightsError(f"model.weights: {path} is no readable checkpoint: {error}") from None
     prefix = "model." if any(key.startswith("model.") for key in items) else ""

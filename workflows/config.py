@@ -245,11 +245,13 @@ def check_model(
             input_shape=config.data.sample_shape,
             factory=factory,
         )
-        weights = config.model.weights
-        if config.model.in_place_init and (weights is None or Path(weights).exists()):
+        weights, options = config.model.weights, config.model.storage_options
+        seen = weights is None or "://" in weights or Path(weights).exists()
+        if config.model.in_place_init and seen:
             # Refuses a module whose values it cannot draw, or a weights file or checkpoint
-            # that is not the model's (when the client sees it; else each rank checks it).
-            InPlaceInit(built, seed=0, weights=weights)
+            # that is not the model's (a URL's, from here; a path the client does not see,
+            # on each rank).
+            InPlaceInit(built, seed=0, weights=weights, storage_options=options)
     except ModelError as error:
         raise ConfigError(str(error)) from None
 

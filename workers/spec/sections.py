@@ -369,8 +369,15 @@ class ModelConfig(BaseModel):
         description="a file of the whole model's state dict to start from, on every worker "
         "(torch.save's .pt, or .safetensors): each rank maps it and copies only its own part, "
         "so the model is never loaded whole; or a torch.distributed.checkpoint folder (a run's "
-        "checkpoint, or dcp.save(model.state_dict())), of which each rank loads its part; "
+        "checkpoint, or dcp.save(model.state_dict())), on disk or at an fsspec URL "
+        "(s3://bucket/runs/x/checkpoints/step-00000100), of which each rank loads its part; "
         "takes the place of model.init's values",
+    )
+    storage_options: fsspec_options("model") = Field(  # type: ignore[valid-type]
+        default_factory=dict,
+        description="the options of weights' fsspec filesystem when it is a URL, e.g. "
+        "{endpoint_url = 'http://minio:9000'}; credentials may be given here, but are never "
+        "written out: better in the environment",
     )
 
     @field_validator("name")
