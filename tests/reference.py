@@ -266,8 +266,8 @@ def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict
                 for piece in pieces[:-1] if bug == MICRO_BATCH_DROPPED else pieces:
                     piece = piece.to(device)
                     (criterion(model(images[piece]), labels[piece]) / weight).backward()
-                if t.grad_clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
+                if t.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
                 before_last_step = {k: v.detach().clone() for k, v in model.named_parameters()}
                 if not (bug == STEP_SKIPPED and done + 1 == total):
                     optimizer.step()
@@ -285,7 +285,7 @@ def bugs_that_apply(
     one rank, and under clipping by the norm (which rescales the sum to the same norm); only
     a run resumed at another size reshards."""
     ranks = max(world_size, then[0] if then else 1)
-    summing_matters = ranks > 1 and config.training.grad_clip_norm is None
+    summing_matters = ranks > 1 and config.training.max_grad_norm is None
     return tuple(
         bug
         for bug in PLANTED_BUGS

@@ -16,6 +16,10 @@ CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
     [
         ({"training": {"epohcs": 3}}, r"training\.epohcs: unknown key"),
         ({"trainig": {"epochs": 3}}, r"trainig: unknown key"),
+        (
+            {"training": {"grad_clip_norm": 1.0}},
+            r"training\.grad_clip_norm: now called training\.max_grad_norm \(the same setting\)",
+        ),
         ({"training": {"batch_size": "big"}}, r"training\.batch_size: .*integer"),
         ({"training": {"epochs": 0}}, r"training\.epochs: .*greater than or equal to 1"),
         ({"training": {"lr": -1}}, r"training\.lr: .*greater than 0"),

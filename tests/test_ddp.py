@@ -93,7 +93,7 @@ def test_the_epoch_line_and_the_summary_give_the_same_samples_per_s_of_all_ranks
 def test_bf16_autocast_and_clipping_and_cosine_schedule_train(cluster, config_of):
     config = config_of(
         precision="bf16",
-        grad_clip_norm=1.0,
+        max_grad_norm=1.0,
         lr_schedule="cosine",
         warmup_steps=2,
         epochs=2,

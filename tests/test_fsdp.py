@@ -52,7 +52,7 @@ def _assert_matches_reference(result, config, *, world_size: int, steps: int = 5
         # whole model, whose gradients no rank holds whole, and FSDP's other settings.
         {
             "grad_accum_steps": 2,
-            "grad_clip_norm": 0.05,
+            "max_grad_norm": 0.05,
             "fsdp": {"reshard_after_forward": False},
         },
     ],

@@ -74,7 +74,7 @@ def test_pipeline_schedules_match_one_process(cluster, staged_config, pipeline):
 
 def test_pipeline_clips_by_the_norm_of_the_whole_model(cluster, staged_config):
     # The norm spans both stages: clipping each stage by its own norm would differ.
-    config = staged_config(pipeline={"n_microbatches": 4}, grad_clip_norm=0.05)
+    config = staged_config(pipeline={"n_microbatches": 4}, max_grad_norm=0.05)
     result = train(config, cluster=cluster, on_event=None)
     _assert_matches_reference(result, config)
 
@@ -110,7 +110,7 @@ def test_pipeline_times_data_parallel_on_four_workers_matches_one_process(
     pipeline = dict(pipeline)
     clip = pipeline.pop("clip", None)
     config = staged_config(
-        pipeline={"n_microbatches": 4, **pipeline}, parallel=parallel, grad_clip_norm=clip
+        pipeline={"n_microbatches": 4, **pipeline}, parallel=parallel, max_grad_norm=clip
     )
     layout = config.layout(4)
     assert (layout.pp, layout.dp, layout.dp_shard) == (2, 2, shards)

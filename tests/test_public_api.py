@@ -37,6 +37,8 @@ SHOWN_INTERNALS = {
     "pipeline.split_points is the public way to cut it",
     "workflows.planner.plan": "the guide calls the planner with build=; dask-train plan is the "
     "public way",
+    "workflows.resolved_run.resolve_run": "the planner is given the run as train() resolves it; "
+    "dask-train plan is the public way",
     # docs/guides/reliability.md says how a measurement was taken:
     "workflows.cli.main": "the dask-train entry point, run with python -c to time a SIGTERM",
 }

@@ -58,7 +58,7 @@ def _assert_matches_reference(result, config, *, replicas: int) -> None:
 @pytest.mark.equivalence
 def test_tensor_parallelism_alone_on_two_ranks_matches_one_process(cluster, tp_config):
     # Clipping by the norm of the whole gradient, half of it in each rank's slices.
-    config = tp_config(2, grad_clip_norm=0.05)
+    config = tp_config(2, max_grad_norm=0.05)
     result = train(config, cluster=cluster, on_event=None)
     assert result.world_size == 2
     _assert_matches_reference(result, config, replicas=1)
@@ -97,7 +97,7 @@ def test_the_gpt_split_by_its_plan_under_fsdp_then_in_a_pipeline_matches_one_pro
         "parallel": {"pp": 2, "tp": 2},
         "pipeline": {"n_microbatches": 2, "balance": "layers"},
     }
-    training = {"activation_checkpointing": "selective", "grad_clip_norm": 0.05}
+    training = {"activation_checkpointing": "selective", "max_grad_norm": 0.05}
     config = make_config(raw, **(text.BASE | training | {"strategy": "pipeline"}))
     result = train(config, cluster=four_workers, on_event=None)
     assert result.world_size == 4

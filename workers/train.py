@@ -650,9 +650,9 @@ def train_step(
     x, y = x.to(trainer.device, non_blocking=True), y.to(trainer.device, non_blocking=True)
     optimizer.zero_grad(set_to_none=True)
     loss = trainer.strategy.forward_backward(x, y, precision=precision, sums=sums)
-    if config.grad_clip_norm is not None:
+    if config.max_grad_norm is not None:
         precision.unscale(optimizer)
-        trainer.strategy.clip_grad_norm(config.grad_clip_norm)
+        trainer.strategy.clip_grad_norm(config.max_grad_norm)
     precision.step(optimizer)
     trainer.schedule.step()
     trainer.step += 1

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from workers.spec.layout import Layout
 from workers.spec.names import STRATEGIES
 from workers.spec.plans import StrategyPlan, StrategySections, get_plan
-from workers.spec.plans.fsdp import FSDPPlan
 from workers.spec.sections import (
     SCHEDULES_OVER_THE_RUN,
     CheckpointConfig,
@@ -95,11 +94,7 @@ class RunConfig(BaseModel):
                 f"multiple of 4 (got {self.data.image_size})"
             )
         plan = self.strategy_plan
-        if self.fsdp.cpu_offload and self.cluster.kind == "cpu" and isinstance(plan, FSDPPlan):
-            raise ValueError(
-                "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
-                "cpu_offload = false (it moves a GPU's shards to the host)"
-            )
+        plan.check_device(self.sections, kind=self.cluster.kind)
         plan.check_given_world(world)
         # An unknown world: the driver's resolve_run checks the layout once the cluster's
         # size is known.
@@ -370,13 +365,19 @@ def _apply_overrides(
     return merged
 
 
+# Keys an earlier release took, and what they are called now: told as such, not as unknown.
+RENAMED_KEYS = {"training.grad_clip_norm": "training.max_grad_norm"}
+
+
 def one_line(error: ValidationError) -> str:
     """A pydantic error as one line: each field named, with what to change."""
     messages = []
     for detail in error.errors():
         field = ".".join(str(part) for part in detail["loc"])
         message = detail["msg"].removeprefix("Value error, ")
-        if detail["type"] == "extra_forbidden":
+        if detail["type"] == "extra_forbidden" and field in RENAMED_KEYS:
+            message = f"now called {RENAMED_KEYS[field]} (the same setting); rename it"
+        elif detail["type"] == "extra_forbidden":
             message = "unknown key (check the spelling)"
         elif detail["type"] == "literal_error":
             message = message.replace("Input should be", "must be")

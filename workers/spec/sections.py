@@ -501,7 +501,7 @@ class TrainingConfig(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32", description="bf16 autocast (CPU or GPU), or fp16 with loss scaling (GPU)"
     )
-    grad_clip_norm: float | None = Field(
+    max_grad_norm: float | None = Field(
         default=None,
         gt=0,
         description="clip the whole model's gradient norm to this (under fsdp, hsdp, tp and "

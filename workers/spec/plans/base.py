@@ -77,6 +77,10 @@ class StrategyPlan:
     def check_given_world(self, given: int | None) -> None:
         """Refuse a ``launch.world_size`` this strategy cannot take whatever the cluster."""
 
+    def check_device(self, sections: StrategySections, *, kind: str) -> None:
+        """Refuse settings this strategy cannot use on a cluster of ``kind`` (``cluster.kind``:
+        ``"cpu"``, ``"cuda"`` or ``"auto"``), naming the field."""
+
     def check(
         self,
         sections: StrategySections,

@@ -53,6 +53,13 @@ class FSDPPlan(StrategyPlan):
             world_size = parallel.dp_replicate * parallel.dp_shard * parallel.tp
         super().check(sections, world_size)
 
+    def check_device(self, sections: StrategySections, *, kind: str) -> None:
+        if sections.fsdp.cpu_offload and kind == "cpu":
+            raise ValueError(
+                "fsdp.cpu_offload: a CPU cluster's shards are in host memory already; set "
+                "cpu_offload = false (it moves a GPU's shards to the host)"
+            )
+
     def check_without_world(self, sections: StrategySections) -> None:
         """What can be refused before the world size is known (fsdp shards over whatever
         it is)."""
