@@ -1,5 +1,7 @@
 """A rank's peak memory: what the kernel says this process reached since the job started."""
 
+import mmap
+
 import torch
 
 from workers.peak_memory import PeakMemory
@@ -16,6 +18,20 @@ def test_the_peak_counts_what_was_held_since_the_start_and_not_before():
     # a few the process held at the start may have been returned since.)
     assert 240 * 2**20 <= peak.bytes() < (256 + 32) * 2**20
     assert held_before.sum() > 0
+
+
+def test_the_pages_of_a_file_first_read_during_the_job_are_not_its_memory(tmp_path):
+    # As a library's code that the job runs for the first time: a mapped file's pages, read.
+    path = tmp_path / "library.so"
+    path.write_bytes(b"\x01" * (96 * 2**20))
+    peak = PeakMemory.start(torch.device("cpu"))
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        touched = sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE))
+        assert touched == 96 * 2**20 // mmap.PAGESIZE  # every page read, and resident
+        assert peak.bytes() < 16 * 2**20  # not the job's: 96 MiB were it counted
+        allocated = torch.ones(64 * 2**20 // 4)  # the job's own: counted
+        assert 60 * 2**20 <= peak.bytes() < (64 + 16) * 2**20
+    assert allocated.sum() > 0
 
 
 def test_memory_an_earlier_job_freed_counts_again_when_this_job_takes_it():

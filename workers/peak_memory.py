@@ -8,6 +8,13 @@ before, malloc hands back what it holds free: memory an earlier job freed would 
 resident, be reused, and hide this job's peak (measured: an FSDP job after a DDP job on the
 same workers reported a tenth of its peak). What earlier jobs left in reference cycles is
 collected first: freed by the collector during the job, it would lower the job's figure.
+
+Nor do the pages of files that the job reads for the first time count (``RssFile``'s growth,
+taken off the high-water mark): a library's code that the job runs for the first time (the
+kernels of an operator, DTensor's dispatch, a model library's modules) is mapped from its file,
+shared by every process of the host that runs it, and stays resident once read: the same on
+every strategy, and none of it the job's allocations, which are what the figure is for
+(and what CUDA's counts on a GPU).
 """
 
 import gc
@@ -37,6 +44,7 @@ class PeakMemory:
 
     device: torch.device
     resident_at_start: int | None  # KiB; None where the kernel's figures are not readable
+    file_pages_at_start: int = 0  # KiB of mapped files resident at the start (RssFile)
 
     @classmethod
     def start(cls, device: torch.device) -> "PeakMemory":
@@ -49,7 +57,7 @@ class PeakMemory:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         except OSError:
             return cls(device, None)
-        return cls(device, _status_kib("VmRSS"))
+        return cls(device, _status_kib("VmRSS"), _status_kib("RssFile") or 0)
 
     def bytes(self) -> int | None:
         """The peak so far: None where it cannot be measured (not Linux, no /proc)."""
@@ -58,4 +66,6 @@ class PeakMemory:
         peak = _status_kib("VmHWM")
         if self.resident_at_start is None or peak is None:
             return None
-        return max(0, peak - self.resident_at_start) * 1024
+        # Files' pages read since the start: the code the job ran first (see above).
+        file_pages = max(0, (_status_kib("RssFile") or 0) - self.file_pages_at_start)
+        return max(0, peak - self.resident_at_start - file_pages) * 1024

@@ -165,7 +165,8 @@ class RankContext:
 
     def peak_memory_bytes(self) -> int | None:
         """This rank's peak memory since it started: CUDA's allocator peak on a GPU, the growth
-        of the worker process's peak resident set on a CPU (``workers/peak_memory.py``).
+        of the worker process's peak resident set on a CPU, less the pages of files (a
+        library's code) it first read meanwhile (``workers/peak_memory.py``).
 
         Returns:
             Bytes, or None where the peak cannot be read (no Linux ``/proc``).

@@ -66,8 +66,9 @@ class TrainResult:
         first_step_after_launch_s: From the ranks' launch (the store ready) to the first step.
         job_id: The job's label on ``/metrics`` and the Training page: ``<name>-<8 hex>``.
         peak_memory_mib: Each rank's peak memory while training, in rank order: CUDA's
-            allocator peak on a GPU, the growth of the process's peak resident set on a CPU
-            (the export of the model at the end left out); ``None`` where not measurable.
+            allocator peak on a GPU, the growth of the process's peak resident set on a CPU,
+            less the pages of files (a library's code) first read meanwhile (the export of the
+            model at the end left out); ``None`` where not measurable.
         resizes: One dict per change of an elastic run's world (``launch.world_size =
             "min:max"``): ``from``, ``to``, ``step``, ``cause``, ``pause_s``,
             ``redone_steps``.
