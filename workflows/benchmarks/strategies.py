@@ -22,7 +22,9 @@ the cluster's scheduler), and the reference, the same script under
 Every side measures steady samples/s as the trainer does: from the end of the third step to the
 end of the last (the first steps pay one-off costs). The three sides of a strategy run one
 after another, the order rotating each repeat and strategy, so that the machine's noise hits
-them alike; the figures are the medians of ``--repeats``, the ratios those of the medians.
+them alike; the figures are the medians of ``--repeats``, the ratios those of the medians,
+and each side's paired ratios: in each repeat, to that repeat's torchrun run, and their median
+(the machine's drift from repeat to repeat cancels in them).
 
 The data: a corpus of text files written from a seed (made-up words, no
 download) into a text store (byte tokenizer, windows of ``--sequence-length`` tokens) that the
@@ -264,6 +266,16 @@ def main() -> None:
             f"{med['trainer']:>17.1f} ({med['trainer'] / reference:.3f})"
             f"{med['launch']:>18.1f} ({med['launch'] / reference:.3f})"
         )
+    # A side against torchrun in the same repeat, run back to back: the machine's drift over
+    # the repeats (seen: 1.3x from the first to the last) is common to both, and cancels.
+    print("paired: each repeat's ratio to that repeat's torchrun, and their median:")
+    for strategy, got in rates.items():
+        for side in ("trainer", "launch"):
+            ratios = [v / t for v, t in zip(got[side], got["torchrun"], strict=True)]
+            print(
+                f"  {strategy:<5}{side:<9} {', '.join(f'{r:.3f}' for r in ratios)}"
+                f"  median {statistics.median(ratios):.3f}"
+            )
     print("every run (samples/s):")
     for strategy, got in rates.items():
         for side, values in got.items():
