@@ -18,10 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import get_worker
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import Reference, assert_equivalent
+from workers.compat.distributed_private import sampling_profiler_running
 from workflows import launch
 from workflows.config import ConfigError
 from workflows.jobs import TrainingFailed
@@ -135,6 +137,21 @@ def test_a_users_ddp_loop_matches_one_process_and_every_rank_returns(cluster):
     assert sorted(reports) == sorted((rank, s) for rank in (0, 1) for s in range(1, 6))
     assert 0 < result.first_step_s < result.wall_s
     assert result.recoveries == [] and result.attempts == 1
+
+
+def profiler_state(ctx) -> bool:
+    return sampling_profiler_running(get_worker())
+
+
+def test_a_worker_takes_no_stack_samples_while_a_rank_runs_on_it_and_does_again_after(cluster):
+    # The sampling profiler costs a training worker 6-13% of its CPU (docs/development.md).
+    assert all(cluster.client.run(_profiler_running).values())
+    assert launch(profiler_state, cluster=cluster, world_size=2).results == [False, False]
+    assert all(cluster.client.run(_profiler_running).values())
+
+
+def _profiler_running(dask_worker) -> bool:
+    return sampling_profiler_running(dask_worker)
 
 
 def ragged_reports(ctx) -> int:

@@ -1,7 +1,11 @@
 """A rank's peak memory: what the kernel says this process reached since the job started."""
 
 import mmap
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from workers.peak_memory import PeakMemory
@@ -119,3 +123,61 @@ def test_an_fsdp_rank_peaks_at_a_fraction_of_a_ddp_rank_bounded_by_the_parameter
     assert min(ddp) >= 3 * p_mib, ddp  # parameters, gradients and momentum at least
     assert min(fsdp) >= 1.5 * p_mib, fsdp  # their halves at least
     assert max(fsdp) <= bound * min(ddp), (fsdp, ddp, bound)
+
+
+FREED_RESIDENT = """
+import ctypes, sys
+from pathlib import Path
+
+import torch
+
+from workers.malloc import M_MMAP_THRESHOLD, SLIDING_THRESHOLD_MAX, release_free_memory
+from workers.spec.layout import Layout
+from workers.spec.plans.fsdp import ShardingSettings
+from workers.spec.sections import FSDPConfig
+from workers.strategies.fsdp.sharding import FSDP
+
+libc = ctypes.CDLL("libc.so.6")
+
+
+def resident() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("RssAnon:")).split()[1]) * 1024
+
+
+for case in sys.argv[1:]:  # "<dp_shard>:<return|keep>"
+    shards, what = case.split(":")
+    layout = Layout(world_size=2, pp=1, dp=2, dp_shard=int(shards), batch_size=8)
+    settings = ShardingSettings(fsdp=FSDPConfig(return_freed_memory=what == "return"))
+    assert libc.mallopt(M_MMAP_THRESHOLD, SLIDING_THRESHOLD_MAX) == 1  # as a worker's
+    with FSDP.job_memory(settings, layout=layout, device=torch.device("cpu")):
+        release_free_memory()  # what earlier cases freed: no longer resident
+        before = resident()
+        units, kept = [], []
+        for _ in range(16):  # 128 MiB of 8 MiB units freed, each after one kept
+            kept.append(torch.ones(2 * 2**20))
+            units.append(torch.ones(2 * 2**20))
+        del units
+        print(resident() - before - sum(k.nbytes for k in kept))  # freed, still resident
+        del kept
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_an_fsdp_cpu_rank_returns_the_blocks_it_frees_unless_told_to_keep_them():
+    # A CPU worker's malloc serves blocks of up to 32 MiB from its heap (workflows/cluster.py's
+    # TUNED_MALLOC): freed amid live ones, they stay resident. FSDP's gathered units are such.
+    # A fresh process, as a worker's: this one's other threads allocate meanwhile.
+    cases = ["2:return", "2:keep", "1:return"]
+    done = subprocess.run(
+        [sys.executable, "-c", FREED_RESIDENT, *cases],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    freed_resident = dict(zip(cases, map(int, done.stdout.split()), strict=True))
+    assert freed_resident["2:return"] < 16 * 2**20, freed_resident
+    assert freed_resident["2:keep"] > 96 * 2**20, freed_resident
+    # Nothing to give back where nothing is sharded (nor on a GPU: CUDA's caching allocator).
+    assert freed_resident["1:return"] > 96 * 2**20, freed_resident

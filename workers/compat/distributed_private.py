@@ -14,6 +14,9 @@ Worker side:
 - ``WorkerState.executing``: the predict tasks a worker runs now (``workers/inference.py``).
 - The nanny's ``process.process.pid``: its worker process, killed for a restart at once
   (``workflows/launcher.py``); ``Nanny.kill`` would stop it for good.
+- ``Worker.periodic_callbacks["profile"]`` and ``["profile-cycle"]``: the worker's sampling
+  profiler, paused while a rank runs on it (``workers/rank_context.py``); distributed offers
+  only a setting read when the worker starts.
 
 Scheduler and client side (``workflows/`` imports this module; ``workers/`` never imports
 ``workflows/``):
@@ -31,11 +34,13 @@ Scheduler and client side (``workflows/`` imports this module; ``workers/`` neve
   dashboard.
 """
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import distributed
-from distributed import Nanny, Scheduler, Worker
+from distributed import Nanny, Scheduler, Status, Worker
 from distributed.core import Server
 from distributed.deploy.cluster import Cluster
 from distributed.nanny import WorkerProcess
@@ -66,6 +71,11 @@ _sets(WorkerProcess.start, "process", "Nanny.process.process")
 if not isinstance(getattr(AsyncProcess, "pid", None), property):
     raise _missing("Nanny.process.process.pid")
 _sets(Server.__init__, "handlers", "Scheduler.handlers")
+_sets(Server.__init__, "periodic_callbacks", "Worker.periodic_callbacks")
+SAMPLING_PROFILER = ("profile", "profile-cycle")  # its keys there, when it is enabled
+for _key in SAMPLING_PROFILER:
+    if _key not in Worker.__init__.__code__.co_consts:
+        raise _missing(f'Worker.periodic_callbacks["{_key}"]')
 if "adaptive_target" not in Scheduler.__init__.__code__.co_consts:
     raise _missing('Scheduler.handlers["adaptive_target"]')
 _sets(Cluster.adapt, "_adaptive", "Cluster._adaptive")
@@ -88,6 +98,59 @@ def worker_process_pid(nanny: Any) -> int | None:
     """The pid of ``nanny``'s worker process; None when it has none now."""
     process = getattr(getattr(nanny, "process", None), "process", None)
     return None if process is None else process.pid
+
+
+_profiler_pauses: dict[int, int] = {}  # id(worker) -> ranks running on it now
+_profiler_pauses_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def sampling_profiler_paused(worker: Worker, *, timeout_s: float = 10.0) -> Iterator[None]:
+    """Inside, ``worker``'s sampling profiler takes no samples; called from a task's thread.
+
+    Every 10 ms the profiler walks the stack of each thread running a task, in the worker's
+    event loop, under the GIL that the rank's thread needs too: measured, 6-13% of a training
+    worker's CPU (FSDP's hooks make the deepest stacks). Stopped by the event loop itself
+    (tornado's callbacks belong to it), waited for at most ``timeout_s``; started again when
+    the last rank running on this worker leaves."""
+    # None where the worker started with distributed.worker.profile.enabled off.
+    found = [worker.periodic_callbacks.get(key) for key in SAMPLING_PROFILER]
+    callbacks = [c for c in found if c is not None]
+    stopped = threading.Event()
+
+    def stop() -> None:
+        for callback in callbacks:
+            callback.stop()
+        stopped.set()
+
+    def start() -> None:
+        if worker.status in (Status.running, Status.paused):  # a closing worker stops them
+            for callback in callbacks:
+                callback.start()
+
+    with _profiler_pauses_lock:
+        running = _profiler_pauses.get(id(worker), 0)
+        _profiler_pauses[id(worker)] = running + 1
+        # Under the lock: the loop runs stops and starts in the order the ranks asked.
+        if running == 0:
+            worker.loop.add_callback(stop)
+        else:
+            stopped.set()
+    stopped.wait(timeout_s)
+    try:
+        yield
+    finally:
+        with _profiler_pauses_lock:
+            _profiler_pauses[id(worker)] -= 1
+            if _profiler_pauses[id(worker)] == 0:
+                del _profiler_pauses[id(worker)]
+                worker.loop.add_callback(start)
+
+
+def sampling_profiler_running(worker: Worker) -> bool:
+    """Whether ``worker``'s sampling profiler takes samples now (False where it is off)."""
+    callbacks = [worker.periodic_callbacks.get(key) for key in SAMPLING_PROFILER]
+    return bool(callbacks) and all(c is not None and c.is_running() for c in callbacks)
 
 
 # -- scheduler and client side -------------------------------------------------------------

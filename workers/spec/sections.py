@@ -744,6 +744,13 @@ class FSDPConfig(BaseModel):
         description="keep the sharded parameters, gradients and optimizer state in host memory "
         "(GPU: the optimizer steps on the CPU)",
     )
+    return_freed_memory: bool = Field(
+        default=True,
+        description="on a CPU: hand each freed block over 1 MiB (a unit's gathered parameters "
+        "and gradients) back to the kernel at once, so that a rank's peak stays near its shards "
+        "and the plan's estimate; false keeps freed memory for reuse, as a plain script does: "
+        "less CPU per step, a peak up to 1.7x the estimate (measured). No effect on a GPU",
+    )
 
 
 class PipelineConfig(BaseModel):

@@ -103,6 +103,14 @@ class Strategy(ABC):
         with its values."""
         return False
 
+    @classmethod
+    def job_memory(
+        cls, settings: BaseModel | None, *, layout: Layout, device: torch.device
+    ) -> AbstractContextManager:
+        """What a rank's whole job (building, steps, checkpoints) runs inside, for how its
+        allocator treats freed memory: nothing by default."""
+        return nullcontext()
+
     @property
     @abstractmethod
     def modules(self) -> list[nn.Module]:

@@ -2,6 +2,7 @@
 
     python -m workflows.benchmarks.strategies [--strategies fsdp tp pp] [--repeats 3]
         [--steps 30] [--dim 256] [--layers 4] [--heads 8] [--sequence-length 128] [--batch 16]
+        [--keep-freed-memory]
 
 Three strategies, each on 2 ranks on the CPU (gloo), the built-in GPT (``--layers`` blocks
 ``--dim`` wide), the same windows of tokens, the same global batch, in one run:
@@ -19,6 +20,9 @@ the cluster's scheduler), and the reference, the same script under
 ``torchrun --standalone --nproc-per-node 2``, with the workers' malloc settings
 (``TUNED_MALLOC``: the launched scripts inherit them from their workers) and
 ``OMP_NUM_THREADS=1`` (as torchrun sets it for several processes, and Dask for its workers).
+With ``--keep-freed-memory`` the trainer runs with ``fsdp.return_freed_memory = false``: on a
+CPU, glibc then keeps what FSDP frees for reuse, as it does for the scripts (the default hands
+each freed block over 1 MiB back to the kernel, for a peak near the shards, at a cost in speed).
 Every side measures steady samples/s as the trainer does: from the end of the third step to the
 end of the last (the first steps pay one-off costs). The three sides of a strategy run one
 after another, the order rotating each repeat and strategy, so that the machine's noise hits
@@ -99,6 +103,8 @@ def strategy_config(
             "lr": 0.01,
         },
     }
+    if strategy != "pp" and args.keep_freed_memory:
+        raw["fsdp"] = {"return_freed_memory": False}
     if strategy == "tp":
         raw["parallel"] = {"tp": 2}
     if strategy == "pp":
@@ -194,6 +200,11 @@ def main() -> None:
     parser.add_argument("--sequence-length", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="global, per step")
     parser.add_argument("--microbatches", type=int, default=8, help="pp's, per step")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="the trainer with fsdp.return_freed_memory = false, as the scripts run",
+    )
     args = parser.parse_args()
     # Before anything asks CUDA: the workers, the launched scripts and torchrun's ranks
     # inherit it, so the figures mean the same on every machine.

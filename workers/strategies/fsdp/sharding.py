@@ -10,6 +10,7 @@ within a group (a host) and only the reduced gradients cross hosts.
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from pydantic import BaseModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -24,9 +25,11 @@ from torch.distributed.tensor import DTensor
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.in_place_init import to_device
+from workers.malloc import freed_memory_returned
 from workers.model_pieces import Piece, own_pieces
 from workers.models import model_blocks
 from workers.precision import Precision
+from workers.spec.layout import Layout
 from workers.spec.plans.fsdp import ShardingSettings
 from workers.strategies.base import EpochSums, RankPlacement, WholeModel, register
 from workers.strategies.tensor_parallel import apply_tensor_parallel
@@ -74,6 +77,17 @@ class FSDP(WholeModel):
     @classmethod
     def lays_out_meta(cls, model: nn.Module) -> bool:
         return True  # fully_shard and parallelize_module lay out meta tensors
+
+    @classmethod
+    def job_memory(
+        cls, settings: BaseModel | None, *, layout: Layout, device: torch.device
+    ) -> AbstractContextManager:
+        # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py);
+        # a GPU's caching allocator keeps its own.
+        fsdp = (settings if isinstance(settings, ShardingSettings) else ShardingSettings()).fsdp
+        if fsdp.return_freed_memory and layout.dp_shard > 1 and device.type == "cpu":
+            return freed_memory_returned()
+        return nullcontext()
 
     @classmethod
     def prepare(cls, model: nn.Module, placement: RankPlacement) -> "FSDP":
