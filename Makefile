@@ -47,9 +47,10 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Other CPUs' kernel paths (ATen's plain C, AVX2, AVX-512 crossed with oneDNN's SSE4.1, AVX2
-# and native) run inside the suite: tests/test_kernel_paths.py starts workers on each.
+# and native) run inside the suite: tests/test_kernel_paths.py starts workers on each. The
+# slowest tests are listed at the end: the suite has a time budget (docs/development.md).
 test: lint browser docs
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=25
 
 # The suite in a shuffled order (modules shuffled, and tests within each): no test may depend on
 # another having run before it. SEED=N replays an order; the seed is printed at the top.

@@ -2,7 +2,7 @@
 
     python -m workflows.benchmarks.strategies [--strategies fsdp tp pp] [--repeats 3]
         [--steps 30] [--dim 256] [--layers 4] [--heads 8] [--sequence-length 128] [--batch 16]
-        [--keep-freed-memory]
+        [--keep-freed-memory] [--in-memory]
 
 Three strategies, each on 2 ranks on the CPU (gloo), the built-in GPT (``--layers`` blocks
 ``--dim`` wide), the same windows of tokens, the same global batch, in one run:
@@ -23,6 +23,9 @@ the cluster's scheduler), and the reference, the same script under
 With ``--keep-freed-memory`` the trainer runs with ``fsdp.return_freed_memory = false``: on a
 CPU, glibc then keeps what FSDP frees for reuse, as it does for the scripts (the default hands
 each freed block over 1 MiB back to the kernel, for a peak near the shards, at a cost in speed).
+With ``--in-memory`` the trainer reads its shard of the store into memory before the first
+step (``data.in_memory = true``), as the scripts load the ``.npz`` whole, instead of reading
+each batch from the store in a thread.
 Every side measures steady samples/s as the trainer does: from the end of the third step to the
 end of the last (the first steps pay one-off costs). The three sides of a strategy run one
 after another, the order rotating each repeat and strategy, so that the machine's noise hits
@@ -90,6 +93,7 @@ def strategy_config(
             "drop_last": True,
             "val_fraction": 0.025,
             "store": str(store),
+            "in_memory": args.in_memory,
         },
         "model": {
             "name": "gpt",
@@ -200,6 +204,11 @@ def main() -> None:
     parser.add_argument("--sequence-length", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="global, per step")
     parser.add_argument("--microbatches", type=int, default=8, help="pp's, per step")
+    parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="the trainer reads its shard into memory first (data.in_memory), as the scripts do",
+    )
     parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
