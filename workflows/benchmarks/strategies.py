@@ -20,9 +20,15 @@ the cluster's scheduler), and the reference, the same script under
 ``torchrun --standalone --nproc-per-node 2``, with the workers' malloc settings
 (``TUNED_MALLOC``: the launched scripts inherit them from their workers) and
 ``OMP_NUM_THREADS=1`` (as torchrun sets it for several processes, and Dask for its workers).
-With ``--keep-freed-memory`` the trainer runs with ``fsdp.return_freed_memory = false``: on a
-CPU, glibc then keeps what FSDP frees for reuse, as it does for the scripts (the default hands
-each freed block over 1 MiB back to the kernel, for a peak near the shards, at a cost in speed).
+
+FSDP's trainer on a CPU hands each block of 1 MiB or more that it frees back to the kernel
+(``fsdp.return_freed_memory``, on by default: a rank's peak near its shards, at a cost in
+speed that depends on the machine's page faults). A script can make the same trade
+(``MALLOC_MMAP_THRESHOLD_``), so where the trainer makes it, a fourth side runs the script
+under torchrun with that threshold, ``torchrun (returning)``: the trainer's like-for-like
+reference, and what the trade costs a plain script. With ``--keep-freed-memory`` the trainer
+runs with ``fsdp.return_freed_memory = false`` and keeps freed memory for reuse, as the
+scripts do.
 With ``--in-memory`` the trainer reads its shard of the store into memory before the first
 step (``data.in_memory = true``), as the scripts load the ``.npz`` whole, instead of reading
 each batch from the store in a thread.
@@ -40,6 +46,7 @@ whole, each drawing the same global batches from a seeded permutation.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,8 +57,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from workers.data import open_store
+from workers.malloc import SHARDED_MMAP_THRESHOLD
+from workers.strategies import get_strategy
 from workflows.cluster import TUNED_MALLOC, ClusterConfig, start_cluster
 from workflows.config import RunConfig, load_config
 from workflows.driver import train
@@ -61,6 +71,8 @@ from workflows.script_launch import launch_script
 SCRIPTS = Path(__file__).resolve().parent / "torchrun_scripts"
 STRATEGIES = ("fsdp", "tp", "pp")
 SIDES = ("torchrun", "trainer", "launch")
+# The script under torchrun with the trainer's malloc trade, where the trainer makes it.
+RETURNING = "torchrun (returning)"
 
 
 def write_corpus(folder: Path, *, files: int, kib: int, seed: int) -> None:
@@ -121,6 +133,15 @@ def strategy_config(
     return load_config(raw)
 
 
+def returns_freed_memory(config: RunConfig) -> bool:
+    """Whether the trainer's CPU ranks hand freed blocks back to the kernel (the strategy's
+    ``job_memory``, as ``workers/train.py: run_rank`` asks it, at 2 ranks)."""
+    held = get_strategy(config.training.strategy).job_memory(
+        config.strategy_settings, layout=config.layout(2), device=torch.device("cpu")
+    )
+    return not isinstance(held, contextlib.nullcontext)
+
+
 def with_steps(config: RunConfig, steps: int) -> RunConfig:
     return config.model_copy(
         update={"training": config.training.model_copy(update={"max_steps": steps})}
@@ -161,7 +182,9 @@ def _result(lines: list[str]) -> dict:
     return json.loads(line[line.index("RESULT ") + len("RESULT ") :])
 
 
-def under_torchrun(strategy: str, arguments: list[str]) -> dict:
+def under_torchrun(strategy: str, arguments: list[str], *, returning: bool = False) -> dict:
+    """``returning``: with the trainer's mmap threshold, freed blocks of that size or more
+    handed back to the kernel at once (``fsdp.return_freed_memory``)."""
     command = [
         sys.executable,
         "-m",
@@ -174,6 +197,8 @@ def under_torchrun(strategy: str, arguments: list[str]) -> dict:
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env |= {"OMP_NUM_THREADS": "1", **{k: str(v) for k, v in TUNED_MALLOC.items()}}
+    if returning:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(SHARDED_MMAP_THRESHOLD)
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun failed:\n{done.stderr[-3000:]}")
@@ -219,9 +244,7 @@ def main() -> None:
     # inherit it, so the figures mean the same on every machine.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-    rates: dict[str, dict[str, list[float]]] = {
-        s: {side: [] for side in SIDES} for s in args.strategies
-    }
+    rates: dict[str, dict[str, list[float]]] = {}
     with (
         tempfile.TemporaryDirectory() as tmp,
         start_cluster(n_workers=2, dashboard_port=0) as cluster,
@@ -235,6 +258,9 @@ def main() -> None:
             s: strategy_config(s, args, folder / "corpus", folder / "store")
             for s in args.strategies
         }
+        for strategy, config in configs.items():
+            returning = (RETURNING,) if returns_freed_memory(config) else ()
+            rates[strategy] = {side: [] for side in SIDES + returning}
         scheduler = cluster.client.scheduler.address
         data = folder / "batches.npz"
         # Imports, the store (built by the first job), first-touch: paid once, left out.
@@ -243,7 +269,7 @@ def main() -> None:
             if not data.exists():
                 windows = export_batches(config, data)
             warm = script_args(strategy, args, data, 4)
-            under_torchrun(strategy, warm)
+            under_torchrun(strategy, warm, returning=RETURNING in rates[strategy])
             under_launch(strategy, warm, scheduler)
         print(
             f"GPT dim {args.dim}, {args.layers} blocks, {args.heads} heads, windows of "
@@ -261,19 +287,18 @@ def main() -> None:
             "launch": lambda s: under_launch(s, script_args(s, args, data, args.steps), scheduler)[
                 "steady_samples_per_s"
             ],
+            RETURNING: lambda s: under_torchrun(
+                s, script_args(s, args, data, args.steps), returning=True
+            )["steady_samples_per_s"],
         }
         for repeat in range(args.repeats):
             for index, strategy in enumerate(args.strategies):
-                shift = (repeat + index) % len(SIDES)  # no side always first, or after another
-                for side in SIDES[shift:] + SIDES[:shift]:
+                order = list(rates[strategy])
+                shift = (repeat + index) % len(order)  # no side always first, or after another
+                for side in order[shift:] + order[:shift]:
                     rates[strategy][side].append(sides[side](strategy))
-                got = rates[strategy]
-                print(
-                    f"repeat {repeat + 1}, {strategy}: torchrun {got['torchrun'][-1]:.1f}, "
-                    f"dask-train trainer {got['trainer'][-1]:.1f}, the script under launch "
-                    f"{got['launch'][-1]:.1f} samples/s",
-                    flush=True,
-                )
+                got = ", ".join(f"{side} {v[-1]:.1f}" for side, v in rates[strategy].items())
+                print(f"repeat {repeat + 1}, {strategy}: {got} samples/s", flush=True)
 
     print()
     print(f"steady samples/s, median of {args.repeats} (ratio to torchrun):")
@@ -290,16 +315,18 @@ def main() -> None:
     # the repeats (seen: 1.3x from the first to the last) is common to both, and cancels.
     print("paired: each repeat's ratio to that repeat's torchrun, and their median:")
     for strategy, got in rates.items():
-        for side in ("trainer", "launch"):
-            ratios = [v / t for v, t in zip(got[side], got["torchrun"], strict=True)]
-            print(
-                f"  {strategy:<5}{side:<9} {', '.join(f'{r:.3f}' for r in ratios)}"
-                f"  median {statistics.median(ratios):.3f}"
-            )
+        pairs = [("trainer", "torchrun"), ("launch", "torchrun")]
+        if RETURNING in got:  # like for like, and what the trade costs the script itself
+            pairs += [("trainer", RETURNING), (RETURNING, "torchrun")]
+        for side, reference in pairs:
+            ratios = [v / t for v, t in zip(got[side], got[reference], strict=True)]
+            each = ", ".join(f"{r:.3f}" for r in ratios)
+            median = statistics.median(ratios)
+            print(f"  {strategy:<5}{side:<21} / {reference:<21} {each}  median {median:.3f}")
     print("every run (samples/s):")
     for strategy, got in rates.items():
         for side, values in got.items():
-            print(f"  {strategy:<5}{side:<9} {', '.join(f'{v:.1f}' for v in values)}")
+            print(f"  {strategy:<5}{side:<21} {', '.join(f'{v:.1f}' for v in values)}")
 
 
 if __name__ == "__main__":
