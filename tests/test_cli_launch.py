@@ -8,12 +8,16 @@ import signal
 import subprocess
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 
 from tests.commands import dask_train, session_leftovers
 from tests.test_elastic import no_restart
+from workflows.cluster import ClusterConfig, live_workers
+from workflows.launcher import LaunchConfig
+from workflows.script_launch import launch_script
 
 ROOT = Path(__file__).parents[1]
 
@@ -207,55 +211,68 @@ def _process(pid: int) -> psutil.Process | None:
 
 def test_an_elastic_script_goes_on_with_the_survivor_when_a_worker_is_lost(tmp_path, own_cluster):
     # torchrun --nnodes=1:2's contract: the script is restarted (TORCHELASTIC_RESTART_COUNT
-    # raised) on the workers left, without waiting for a replacement.
+    # raised) on the workers left, without waiting for a replacement. The window held open:
+    # the survivor's script fails on its lost peer and exits 1 before the scheduler sees the
+    # lost worker (seen once in CI: a script's exit was taken for its own error and the job
+    # failed). Rank 1's worker is stopped, so the scheduler still lists it, and its script
+    # killed; the worker itself only once rank 0's script has failed and the client has seen
+    # it (its launcher polls every 0.5 s).
     script = _script(
         tmp_path,
         "elastic.py",
         f"""
-        import json, os, sys, time
+        import json, os, time
         import torch.distributed as dist
         folder = {str(tmp_path)!r}
         attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
         dist.init_process_group("gloo")
         if attempt == "0":
-            if rank == "1":  # the test kills this rank's worker; the script ends with it
-                worker = os.getppid()
+            if rank == "1":  # the test stops this rank's worker and kills this process
                 with open(os.path.join(folder, "victim"), "w") as file:
-                    file.write(str(worker))
-                deadline = time.monotonic() + 60
-                while os.getppid() == worker and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                sys.exit(1)
-            dist.barrier()  # fails once rank 1 is gone
+                    file.write(f"{{os.getppid()}} {{os.getpid()}}")
+                time.sleep(120)
+            try:
+                dist.barrier()  # fails once rank 1's process is gone
+            except Exception:
+                open(os.path.join(folder, "rank-0-failed"), "w").close()
+                raise
         with open(os.path.join(folder, f"done-{{attempt}}-{{rank}}.json"), "w") as file:
             json.dump({{"world": dist.get_world_size()}}, file)
         dist.destroy_process_group()
         """,
     )
-    address = own_cluster.cluster.scheduler_address
-    process = subprocess.Popen(
-        dask_train("launch", "--world-size", "1:2", "--scheduler", address, str(script)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        victim = tmp_path / "victim"
-        deadline = time.monotonic() + 120
-        while not (victim.exists() and victim.read_text().strip()):
-            assert time.monotonic() < deadline and process.poll() is None, "rank 1 never started"
-            time.sleep(0.05)
-        pid = int(victim.read_text())
-        client = own_cluster.client
-        worker = next(a for a, p in client.run(os.getpid).items() if p == pid)
-        client.run(no_restart, nanny=True, workers=[worker])
-        os.kill(pid, signal.SIGKILL)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, stderr
-    assert "done: 1 ranks exited 0" in stdout and "1 restarts" in stdout, stdout
+    client = own_cluster.client
+    # The launch waits for the lost worker's evidence well past the moment it is killed.
+    settings = LaunchConfig(world_size="1:2", max_failures=0, settle_s=60.0)
+    scheduler = ClusterConfig(scheduler=own_cluster.cluster.scheduler_address)
+    with ThreadPoolExecutor(1) as pool:
+        launched = pool.submit(
+            launch_script, str(script), (), cluster=scheduler, launch_config=settings, echo=print
+        )
+        stopped = None
+        try:
+            victim, failed = tmp_path / "victim", tmp_path / "rank-0-failed"
+            deadline = time.monotonic() + 120
+            while not (victim.exists() and len(victim.read_text().split()) == 2):
+                assert time.monotonic() < deadline and not launched.done(), "rank 1 never started"
+                time.sleep(0.05)
+            worker_pid, script_pid = map(int, victim.read_text().split())
+            worker = next(a for a, p in client.run(os.getpid).items() if p == worker_pid)
+            client.run(no_restart, nanny=True, workers=[worker])
+            os.kill(worker_pid, signal.SIGSTOP)
+            stopped = worker_pid
+            os.kill(script_pid, signal.SIGKILL)
+            while not failed.exists():
+                assert time.monotonic() < deadline and not launched.done(), "rank 0 went on"
+                time.sleep(0.05)
+            time.sleep(2.0)  # rank 0's exit reaches the client, which polls every 0.5 s
+            assert worker in live_workers(client)  # the window: its loss not yet seen
+            os.kill(worker_pid, signal.SIGKILL)
+            stopped = None
+            result = launched.result(timeout=120)
+        finally:
+            if stopped is not None:
+                os.kill(stopped, signal.SIGKILL)
+    assert result.attempts == 2 and result.world_size == 1, result
     # The restart ran on the one worker left, as rank 0 of 1.
     assert json.loads((tmp_path / "done-1-0.json").read_text()) == {"world": 1}

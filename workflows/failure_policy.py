@@ -7,7 +7,8 @@ the training code itself (a ``ValueError``, an assertion, a shape error that tor
 
 Errors are told apart by type, never by their message. One type says nothing alone: gloo
 raises a plain ``RuntimeError`` when a peer's process is gone ("Connection closed by peer"),
-and so does torch for a shape the code got wrong. Such an error is :data:`Cause.UNSURE`, and
+and so does torch for a shape the code got wrong; a launched script that exits non-zero may
+have raised either. Such an error is :data:`Cause.UNSURE`, and
 the launcher decides it by evidence, not by words: whether every worker of the job still
 answers (``workflows/launcher.py``, ``RankLauncher._root_cause``).
 """
@@ -38,12 +39,19 @@ _INFRASTRUCTURE_TYPES = frozenset(
 )
 
 
+# Exception types that say nothing of their cause alone, besides a plain RuntimeError: a
+# script's non-zero exit (``dask-train launch``) is its own error or its peer's loss (gloo's
+# error inside it); seen in CI, the survivor's script exited before the scheduler saw the lost
+# worker, and the elastic job failed instead of going on without it.
+_UNSURE_TYPES = frozenset({"ScriptFailed"})
+
+
 class Cause(enum.Enum):
     """Who is to blame for an exception a rank raised, as far as its type tells."""
 
     INFRASTRUCTURE = "infrastructure"  # the cluster or the process group, whatever the code
     CODE = "code"  # the training code: another attempt would fail the same way
-    UNSURE = "unsure"  # a plain RuntimeError: a lost peer (gloo) or the code (torch's checks)
+    UNSURE = "unsure"  # a lost peer (gloo) or the code (torch's checks, a script's exit)
 
 
 def cause_of(error: BaseException | None) -> Cause:
@@ -54,7 +62,8 @@ def cause_of(error: BaseException | None) -> Cause:
     names = {cls.__name__ for cls in type(error).__mro__}
     if names & _INFRASTRUCTURE_TYPES:
         return Cause.INFRASTRUCTURE
-    if type(error) is RuntimeError:  # subclasses (NotImplementedError...) are the code's
+    # RuntimeError's subclasses (NotImplementedError...) are the code's.
+    if type(error) is RuntimeError or names & _UNSURE_TYPES:
         return Cause.UNSURE
     return Cause.CODE
 
