@@ -62,7 +62,7 @@ def cause_of(error: BaseException | None) -> Cause:
     names = {cls.__name__ for cls in type(error).__mro__}
     if names & _INFRASTRUCTURE_TYPES:
         return Cause.INFRASTRUCTURE
-    # RuntimeError's subclasses (NotImplementedError...) are the code's.
+    # RuntimeError's other subclasses (NotImplementedError...) are the code's.
     if type(error) is RuntimeError or names & _UNSURE_TYPES:
         return Cause.UNSURE
     return Cause.CODE
