@@ -216,7 +216,8 @@ def test_an_elastic_script_goes_on_with_the_survivor_when_a_worker_is_lost(tmp_p
     # lost worker (seen once in CI: a script's exit was taken for its own error and the job
     # failed). Rank 1's worker is stopped, so the scheduler still lists it, and its script
     # killed; the worker itself only once rank 0's script has failed and the client has seen
-    # it (its launcher polls every 0.5 s).
+    # it (its launcher polls every 0.5 s). In-process (launch_script, the CLI's function), for
+    # a settle_s longer than the test's steps; the CLI's own output is test_max_restarts'.
     script = _script(
         tmp_path,
         "elastic.py",

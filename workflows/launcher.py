@@ -278,8 +278,9 @@ class RankFailed(RuntimeError):
         super().__init__(message)
         self.rank, self.worker = rank, worker
         self.infrastructure, self.error = infrastructure, error
-        # What the error's type told (Cause.UNSURE: a plain RuntimeError, decided by whether
-        # the job's workers still answer); None: the launcher saw it, no rank raised it.
+        # What the error's type told (Cause.UNSURE: a plain RuntimeError or a script's exit,
+        # decided by whether the job's workers still answer); None: the launcher saw it, no
+        # rank raised it.
         self.cause = cause
         self.detected_at = time.time()  # before the clean-up, which can take seconds
 
@@ -672,7 +673,8 @@ class ProcessGroup:
         """A communication error is often the echo of another rank's failure (its peer died, or
         raised and left): look a little longer for an error of the training code, or a lost
         worker, before blaming the network. A plain ``RuntimeError`` (gloo's for a lost peer,
-        torch's for the code's mistakes) is the code's when every worker of the job answers."""
+        torch's for the code's mistakes) or a script's non-zero exit is the code's when every
+        worker of the job answers."""
         if not first.infrastructure or isinstance(first, WorkerLost):
             return first
         deadline = time.monotonic() + self.config.settle_s

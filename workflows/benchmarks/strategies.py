@@ -33,7 +33,7 @@ With ``--in-memory`` the trainer reads its shard of the store into memory before
 step (``data.in_memory = true``), as the scripts load the ``.npz`` whole, instead of reading
 each batch from the store in a thread.
 Every side measures steady samples/s as the trainer does: from the end of the third step to the
-end of the last (the first steps pay one-off costs). The three sides of a strategy run one
+end of the last (the first steps pay one-off costs). The sides of a strategy run one
 after another, the order rotating each repeat and strategy, so that the machine's noise hits
 them alike; the figures are the medians of ``--repeats``, the ratios those of the medians,
 and each side's paired ratios: in each repeat, to that repeat's torchrun run, and their median
