@@ -461,6 +461,8 @@ class _Write:
     hashes: dict[str, str] = field(default_factory=dict)
     error: str | None = None
     started: float = field(default_factory=time.monotonic)
+    # How long this rank's own files took to write, once they are written.
+    took_s: float | None = None
     # Set once the write no longer counts (the job stopped): the thread writes no more files.
     abandoned: threading.Event = field(default_factory=threading.Event)
     # Set by the thread as it ends. Not Thread.is_alive(): a join that the launcher's stop
@@ -612,6 +614,7 @@ class AsyncCheckpoints:
                 name = path.rsplit("/", 1)[-1]
                 self._put(write.target, name, data)
                 write.hashes[name] = hashlib.sha256(data).hexdigest()
+            write.took_s = time.monotonic() - write.started
             # Committed as soon as every rank's files are written, not at the next save: a
             # worker lost in between must find this checkpoint (no collective from here).
             if write.rank != 0:
@@ -716,8 +719,10 @@ class AsyncCheckpoints:
             if write.committed is not None:
                 return write.committed
             files = dict(write.hashes)
-            now = time.monotonic()
-            until = min(deadline, now + max(1.0, now - write.started))
+            # As long again as its own write took, not since it started: a write that ended
+            # long before the stop (its peer stopped meanwhile) gives the others a second.
+            assert write.took_s is not None  # written, without an error
+            until = min(deadline, time.monotonic() + max(1.0, write.took_s))
             for rank in range(1, write.world_size):
                 files |= self._written_by(write, rank, until)
             committed = self._commit(write, dict(sorted(files.items())))

@@ -464,6 +464,17 @@ class ProcessGroup:
         alive = set(self._alive_workers())
         pending = [a for a in spec.ranks if a in alive and a not in stuck]
         restart = [a for a in spec.ranks if a in alive and a in stuck]
+        if restart:
+            # Killed before the others are released: a survivor may be waiting on a stuck
+            # rank in a collective of its own, not the training's, such as the checkpoint
+            # write in flight, which the stuck rank's exit ends at once (measured: a worker
+            # stopped mid-write held its peer 12 s, launch.release_timeout_s x
+            # STOP_WAIT_SHARE, before it was released). A stopped process cannot close
+            # itself: its nanny kills it, and starts another.
+            logger.warning("killing rank workers %s: they stopped answering", restart)
+            killed = _kill_through_nannies(self.client, restart)
+            self._await_departure(spec, killed)
+            restart = [w for w in restart if w not in killed]
         deadline = time.monotonic() + self.config.release_timeout_s
         while pending:
             left = deadline - time.monotonic()
@@ -486,12 +497,6 @@ class ProcessGroup:
             ]
             if pending:
                 time.sleep(RELEASE_POLL_S)
-        if restart:
-            # A stopped process cannot close itself: its nanny kills it, and starts another.
-            logger.warning("killing rank workers %s: they stopped answering", restart)
-            killed = _kill_through_nannies(self.client, restart)
-            self._await_departure(spec, killed)
-            restart = [w for w in restart if w not in killed]
         restart += pending
         if restart:
             logger.warning("restarting rank workers %s: they did not let go of the group", restart)
