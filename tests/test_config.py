@@ -101,6 +101,20 @@ def test_validate_never_imports_torch_dcp_or_pipelining():
     assert done.stdout.splitlines()[-1] == "[]"
 
 
+def test_the_client_never_imports_dtensor_dcp_or_dynamo():
+    # A script's `from workflows import ...`, the CLI's driver: they import the ranks' modules
+    # for the functions they send, not what those import on a rank (measured: a script's
+    # imports took 3.9 s with them, 2.5 s without).
+    code = (
+        "import sys, workflows, workflows.driver\n"
+        "heavy = ('torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch._dynamo')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
 def test_the_torch_free_model_tables_match_the_models():
     from torch import nn
 

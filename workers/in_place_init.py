@@ -20,10 +20,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from workers.checkpoint import StorageOptions, load_model_tensors, local_path
-from workers.compat.torch_private import local_offsets
 from workers.model_sources import ModelError
 from workers.weight_files import WeightsError, checkpoint_tensors, open_weights
 
@@ -185,6 +183,12 @@ def _path(owner: str, name: str) -> str:
 def _keep_parts(held: list[tuple[str, torch.Tensor]], values: dict[str, torch.Tensor]) -> None:
     """Each tensor of ``held`` that this rank holds takes its part of the whole value of the
     same name: a DTensor its local piece, a plain tensor all of it."""
+    # Here, on a rank: the client imports this module with the trainer (~1 s of imports it
+    # never uses: DTensor, and the check of torch's private APIs, DCP's and dynamo's).
+    from torch.distributed.tensor import DTensor
+
+    from workers.compat.torch_private import local_offsets
+
     for name, tensor in held:
         if tensor.is_meta:
             continue  # another rank's (a pipeline's other stage): drawn, not kept

@@ -16,13 +16,13 @@ to 3.0 GiB, where its nanny kills it).
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
-from workers.compat.torch_private import local_offsets
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 NUMPY_DTYPES = {
     torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
@@ -113,7 +113,7 @@ def _nbytes(piece: Piece) -> int:
     return value.nbytes if isinstance(value, np.ndarray) else value.numel() * value.element_size()
 
 
-def _first_replica(tensor: DTensor) -> bool:
+def _first_replica(tensor: "DTensor") -> bool:
     """Whether this rank is the first on every mesh dimension ``tensor`` is replicated over:
     its piece is sent by it alone."""
     coordinate = tensor.device_mesh.get_coordinate()
@@ -129,6 +129,13 @@ def own_pieces(state: Mapping[str, torch.Tensor], *, sends_plain: bool) -> dict[
     """This rank's pieces of ``state`` (a module's ``state_dict``), copied to the CPU: every
     DTensor's local piece where this rank is its first replica, and the plain tensors if
     ``sends_plain`` (the rank the strategy picks among those that hold the same ones)."""
+    # Here, on a rank: the client imports this module too, and needs neither DTensor (~0.5 s
+    # to import) nor the check of torch's private APIs, which imports DTensor's debug tools
+    # and through them dynamo and inductor (~0.6 s more).
+    from torch.distributed.tensor import DTensor
+
+    from workers.compat.torch_private import local_offsets
+
     pieces = {}
     for name, tensor in state.items():
         if isinstance(tensor, DTensor):
