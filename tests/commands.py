@@ -24,6 +24,14 @@ def run_dask_train(*args: str, timeout: float = 300, **options) -> subprocess.Co
     )
 
 
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (``python -c``) to its end, capturing its output:
+    what a new process imports and prints, not this test process's state."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+
+
 def digits_run(
     store_dir: Path, output: Path, *, config: str = "digits_ddp.toml", **training
 ) -> list[str]:

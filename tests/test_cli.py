@@ -14,7 +14,14 @@ import psutil
 import pytest
 import torch
 
-from tests.commands import CONFIGS, dask_train, digits_run, run_dask_train, session_leftovers
+from tests.commands import (
+    CONFIGS,
+    dask_train,
+    digits_run,
+    run_dask_train,
+    run_python,
+    session_leftovers,
+)
 from tests.datasets import write_tiny_cifar10
 from workers.models import build_model
 
@@ -404,5 +411,5 @@ try:
 except KeyboardInterrupt:
     print("delivered")
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_python(code)
     assert done.stdout.strip() == "delivered", done.stderr

@@ -16,7 +16,7 @@ import torch
 from distributed import Client
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.commands import session_leftovers
+from tests.commands import run_python, session_leftovers
 from workflows.cluster import (
     ClusterConfig,
     count_gpus,
@@ -84,7 +84,7 @@ def test_waits_use_the_futures_own_client_when_a_newer_one_is_the_default(cluste
 def test_waiting_on_no_futures_needs_no_client():
     # A fresh process has no client at all: Dask's own wait asks for the default one first.
     code = "from workers.futures import wait_futures; print(wait_futures([], timeout_s=1))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = run_python(code, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "DoneAndNotDoneFutures(done=set(), not_done=set())"
 

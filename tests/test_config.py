@@ -1,11 +1,10 @@
 """Bad configuration is refused before anything starts, with one message naming the field."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.commands import run_python
 from workflows.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
@@ -95,7 +94,7 @@ def test_validate_never_imports_torch_dcp_or_pipelining():
         f"load_config({str(CONFIGS / 'digits_pipeline.toml')!r})\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert '"schedule": "1f1b"' in done.stdout  # validate printed the resolved config
     assert done.stdout.splitlines()[-1] == "[]"
@@ -110,7 +109,7 @@ def test_the_client_never_imports_dtensor_dcp_or_dynamo():
         "heavy = ('torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch._dynamo')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
 

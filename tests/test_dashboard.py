@@ -3,8 +3,6 @@
 import json
 import re
 import shutil
-import subprocess
-import sys
 import urllib.parse
 import urllib.request
 
@@ -12,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.commands import run_python
 from tests.test_monitoring import send_elastic_job
 from workflows.dashboard import ROUTE
 from workflows.driver import train
@@ -112,7 +111,7 @@ def test_the_scheduler_side_modules_do_not_import_the_driver():
         "import sys, workflows.dashboard, workflows.monitoring; "
         "print('workflows.driver' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 

@@ -2,12 +2,12 @@
 and ``train`` wait (a script or a notebook), and one landing while a job's event is handed over
 leaves the relay able to close."""
 
-import subprocess
 import sys
 import threading
 
 import pytest
 
+from tests.commands import run_python
 from workers.records import EpochRecord
 from workflows import launch, train
 from workflows.events import EventRelay
@@ -41,7 +41,7 @@ except KeyboardInterrupt:
 )
 def test_a_ctrl_c_dropped_in_a_finalizer_is_raised_again(context, ticks, expected):
     code = DROPPED_IN_A_FINALIZER.format(context=context, ticks=ticks)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_python(code)
     assert done.stdout.strip() == expected, done.stderr
     if expected == "delivered":
         # Raised again and caught: the hook took the dropped one, so Python reported nothing.

@@ -9,6 +9,7 @@ import zarr
 from distributed import get_task_stream
 from PIL import Image
 
+from tests.commands import run_python
 from tests.datasets import write_image_folder, write_tiny_cifar10
 from workers.data import DataConfig, open_store
 from workers.sources import SourceError, list_records
@@ -316,8 +317,6 @@ def test_every_source_module_registers_the_source_its_name_says():
 
 
 def test_a_config_validates_without_importing_any_source_module():
-    import subprocess
-    import sys
 
     code = (
         "import sys\n"
@@ -325,6 +324,6 @@ def test_a_config_validates_without_importing_any_source_module():
         "DataConfig(dataset='imagefolder', root='x')\n"
         "print(sorted(m for m in sys.modules if m.startswith('workers.sources.')))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = run_python(code, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

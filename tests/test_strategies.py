@@ -3,12 +3,11 @@
 import ast
 import importlib
 import pkgutil
-import subprocess
-import sys
 
 import pytest
 
 import workers.strategies
+from tests.commands import run_python
 from tests.conftest import REPO
 from workers.spec.layout import Layout
 from workers.spec.names import STRATEGIES
@@ -77,7 +76,7 @@ def test_the_whole_spec_imports_without_torch():
         "[get_plan(name) for name in STRATEGIES]\n"
         "print(len(sys.modules['workers.spec.plans.base'].PLANS), 'torch' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = run_python(code, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(len(STRATEGIES)), "False"]
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.commands import CONFIGS, run_dask_train
+from tests.commands import CONFIGS, run_dask_train, run_python
 from workflows import sweep
 from workflows.dashboard import training_page_url
 from workflows.monitoring import SWEEP_PREFIX
@@ -423,7 +423,7 @@ def test_without_optuna_sweep_says_which_extra_to_install():
         "from workflows import sweep\n"
         "sweep(print, {'x': (0.0, 1.0)}, n_trials=1, metric='loss')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_python(code)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
         "ImportError: sweep() needs Optuna, an optional extra: pip install 'dask-train[sweep]'"
