@@ -35,9 +35,10 @@ def _local_settings(tmp_path) -> list[str]:
     ]
 
 
-def test_preprocess_builds_then_reuses_the_cifar10_store_and_run_trains_from_it(tmp_path):
+def test_preprocess_builds_then_reuses_the_cifar10_store_and_run_trains_from_it(tmp_path, cluster):
     write_tiny_cifar10(tmp_path / "raw", per_batch=20)
-    settings = _local_settings(tmp_path)
+    # The session's cluster: a local one's start is the other CLI tests' (~3 s a command).
+    settings = [*_local_settings(tmp_path), "--scheduler", cluster.client.scheduler.address]
     built = run_dask_train("preprocess", str(CONFIGS / "cifar10_ddp.toml"), *settings)
     assert built.returncode == 0, built.stderr
     assert "built in" in built.stdout and "train 100, val 20 images" in built.stdout
@@ -201,9 +202,10 @@ def test_an_unreachable_scheduler_exits_2_with_one_line(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing ran, so nothing claims the directory
 
 
-def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir):
+def test_on_a_terminal_a_progress_bar_updates_in_place(tmp_path, store_dir, cluster):
     leader, follower = os.openpty()
-    command = dask_train(*digits_run(store_dir, tmp_path / "run", epochs=1))
+    on_cluster = ("--scheduler", cluster.client.scheduler.address)  # no local cluster's start
+    command = dask_train(*digits_run(store_dir, tmp_path / "run", epochs=1), *on_cluster)
     process = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE)
     os.close(follower)
     chunks = []

@@ -409,8 +409,12 @@ def _connections_probe(generation: str) -> dict[str, object]:
     return {"rank": membership.rank, "remote": sorted(remote), "sum": value.item()}
 
 
-def _namespace_group(scheduler: str) -> None:
-    """Run inside namespace A: form the group over dt0, print what the ranks saw."""
+def _namespace_group(scheduler: str, options: dict[str, str], bucket: str) -> None:
+    """Run inside namespace A: make the bucket, then form the group over dt0 and print what
+    the ranks saw (one process: each costs its imports)."""
+    import s3fs
+
+    s3fs.S3FileSystem(**options).mkdir(bucket)
     with start_cluster(scheduler=scheduler) as cluster:
         # The workers arrive on their own: wait for both, not just the first.
         config = LaunchConfig(world_size=2, socket_ifname="dt0", worker_wait_s=60)
@@ -420,21 +424,17 @@ def _namespace_group(scheduler: str) -> None:
     print(json.dumps({"master": master, "results": results}))
 
 
-def _bucket_in(namespace: tuple[str, ...], options: dict[str, str], name: str) -> None:
-    made = _cli_python(
-        f"import s3fs; s3fs.S3FileSystem(**{options!r}).mkdir({name!r})", prefix=namespace
-    )
-    assert made.returncode == 0, made.stderr
-
-
-def _read_from(namespace: tuple[str, ...], options: dict[str, str], path: str) -> str:
+def _read_from(namespace: tuple[str, ...], options: dict[str, str], *paths: str) -> list[str]:
     read = _cli_python(
-        f"import s3fs, sys; sys.stdout.write(s3fs.S3FileSystem(**{options!r}).cat_file("
-        f"{path!r}).decode())",
+        f"import json, s3fs, sys; fs = s3fs.S3FileSystem(**{options!r}); "
+        f"sys.stdout.write(json.dumps([fs.cat_file(p).decode() for p in {list(paths)!r}]))",
         prefix=namespace,
     )
     assert read.returncode == 0, read.stderr
-    return read.stdout
+    return json.loads(read.stdout)
+
+
+RUN_FILES = ("run.log", "summary.json", "config.json")
 
 
 @pytest.mark.slow
@@ -455,10 +455,10 @@ def test_ddp_across_two_namespace_hosts_rendezvous_at_rank0s_namespace_address(t
         ),
     ):
         options = bucket_server.storage_options
-        _bucket_in(in_a, options, "shared")
         assert address.startswith(f"tcp://{a}:")
         group = _cli_python(
-            f"from tests.test_multihost import _namespace_group; _namespace_group({address!r})",
+            "from tests.test_multihost import _namespace_group; "
+            f"_namespace_group({address!r}, {options!r}, 'shared')",
             prefix=in_a,
         )
         assert group.returncode == 0, group.stderr
@@ -485,11 +485,12 @@ def test_ddp_across_two_namespace_hosts_rendezvous_at_rank0s_namespace_address(t
         )
         assert run.returncode == 0, run.stderr
         assert "done: ddp on 2 ranks" in run.stdout
-        log = _read_from(in_a, options, "shared/runs/digits/run.log")
+        log, summary, config = _read_from(
+            in_a, options, *(f"shared/runs/digits/{name}" for name in RUN_FILES)
+        )
         assert f"master {a}:" in log
-        summary = json.loads(_read_from(in_a, options, "shared/runs/digits/summary.json"))
+        summary = json.loads(summary)
         assert summary["world_size"] == 2 and summary["store"]["url"].startswith("s3://shared/")
-        config = _read_from(in_a, options, "shared/runs/digits/config.json")
         assert options["secret"] not in config
         # Nothing of the run landed in a folder: only the cluster's own logs are here.
         assert {p.name for p in tmp_path.iterdir()} <= {"moto.log", "scheduler.json"} | {

@@ -160,11 +160,13 @@ def test_the_plan_suggests_sharding_when_a_replica_does_not_fit(make_config, wor
     assert "  fsdp, dp_shard=2         216.0 MiB  (90.0 + 90.0 + 30.0 + 6.0)" in rendered
 
 
-def test_plan_command_prints_profile_split_bubble_and_recommendation(tmp_path):
+def test_plan_command_prints_profile_split_bubble_and_recommendation(store_dir, cluster):
     command = dask_train(
         *("plan", str(CONFIGS / "digits_ddp.toml")),
-        *("--set", f"data.store='{tmp_path / 'store'}'"),
-        *("--set", "cluster.dashboard_port=0"),
+        *("--set", f"data.store='{store_dir / 'digits'}'"),
+        # The session's cluster and store: a local cluster's start and the store's build are
+        # the other CLI tests'.
+        *("--scheduler", cluster.client.scheduler.address),
         *("--set", "model.name='small_resnet'"),
         *("--set", "training.strategy='pipeline'"),
         *("--set", "training.batch_size=64"),
