@@ -721,8 +721,9 @@ class AsyncCheckpoints:
             files = dict(write.hashes)
             # As long again as its own write took, not since it started: a write that ended
             # long before the stop (its peer stopped meanwhile) gives the others a second.
-            assert write.took_s is not None  # written, without an error
-            until = min(deadline, time.monotonic() + max(1.0, write.took_s))
+            now = time.monotonic()
+            took = write.took_s if write.took_s is not None else now - write.started
+            until = min(deadline, now + max(1.0, took))
             for rank in range(1, write.world_size):
                 files |= self._written_by(write, rank, until)
             committed = self._commit(write, dict(sorted(files.items())))
