@@ -220,15 +220,18 @@ def test_a_world_known_only_at_launch_is_checked_before_anything_runs(cluster, s
         train(config, cluster=cluster, on_event=None)
 
 
-def test_cli_runs_the_pipeline_example_and_writes_the_whole_model(tmp_path, store_dir):
+def test_cli_runs_the_pipeline_example_and_writes_the_whole_model(tmp_path, store_dir, cluster):
     import json
     import subprocess
 
     from workers.models import build_model
 
+    # On the session's cluster: a local cluster's start is the other CLI tests'.
+    on_cluster = ("--scheduler", cluster.client.scheduler.address)
     done = subprocess.run(
         dask_train(
-            *digits_run(store_dir, tmp_path / "run", config="digits_pipeline.toml", epochs=2)
+            *digits_run(store_dir, tmp_path / "run", config="digits_pipeline.toml", epochs=2),
+            *on_cluster,
         ),
         capture_output=True,
         text=True,
