@@ -136,9 +136,9 @@ def test_sigstop_of_a_worker_is_detected_within_the_hang_timeout(own_cluster, ch
         if psutil.pid_exists(victim):
             os.kill(victim, signal.SIGCONT)
     (recovery,) = result.recoveries
-    # The write in flight (of step 10, as a rule: the ranks write in the background) ends as
-    # its stopped peer is killed; the survivor is not left waiting on it to the end of its
-    # bound (it was, when the stopped rank was killed only after the others let go).
+    # The write in flight (one a step, written in the background) ends as its stopped peer is
+    # killed; the survivor is not left waiting on it to the end of its bound (it was, when the
+    # stopped rank was killed only after the others let go).
     assert not [e for e in failed_checkpoints if "still writing after" in e], failed_checkpoints
     # The stopped rank is blamed, not its peer waiting for it in a collective; the peer lets
     # go in place and hands its state over.
