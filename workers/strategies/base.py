@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workers.data import StoreSplit, eval_batches
 from workers.losses import CROSS_ENTROPY, TERMS, Criterion
+from workers.malloc import freed_memory_returned
 from workers.model_pieces import Piece, own_pieces
 from workers.precision import Precision
 from workers.spec.layout import Layout
@@ -104,11 +105,21 @@ class Strategy(ABC):
         return False
 
     @classmethod
+    def returns_freed_memory(
+        cls, settings: BaseModel | None, *, layout: Layout, device: torch.device
+    ) -> bool:
+        """Whether a rank hands the blocks it frees back to the kernel at once, for a peak near
+        what it holds (workers/malloc.py): not by default."""
+        return False
+
+    @classmethod
     def job_memory(
         cls, settings: BaseModel | None, *, layout: Layout, device: torch.device
     ) -> AbstractContextManager:
         """What a rank's whole job (building, steps, checkpoints) runs inside, for how its
-        allocator treats freed memory: nothing by default."""
+        allocator treats freed memory (:meth:`returns_freed_memory`)."""
+        if cls.returns_freed_memory(settings, layout=layout, device=device):
+            return freed_memory_returned()
         return nullcontext()
 
     @property

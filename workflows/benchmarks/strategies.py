@@ -46,7 +46,6 @@ whole, each drawing the same global batches from a seeded permutation.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -135,11 +134,10 @@ def strategy_config(
 
 def returns_freed_memory(config: RunConfig) -> bool:
     """Whether the trainer's CPU ranks hand freed blocks back to the kernel (the strategy's
-    ``job_memory``, as ``workers/train.py: run_rank`` asks it, at 2 ranks)."""
-    held = get_strategy(config.training.strategy).job_memory(
+    rule, which ``workers/train.py: run_rank`` follows, at 2 ranks)."""
+    return get_strategy(config.training.strategy).returns_freed_memory(
         config.strategy_settings, layout=config.layout(2), device=torch.device("cpu")
     )
-    return not isinstance(held, contextlib.nullcontext)
 
 
 def with_steps(config: RunConfig, steps: int) -> RunConfig:

@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
 from workers.in_place_init import to_device
-from workers.malloc import freed_memory_returned
 from workers.model_pieces import Piece, own_pieces
 from workers.models import model_blocks
 from workers.precision import Precision
@@ -79,15 +78,13 @@ class FSDP(WholeModel):
         return True  # fully_shard and parallelize_module lay out meta tensors
 
     @classmethod
-    def job_memory(
+    def returns_freed_memory(
         cls, settings: BaseModel | None, *, layout: Layout, device: torch.device
-    ) -> AbstractContextManager:
+    ) -> bool:
         # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py);
         # a GPU's caching allocator keeps its own.
         fsdp = (settings if isinstance(settings, ShardingSettings) else ShardingSettings()).fsdp
-        if fsdp.return_freed_memory and layout.dp_shard > 1 and device.type == "cpu":
-            return freed_memory_returned()
-        return nullcontext()
+        return fsdp.return_freed_memory and layout.dp_shard > 1 and device.type == "cpu"
 
     @classmethod
     def prepare(cls, model: nn.Module, placement: RankPlacement) -> "FSDP":
