@@ -15,10 +15,15 @@ kernels of an operator, DTensor's dispatch, a model library's modules) is mapped
 shared by every process of the host that runs it, and stays resident once read: the same on
 every strategy, and none of it the job's allocations, which are what the figure is for
 (and what CUDA's counts on a GPU).
+
+That correction can only grow, so the figure is the highest it has been: a file first read
+after the job's peak would otherwise be taken off a high-water mark it never raised, and a
+heartbeat's peak would read more than the rank's final one (seen once in CI: 2.4 KiB, a page).
 """
 
 import gc
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +50,9 @@ class PeakMemory:
     device: torch.device
     resident_at_start: int | None  # KiB; None where the kernel's figures are not readable
     file_pages_at_start: int = 0  # KiB of mapped files resident at the start (RssFile)
+    highest: int = 0  # bytes: the most bytes() has returned; a peak never goes down
+    # The heartbeat's thread and the training thread both read it.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
     def start(cls, device: torch.device) -> "PeakMemory":
@@ -68,4 +76,6 @@ class PeakMemory:
             return None
         # Files' pages read since the start: the code the job ran first (see above).
         file_pages = max(0, (_status_kib("RssFile") or 0) - self.file_pages_at_start)
-        return max(0, peak - self.resident_at_start - file_pages) * 1024
+        with self._lock:
+            self.highest = max(self.highest, (peak - self.resident_at_start - file_pages) * 1024)
+            return self.highest
