@@ -208,6 +208,26 @@ def test_a_user_exception_is_raised_once_and_never_retried(cluster, tmp_path, er
     assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
 
 
+def new_group_then_raises(ctx, entering: str) -> None:
+    if ctx.rank == 0:
+        Path(entering).touch()
+        dist.new_group(backend="gloo")  # waits in the store for rank 1, which never comes
+    _wait_for_file(entering, timeout_s=60)
+    time.sleep(1.0)  # rank 0 is in the store's wait by now (if not, it is stopped before)
+    raise ValueError("rank 1 fails while rank 0 makes a group")
+
+
+def test_a_rank_waiting_for_a_peer_in_a_new_group_is_released_not_restarted(cluster, tmp_path):
+    # As the checkpoint writers' group, made at the first save: a peer stopped before it got
+    # there left this rank waiting in the rendezvous store, for the group's timeout, until
+    # the launcher restarted its worker (release_timeout_s, 15 s, then the restart).
+    pids = _pids(cluster)
+    with pytest.raises(ValueError, match="while rank 0 makes a group"):
+        launch(new_group_then_raises, str(tmp_path / "entering"), cluster=cluster, world_size=2)
+    assert _pids(cluster) == pids
+    assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
+
+
 def fails_on_rank_0_last(ctx, looked: str) -> int:
     if ctx.rank == 0:
         # Only once the launcher has looked and found no failure (the test makes the file

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.commands import run_python
 from workers.process_group import (
     ProcessGroupPlugin,
     ProcessGroupSpec,
@@ -187,3 +188,49 @@ def test_a_result_lost_with_its_worker_after_the_rank_finished_fails_the_run(own
         ):
             group.run(_finish, group.spec.generation, timeout_s=60)
     assert time.monotonic() - started < 30
+
+
+STARTING_THREADS = """
+import sys, threading, time
+
+from workers.process_group import RankStopped, rank_threads
+
+unstarted = []
+sys.unraisablehook = unstarted.append  # where a thread that dies unstarted is reported
+for trial in range(200):
+    generation = f"starting-threads-{trial}"
+    inside, stopped = threading.Event(), threading.Event()
+
+    def rank(generation=generation, inside=inside, stopped=stopped):
+        try:
+            with rank_threads.running(generation):
+                inside.set()
+                while True:
+                    started = threading.Thread(target=int, daemon=True)
+                    started.start()
+                    started.join()
+        except RankStopped:
+            stopped.set()
+
+    thread = threading.Thread(target=rank, daemon=True)  # hangs, rather than fails, if hit
+    thread.start()
+    assert inside.wait(timeout=10)
+    time.sleep(trial % 7 * 1e-4)  # stops at every point of the loop
+    assert rank_threads.stop(generation) == 1
+    assert stopped.wait(timeout=10), f"stop {trial} did not end the rank: {unstarted}"
+    thread.join(timeout=10)
+assert unstarted == [], unstarted
+print("200 stops")
+"""
+
+
+def test_a_stop_lands_in_the_rank_never_in_a_thread_it_is_starting():
+    """CPython 3.11 gives a thread being started its creator's id until it runs, and an
+    asynchronous exception sent by that id lands in the newest state that has it: a stop that
+    came while a rank started a thread (a checkpoint's writer) killed the new thread unstarted,
+    which hung the rank in ``Thread.start`` and never stopped it. A rank here does nothing but
+    start threads; each of many stops must end it, and no thread may die unstarted. In a
+    process of its own: a failure leaves hung threads behind."""
+    done = run_python(STARTING_THREADS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["200", "stops"]
