@@ -375,9 +375,9 @@ class ProcessGroupPlugin(WorkerPlugin):
 
         The rendezvous store's connections too: a group made after this one (the checkpoint
         writers', made at the first save) waits there for every rank's address, and a peer
-        stopped before it came would keep this rank waiting for the group's timeout
-        (measured: 1 Ctrl-C in 20 of a run writing a checkpoint every 2 steps, held 15 s
-        until its worker was restarted)."""
+        stopped before it came would keep this rank waiting for the group's timeout (seen in
+        runs stopped as they wrote their first checkpoint: held until the launcher restarted
+        the worker, 19 s)."""
         if self.spec.backend != "gloo":
             return 0
         return _shut_down(self._connections | _connections_at(self.spec.master_port))
@@ -558,9 +558,9 @@ class _RankThreads:
     Nor while it starts a thread: CPython 3.11 makes the new thread's state with its
     creator's id, which it keeps until the new thread runs, and ``PyThreadState_SetAsyncExc``
     raises in the first state with the id, the newest. A stop sent then killed the new thread
-    as it started, not the rank (measured: 1 Ctrl-C in 15 in a run writing a checkpoint a
-    step; its writer died unstarted, the rank went on and its peer waited in a collective
-    until the launcher restarted them, 19 s). So a rank's ``Thread.start`` is marked
+    as it started, not the rank (seen in runs stopped as they started a checkpoint: the writer
+    died unstarted, the rank went on and its peer waited in a collective until the launcher
+    restarted them, 19 s). So a rank's ``Thread.start`` is marked
     (``_guard_thread_starts``), and a stop that finds it there is raised by the rank itself
     once the new thread runs.
     """
