@@ -5,6 +5,7 @@ user's own checkpoints, never retry the user's bugs, and leave a warm cluster as
 """
 
 import _thread
+import gc
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import Reference, assert_equivalent
 from workers.compat.distributed_private import sampling_profiler_running
+from workers.malloc import release_free_memory
 from workflows import launch
 from workflows.config import ConfigError
 from workflows.jobs import TrainingFailed
@@ -524,7 +526,7 @@ def test_a_launch_with_tracking_writes_rank_0s_reports_to_tensorboard(cluster, t
 def raises_holding_the_group(ctx) -> None:
     model = DistributedDataParallel(nn.Linear(2, 2))
     if ctx.rank == 1:
-        # The traceback's frames hold the model, and through it the group, after the task ended.
+        # The frame holds the model, and through it the group, as it raises.
         raise ValueError(f"rank 1's own bug, {type(model).__name__} in its frame")
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that never comes
 
@@ -537,6 +539,41 @@ def test_a_rank_in_a_collective_is_released_while_its_failed_peer_still_holds_th
     with pytest.raises(ValueError, match="DistributedDataParallel in its frame"):
         launch(raises_holding_the_group, cluster=cluster, world_size=2)
     assert _pids(cluster) == pids
+
+
+HELD_MIB = 256
+
+
+def holds_a_cycle(ctx, fails: bool) -> None:
+    """HELD_MIB of values in a reference cycle, as a model and its hooks make; rank 1 then
+    raises (``fails``), and rank 0 waits for it in a collective until the launcher stops it."""
+    held = {"values": torch.ones(HELD_MIB * 2**18)}  # written: resident
+    held["itself"] = held
+    if fails and ctx.rank == 1:
+        raise ValueError("rank 1's own bug")
+    dist.all_reduce(torch.ones(1))
+
+
+def _resident_mib(*, collect: bool = False) -> float:
+    if collect:
+        gc.collect()
+        release_free_memory()
+    return psutil.Process().memory_info().rss / 2**20
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finished", "failed"])
+def test_what_a_job_held_is_handed_back_as_its_ranks_end(cluster, fails):
+    # Dask pauses a worker past distributed.worker.memory.pause and a paused worker starts no
+    # task: a job whose model stayed resident after it (an idle worker collects no cycles)
+    # kept the next job's rank from starting there, and its peers waited for their timeout.
+    before = cluster.client.run(_resident_mib, collect=True)
+    if fails:
+        with pytest.raises(ValueError, match="rank 1's own bug"):
+            launch(holds_a_cycle, True, cluster=cluster, world_size=2)
+    else:
+        launch(holds_a_cycle, False, cluster=cluster, world_size=2)
+    grown = {w: mib - before[w] for w, mib in cluster.client.run(_resident_mib).items()}
+    assert all(mib < HELD_MIB / 4 for mib in grown.values()), f"MiB still resident: {grown}"
 
 
 def never_launched(ctx) -> None:

@@ -5,14 +5,17 @@ worker's membership of the process group (already formed by the plugin), builds 
 :class:`RankContext` and calls the function.
 """
 
+import gc
 import math
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+import psutil
 import torch
 from distributed import get_worker, secede
 
@@ -22,6 +25,7 @@ from workers.compat.distributed_private import sampling_profiler_paused
 from workers.device_mesh import forget_earlier_meshes
 from workers.elastic import Boundary, ResizeBoundary
 from workers.live_recovery import LiveSource
+from workers.malloc import release_free_memory
 from workers.peak_memory import PeakMemory
 from workers.process_group import Membership, current_membership, rank_threads
 from workers.records import BaseRecord, HeartbeatRecord, ReportRecord, parse_record
@@ -487,9 +491,41 @@ def run_pickled(payload: bytes) -> RankOutcome:
     """:func:`run_function` for a job pickled on the client. The scheduler unpickles a task's
     arguments; the user's code may come from a module only the workers have been sent, so it
     travels as bytes the scheduler passes on untouched."""
+    resident_at_start = _resident_bytes()
     try:
         return run_function(cloudpickle.loads(payload))
     except BaseException as error:
         # The traceback reaches the client without its columns: they travel on the exception.
         keep_positions(error)
+        # Dask keeps a failed task's traceback until the client lets the task go, and with it
+        # every frame's locals: a stopped rank's model, gradients and optimizer state. Its
+        # lines are all the client needs of it.
+        traceback.clear_frames(error.__traceback__)
         raise
+    finally:
+        if _resident_bytes() - resident_at_start >= WORTH_COLLECTING:
+            release_what_the_rank_left()
+
+
+# What a job may leave resident without a collection as its task ends: Python's collector
+# frees that much in time, and collecting after every job cost the suite's fifty warm jobs
+# 15-20 ms each (measured).
+WORTH_COLLECTING = 64 * 2**20
+
+
+def _resident_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def release_what_the_rank_left() -> None:
+    """Free what the rank's job no longer uses, as its task ends, and hand it back to the
+    kernel.
+
+    A model and its optimizer hold reference cycles (a module and its hooks, FSDP's state and
+    its modules), which only Python's cyclic collector frees, and an idle worker allocates too
+    little for it to run on its own: a finished job's model stayed resident until the next
+    job started (measured: a 101 M-parameter GPT's worker at 1.29 GiB after DDP, 0.49 collected).
+    On a worker whose model took most of its memory limit, Dask then paused the worker
+    (``distributed.worker.memory.pause``), and the next job's rank never started there."""
+    gc.collect()
+    release_free_memory()
