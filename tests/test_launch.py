@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.reference import Reference, assert_equivalent
 from workers.compat.distributed_private import sampling_profiler_running
 from workers.malloc import release_free_memory
-from workflows import launch
+from workflows import LaunchError, launch, start_cluster
+from workflows.cluster import live_workers
 from workflows.config import ConfigError
 from workflows.jobs import TrainingFailed
 
@@ -574,6 +575,42 @@ def test_what_a_job_held_is_handed_back_as_its_ranks_end(cluster, fails):
         launch(holds_a_cycle, False, cluster=cluster, world_size=2)
     grown = {w: mib - before[w] for w, mib in cluster.client.run(_resident_mib).items()}
     assert all(mib < HELD_MIB / 4 for mib in grown.values()), f"MiB still resident: {grown}"
+
+
+def _ballast(resident: int, *, dask_worker) -> None:
+    """Hold memory on the worker outside Dask's data, as a user's own objects would, until the
+    worker's process is ``resident`` bytes; 0: let go of it."""
+    dask_worker.ballast = None
+    wanted = resident - psutil.Process().memory_info().rss
+    if resident:
+        dask_worker.ballast = torch.ones(wanted // 4)  # written: resident
+
+
+def _until_status(cluster, address: str, status: str) -> None:
+    deadline = time.monotonic() + 30
+    while live_workers(cluster.client)[address]["status"] != status:
+        assert time.monotonic() < deadline, f"{address} never {status}"
+        time.sleep(0.1)
+
+
+def test_a_rank_on_a_paused_worker_fails_the_job_naming_the_worker():
+    # Dask starts no task on a worker paused past distributed.worker.memory.pause (80% of its
+    # limit): the rank there never started, and its peers waited for it in their first
+    # collective for the whole timeout, then failed as if their own code had raised.
+    limit = 1.25 * 2**30
+    with start_cluster(n_workers=2, dashboard_port=0, memory_limit=int(limit)) as cluster:
+        paused = sorted(cluster.client.scheduler_info()["workers"])[1]
+        # To 88% of the limit: past the pause (80%), short of the nanny's kill (95%).
+        cluster.client.run(_ballast, int(0.88 * limit), workers=[paused])
+        _until_status(cluster, paused, "paused")
+        started = time.monotonic()
+        with pytest.raises(LaunchError, match=rf"worker {paused} has been paused for \d+ s"):
+            launch(noop, cluster=cluster, world_size=2, config={"paused_worker_timeout_s": 1})
+        assert time.monotonic() - started < 20
+        # Its memory freed, the worker takes ranks again.
+        cluster.client.run(_ballast, 0, workers=[paused])
+        _until_status(cluster, paused, "running")
+        assert launch(noop, cluster=cluster, world_size=2).results == [0, 1]
 
 
 def never_launched(ctx) -> None:

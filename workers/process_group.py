@@ -660,6 +660,12 @@ def _guard_thread_starts() -> None:
     threading.Thread.start = guarded_start  # type: ignore[method-assign]
 
 
+def running_tasks(*, dask_worker: Worker) -> list[str]:
+    """The keys of the tasks this worker runs now, seceded ones too (run with ``Client.run``,
+    which a paused worker still answers)."""
+    return [str(key) for key in running_task_keys(dask_worker)]
+
+
 async def release_generation(
     generation: str, stop: bool = False, *, dask_worker: Worker
 ) -> dict[str, object]:

@@ -32,6 +32,7 @@ from workers.process_group import (
     describe_worker,
     plugin_name,
     release_generation,
+    running_tasks,
 )
 from workflows.admission import (
     Admission,
@@ -153,6 +154,12 @@ class LaunchConfig(BaseModel):
         gt=0,
         description="after a failure, how long ranks may take to let go of the group before "
         "their workers are restarted",
+    )
+    paused_worker_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="how long a rank may wait to start on a worker that Dask has paused (its "
+        "memory past distributed.worker.memory.pause) before the job fails naming the worker",
     )
 
     @field_validator("world_size", mode="before")
@@ -564,6 +571,9 @@ class ProcessGroup:
         ]
         self._departed: set[int] = set()
         self._left_gracefully = left_gracefully
+        self._identities: dict[str, dict] = {}  # the workers as the last look saw them
+        self._paused_since: dict[int, float] = {}
+        self._started: set[int] = set()
         try:
             self._watch(futures, timeout_s, heartbeats, stop, on_poll)
             return [
@@ -606,6 +616,9 @@ class ProcessGroup:
             pending = [futures[rank] for rank in undone if rank not in self._departed]
             if not pending:
                 return
+            unstartable = self._unstartable(futures, undone)
+            if unstartable is not None:
+                raise unstartable
             if on_poll is not None:
                 on_poll()
             if stop is not None and stop.is_set():
@@ -657,7 +670,7 @@ class ProcessGroup:
         if any(not f.infrastructure for f in failures):
             return next(f for f in failures if not f.infrastructure)
         if any(not future.done() for future in futures) or failures:
-            alive = set(self._alive_workers())
+            alive = self._identities = self._alive_workers()
             for rank, address in enumerate(self.workers):
                 if address in alive or rank in self._departed:
                     continue
@@ -673,6 +686,64 @@ class ProcessGroup:
                     worker=address,
                 )
         return failures[0] if failures else None
+
+    def _unstartable(self, futures: list[Future], undone: list[int]) -> LaunchError | None:
+        """A rank whose task cannot start: Dask starts no task on a paused worker (its memory
+        past ``distributed.worker.memory.pause``), and the rank's peers would wait for it in
+        their first collective for its whole timeout, then fail as if their own code had raised.
+        A pause that lifts within ``launch.paused_worker_timeout_s`` is waited out; a rank
+        that runs on a worker paused by its own memory is not in question. Reads the workers'
+        states from the look :meth:`_failure` just took."""
+        now = time.monotonic()
+        identities = self._identities
+        paused = [
+            rank
+            for rank in undone
+            if rank not in self._started
+            and identities.get(self.workers[rank], {}).get("status") == "paused"
+        ]
+        self._paused_since = {rank: self._paused_since.get(rank, now) for rank in paused}
+        overdue = [
+            rank
+            for rank, since in self._paused_since.items()
+            if now - since >= self.config.paused_worker_timeout_s
+        ]
+        if not overdue:
+            return None
+        try:
+            running = run_bounded(
+                self.client,
+                running_tasks,
+                workers=[self.workers[rank] for rank in overdue],
+                timeout_s=PROBE_MIN_S,
+            )
+        except TimeoutError:
+            return None  # a worker that does not answer is the hang check's to find
+        for rank in overdue:
+            address = self.workers[rank]
+            keys = running.get(address)
+            if not isinstance(keys, list):
+                continue  # gone: the next look finds it lost
+            if str(futures[rank].key) in keys or futures[rank].done():
+                self._started.add(rank)  # running, or it ran and ended since the look
+                continue
+            identity = identities[address]
+            memory = identity.get("metrics", {}).get("memory")
+            limit = identity.get("memory_limit")
+            held = (
+                f", its process at {memory / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB limit"
+                if memory and limit
+                else ""
+            )
+            return LaunchError(
+                f"rank {rank} cannot start: its worker {address} has been paused for "
+                f"{now - self._paused_since[rank]:.0f} s{held}, past "
+                "distributed.worker.memory.pause, and Dask starts no task on a paused worker; "
+                "free what holds that worker's memory, or give the workers more "
+                "(cluster.memory_limit); launch.paused_worker_timeout_s = "
+                f"{self.config.paused_worker_timeout_s:g}"
+            )
+        return None
 
     def _root_cause(self, futures: list[Future], first: RankFailed) -> RankFailed:
         """A communication error is often the echo of another rank's failure (its peer died, or
@@ -744,8 +815,10 @@ class ProcessGroup:
 
     # -- choosing workers -------------------------------------------------------------------
 
-    def _alive_workers(self) -> list[str]:
-        return list(live_workers(self.client))
+    def _alive_workers(self) -> dict[str, dict]:
+        """The scheduler's workers now: address -> identity (``status``, ``memory_limit``,
+        ``metrics``)."""
+        return live_workers(self.client)
 
     def _hold_workers(self) -> list[str]:
         return hold_workers(self.client, self.admission, self.config.workers)
