@@ -27,9 +27,11 @@ from tests.reference import Reference, assert_equivalent
 from workers.compat.distributed_private import sampling_profiler_running
 from workers.malloc import release_free_memory
 from workflows import LaunchError, launch, start_cluster
+from workflows.admission import WorkerSelection
 from workflows.cluster import live_workers
 from workflows.config import ConfigError
 from workflows.jobs import TrainingFailed
+from workflows.launcher import select_workers
 
 GLOBAL_BATCH, FEATURES, CLASSES = 32, 12, 4
 
@@ -599,10 +601,16 @@ def test_a_rank_on_a_paused_worker_fails_the_job_naming_the_worker():
     # collective for the whole timeout, then failed as if their own code had raised.
     limit = 1.25 * 2**30
     with start_cluster(n_workers=2, dashboard_port=0, memory_limit=int(limit)) as cluster:
-        paused = sorted(cluster.client.scheduler_info()["workers"])[1]
+        # The worker a job would take first.
+        paused = select_workers(live_workers(cluster.client), WorkerSelection())[0]
         # To 88% of the limit: past the pause (80%), short of the nanny's kill (95%).
         cluster.client.run(_ballast, int(0.88 * limit), workers=[paused])
         _until_status(cluster, paused, "paused")
+        # A job that fits on the running workers is given those.
+        one_rank = launch(
+            noop, cluster=cluster, world_size=1, config={"paused_worker_timeout_s": 1}
+        )
+        assert one_rank.results == [0]
         started = time.monotonic()
         with pytest.raises(LaunchError, match=rf"worker {paused} has been paused for \d+ s"):
             launch(noop, cluster=cluster, world_size=2, config={"paused_worker_timeout_s": 1})

@@ -307,14 +307,16 @@ class WorkerQueue(SchedulerPlugin):
     def _grant(self) -> None:
         held = {w for entry in self.entries.values() for w in entry.granted}
         # In rank order, so that on an idle cluster a job gets the workers the launcher ranks
-        # first (those its Dask collections were placed on).
+        # first (those its Dask collections were placed on); paused workers last: Dask starts
+        # no task on one (its memory past distributed.worker.memory.pause), so a rank there
+        # could not start (the launcher fails such a job, naming the worker).
         free = sorted(
             (
                 w
                 for w in self.scheduler.workers.values()
                 if w.address not in held and w.status not in LEAVING
             ),
-            key=lambda w: rank_order(w.host, w.name, w.address),
+            key=lambda w: (w.status == Status.paused, rank_order(w.host, w.name, w.address)),
         )
         serving = [entry for _, entry in self._in_serving_order()]
         asked_back: dict[str, set[str]] = {}  # job id -> workers a waiting job needs from it
