@@ -595,7 +595,17 @@ def _until_status(cluster, address: str, status: str) -> None:
         time.sleep(0.1)
 
 
-def test_a_rank_on_a_paused_worker_fails_the_job_naming_the_worker():
+def grows_on_rank_0(ctx) -> None:
+    """Rank 0 allocates until its nanny ends its process; rank 1 waits for it."""
+    if ctx.rank == 0:
+        blocks = []
+        for _ in range(16):  # 4 GiB: past any limit here
+            blocks.append(torch.ones(2**26))  # 256 MiB, written
+            time.sleep(0.2)  # the nanny looks every 100 ms
+    dist.barrier()
+
+
+def test_a_worker_paused_or_killed_for_memory_is_named_as_the_jobs_cause():
     # Dask starts no task on a worker paused past distributed.worker.memory.pause (80% of its
     # limit): the rank there never started, and its peers waited for it in their first
     # collective for the whole timeout, then failed as if their own code had raised.
@@ -619,6 +629,10 @@ def test_a_rank_on_a_paused_worker_fails_the_job_naming_the_worker():
         cluster.client.run(_ballast, 0, workers=[paused])
         _until_status(cluster, paused, "running")
         assert launch(noop, cluster=cluster, world_size=2).results == [0, 1]
+        # Past the limit, its nanny restarts it: the error says that, not only that it left.
+        killed = rf"rank 0's worker {paused} left the cluster: its nanny restarted it, its "
+        with pytest.raises(TrainingFailed, match=killed + r"process at [\d.]+ GiB, \d+% of its"):
+            launch(grows_on_rank_0, cluster=cluster, world_size=2, max_failures=0)
 
 
 def never_launched(ctx) -> None:

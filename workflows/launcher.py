@@ -670,6 +670,7 @@ class ProcessGroup:
         if any(not f.infrastructure for f in failures):
             return next(f for f in failures if not f.infrastructure)
         if any(not future.done() for future in futures) or failures:
+            seen_before = self._identities
             alive = self._identities = self._alive_workers()
             for rank, address in enumerate(self.workers):
                 if address in alive or rank in self._departed:
@@ -680,8 +681,9 @@ class ProcessGroup:
                     logger.info("rank %d's worker %s left gracefully", rank, address)
                     self._departed.add(rank)
                     continue
+                why = _killed_for_memory(self.client, address, seen_before.get(address, {}))
                 return WorkerLost(
-                    f"rank {rank}'s worker {address} left the cluster",
+                    f"rank {rank}'s worker {address} left the cluster{why}",
                     rank=rank,
                     worker=address,
                 )
@@ -822,6 +824,27 @@ class ProcessGroup:
 
     def _hold_workers(self) -> list[str]:
         return hold_workers(self.client, self.admission, self.config.workers)
+
+
+def _killed_for_memory(client: Client, address: str, identity: dict[str, Any]) -> str:
+    """``": its nanny restarted it ..."`` when the worker at ``address`` was restarted by its
+    nanny past its memory limit (the ``worker-restart-memory`` event the nanny logs with the
+    scheduler before it ends the process), else ``""``. ``identity``: the worker as last seen,
+    for its limit."""
+    try:
+        events = client.get_events("worker-restart-memory")
+    except Exception:  # a cause to add to a message, never a failure of its own
+        return ""
+    rss = next((e.get("rss") for _, e in reversed(events) if e.get("worker") == address), None)
+    if not rss:
+        return ""
+    limit = identity.get("memory_limit")
+    of_limit = f", {rss / limit:.0%} of its {limit / 2**30:.2f} GiB limit" if limit else ""
+    return (
+        f": its nanny restarted it, its process at {rss / 2**30:.2f} GiB{of_limit} "
+        "(distributed.worker.memory.terminate); give the workers more memory "
+        "(cluster.memory_limit) or split the model (`dask-train plan` estimates a rank's peak)"
+    )
 
 
 def fetch_from_worker(
