@@ -45,7 +45,6 @@ from workers.rank_context import RankJob, RankOutcome, forget_job, run_pickled
 from workers.records import AdmittedRecord, RecoveryRecord, ResizedRecord, WorldRecord
 from workers.remote_traceback import rebuilt_traceback
 from workflows.admission import Admission
-from workflows.cluster import live_workers
 from workflows.code_shipping import ship_code
 from workflows.events import EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
@@ -496,16 +495,9 @@ class JobController:
         if not self.workers:
             return
         with contextlib.suppress(Exception):
-            # Only those still in the cluster: Dask retries a call to a gone worker's address
-            # for its connect timeout (30 s), and this one would wait its whole 5 s for it
-            # before the job's error reached the caller (measured: a job that lost a worker
-            # failed 5.9 s after the loss, 0.9 s asking only the live ones).
-            alive = live_workers(self.client)
-            workers = [w for w in self.workers if w in alive]
-            if workers:
-                run_bounded(
-                    self.client, forget_job, self.spec.job_id, workers=workers, timeout_s=5.0
-                )
+            run_bounded(
+                self.client, forget_job, self.spec.job_id, workers=self.workers, timeout_s=5.0
+            )
 
 
 class _Watcher:

@@ -44,7 +44,7 @@ def collect_model(
         )
     finally:
         # Taken, or lost with a failure here: nothing of this job stays on its workers.
-        workers = sorted({part.worker for part in held} & set(live_workers(client)))
+        workers = sorted({part.worker for part in held})
         for job_id in {part.job_id for part in held}:
             with contextlib.suppress(Exception):  # a worker that does not answer keeps them
                 run_bounded(client, model_pieces.forget, job_id, workers=workers, timeout_s=5.0)
@@ -58,8 +58,6 @@ def _take(client: Client, held: HeldPieces, *, rank: int) -> dict[str, Piece]:
         "keeps them, holds the model)"
     )
     for batch in held.batches(BATCH_BYTES):
-        if held.worker not in live_workers(client):
-            raise TrainingFailed(lost)
         try:
             answers = run_bounded(
                 client,
