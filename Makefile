@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
+.PHONY: install demo test test-large docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -51,6 +51,11 @@ docs: $(STAMP)
 # slowest tests are listed at the end: the suite has a time budget (docs/development.md).
 test: lint browser docs
 	$(BIN)/pytest --durations=25
+
+# The tests too large for the suite (-m large): a model larger than a worker, trained split
+# on workers whose nanny kills them past their limit; ~6 minutes and ~19 GB of host memory.
+test-large: $(STAMP)
+	$(BIN)/pytest -m large --durations=5
 
 # The suite in a shuffled order (modules shuffled, and tests within each): no test may depend on
 # another having run before it. SEED=N replays an order; the seed is printed at the top.

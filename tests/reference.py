@@ -102,21 +102,22 @@ def equivalence_problems(
     if got.keys() != target.keys():
         missing, extra = target.keys() - got.keys(), got.keys() - target.keys()
         return [f"names differ: missing {sorted(missing)}, extra {sorted(extra)}"]
-    f32 = {name: value.detach().double().cpu() for name, value in reference.float32.items()}
-    f64 = {name: value.detach().double().cpu() for name, value in reference.float64.items()}
-    rate = _norm(*(f32[name] - f64[name] for name in f64)) / _norm(*f64.values())
+    # Tensor by tensor, float32's widened as each is needed: a model larger than a worker
+    # (tests/test_larger_than_a_worker.py) is compared too.
+    f64 = {name: _wide(value) for name, value in reference.float64.items()}
+    f32 = reference.float32
+    rate = _norm(_wide(f32[name]) - f64[name] for name in f64) / _norm(f64.values())
     problems = []
     for name, exact in target.items():
-        exact = exact.detach().double().cpu()
-        value = got[name].detach().double().cpu()
+        exact, value = _wide(exact), _wide(got[name])
         if value.shape != exact.shape:
             problems.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(exact.shape)}")
             continue
-        size = _norm(f64[name])
-        rounding = max(_norm(f32[name] - f64[name]), rate * size)
+        size = _norm([f64[name]])
+        rounding = max(_norm([_wide(f32[name]) - f64[name]]), rate * size)
         floor = FLOOR_ULPS_PER_STEP * max(reference.steps, 1) * _EPS32 * size
         allowed = EQUIVALENCE_K * rounding + floor
-        distance = _norm(value - exact)
+        distance = _norm([value - exact])
         if not distance <= allowed:  # NaN fails too
             problems.append(
                 f"{name}: {distance:.3g} from float64, allowed {allowed:.3g} "
@@ -125,8 +126,13 @@ def equivalence_problems(
     return problems
 
 
-def _norm(*tensors: torch.Tensor) -> float:
-    """The L2 norm of all of ``tensors`` together."""
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float64 on the CPU (itself when it is already)."""
+    return tensor.detach().double().cpu()
+
+
+def _norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of all of ``tensors`` together, taken one at a time."""
     return float(torch.sqrt(sum(torch.sum(t.double() ** 2) for t in tensors)))
 
 
@@ -268,14 +274,18 @@ def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict
                     (criterion(model(images[piece]), labels[piece]) / weight).backward()
                 if t.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-                before_last_step = {k: v.detach().clone() for k, v in model.named_parameters()}
+                if bug == STALE_SHARD:  # only then: a copy of the model, on a large one
+                    before_last_step = {k: v.detach().clone() for k, v in model.named_parameters()}
                 if not (bug == STEP_SKIPPED and done + 1 == total):
                     optimizer.step()
                 schedule.step()
                 done, batch = done + 1, batch + 1
             if batch == batches:
                 epoch, batch = epoch + 1, 0
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    # The model's own tensors (no copy on a CPU), its gradients dropped now rather than when
+    # the model is collected.
+    optimizer.zero_grad(set_to_none=True)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def bugs_that_apply(
