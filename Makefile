@@ -53,7 +53,7 @@ test: lint browser docs
 	$(BIN)/pytest --durations=25
 
 # The tests too large for the suite (-m large): a model larger than a worker, trained split
-# on workers whose nanny kills them past their limit; ~6 minutes and ~19 GB of host memory.
+# on workers whose nanny kills them past their limit; 6-8 minutes and ~18 GB of host memory.
 test-large: $(STAMP)
 	$(BIN)/pytest -m large --durations=5
 

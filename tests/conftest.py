@@ -200,7 +200,7 @@ def make_config(store_dir):
 
 def pytest_collection_modifyitems(config, items):
     # A `large` test runs when asked for by name (-m large, make test-large): minutes and
-    # ~19 GB of host memory each, beyond what the suite's budget and CI machines allow.
+    # ~18 GB of host memory each, beyond what the suite's budget and CI machines allow.
     if "large" not in (config.option.markexpr or ""):
         skip_large = pytest.mark.skip(reason="a large test: make test-large runs it")
         for item in items:

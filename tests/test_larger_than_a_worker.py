@@ -3,11 +3,11 @@ ranks and in 4 pipeline stages, on workers whose nannies kill them past that lim
 one process trained on the same batches; built whole first, as every rank once built it
 (``model.init = "factory"``), the same job is killed.
 
-Too large for the suite (~6 minutes here, ~19 GB of host memory): ``make test-large`` runs
+Too large for the suite (6-8 minutes here, ~18 GB of host memory): ``make test-large`` runs
 it. The sizes: a worker with a memory limit is ~0.6 GiB before any job (torch and Dask), and
 an FSDP rank of 4 holds a quarter of the parameters, their gradients and the blocks it
 gathers, ~0.57 of the model here; so the smallest limit that a model larger than it fits on,
-split, with room to spare, is ~2.5 GiB: a model of 680 M parameters.
+split, with room to spare, is ~2.5 GiB: a model of 681 M parameters.
 """
 
 import pytest
