@@ -100,7 +100,6 @@ def run_config(folder: Path, *, layers: int, run: str, steps: int) -> RunConfig:
 class Outcome:
     """One job on the small workers: the trained model saved to ``saved``, or why it failed."""
 
-    run: str
     wall_s: float
     parameters: int = 0
     peak_memory_mib: tuple[float | None, ...] = ()
@@ -124,13 +123,12 @@ def train_on_small_workers(
                 result = train(config, cluster=cluster, on_event=None)
             except TrainingFailed as failure:
                 wall = time.perf_counter() - started
-                outcomes[run] = Outcome(run, wall, failure=str(failure))
+                outcomes[run] = Outcome(wall, failure=str(failure))
                 continue
             wall = time.perf_counter() - started
             saved = folder / f"{run}.pt"
             torch.save(result.state_dict, saved)
             outcomes[run] = Outcome(
-                run,
                 wall,
                 parameters=sum(v.numel() for v in result.state_dict.values()),
                 peak_memory_mib=tuple(result.peak_memory_mib),
