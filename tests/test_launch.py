@@ -388,6 +388,39 @@ def test_ctrl_c_stops_the_ranks_without_restarting_workers(cluster):
     assert launch(ragged_reports, cluster=cluster, world_size=2).results == [2, 2]
 
 
+def sleeps_in_c(ctx) -> None:
+    ctx.report(started=1)
+    time.sleep(600)  # one call into C: neither the stop nor shut-down connections end it
+
+
+# As a rank in gloo's wait for a send its shut-down connection does not wake (8 Ctrl-C in 166
+# held the CLI 19 s): without the restart at once, the Ctrl-C takes release_timeout_s (60 s).
+@pytest.mark.timeout(150)
+def test_ranks_a_ctrl_c_cannot_reach_are_restarted_at_once_not_after_the_release_timeout(
+    own_cluster,
+):
+    pids = _pids(own_cluster)
+    interrupted = []
+
+    def ctrl_c_once_started(record: dict) -> None:
+        if record.get("kind") == "report" and record["rank"] == 1:
+            interrupted.append(time.monotonic())
+            _thread.interrupt_main()
+
+    with pytest.raises(KeyboardInterrupt):
+        launch(
+            sleeps_in_c,
+            cluster=own_cluster,
+            world_size=2,
+            on_event=ctrl_c_once_started,
+            config={"release_timeout_s": 60},
+        )
+    held_s = time.monotonic() - interrupted[0]
+    assert held_s < 30, f"the Ctrl-C took {held_s:.1f} s: the ranks were waited out"
+    own_cluster.client.wait_for_workers(2, timeout=60)
+    assert not set(_pids(own_cluster).values()) & set(pids.values())  # both restarted
+
+
 def test_max_failures_zero_gives_up_at_the_first_lost_worker(own_cluster):
     victim = max(_pids(own_cluster).values())
 

@@ -40,7 +40,7 @@ from workers.checkpoint import (
 from workers.models import build_model
 from workflows.benchmarks.local_s3 import KEY, SECRET
 from workflows.driver import train
-from workflows.launcher import JobStopped, LaunchConfig, ProcessGroup
+from workflows.launcher import STOPPED_RANK_GRACE_S, JobStopped, LaunchConfig, ProcessGroup
 from workflows.run_directory import RunDirectory
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "log_every_steps": 1}
@@ -413,10 +413,15 @@ def test_an_async_write_is_never_taken_before_it_is_committed_nor_after_it_faile
         ]
 
 
+# Longer than a job stopped for good waits for a rank that writes nothing: a write in flight is
+# waited for because it writes (workers.checkpoint.writing), not because it is quick.
+SLOW_PUT_S = STOPPED_RANK_GRACE_S + 1.5
+
+
 def _planted_puts(step: int, how: str, flag: str = "") -> None:
     """Runs on a worker: its asynchronous writes of DCP's data files are refused on rank 1 at
     step ``step`` (``how="refused"``), held there until the file ``flag`` is gone
-    (``"stuck"``), or take 2 s at ``step`` and every later one (``"slow"``)."""
+    (``"stuck"``), or take ``SLOW_PUT_S`` at ``step`` and every later one (``"slow"``)."""
     from workers import checkpoint
 
     original = vars(checkpoint.AsyncCheckpoints).get("_unplanted", checkpoint.AsyncCheckpoints._put)
@@ -427,7 +432,7 @@ def _planted_puts(step: int, how: str, flag: str = "") -> None:
             if how == "refused" and dist.get_rank() == 1:
                 raise OSError("the store refused the upload (planted)")
             if how == "slow":
-                time.sleep(2.0)
+                time.sleep(SLOW_PUT_S)
             deadline = time.monotonic() + 60
             while how == "stuck" and os.path.exists(flag) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -488,7 +493,7 @@ def test_a_job_stopped_mid_upload_commits_it_in_time_or_never(
     flag = tmp_path / "store-holds-uploads"
     flag.touch()
     planted_puts(4, upload, str(flag))
-    release = {"stuck": 2.0, "slow": 6.0}[upload]
+    release = {"stuck": 2.0, "slow": 2 * SLOW_PUT_S}[upload]
     launch = {"world_size": 2, "release_timeout_s": release}
     checkpoint = {"every_steps": 2, "keep": 100}  # async_save by default
     config = in_bucket(f"stopped-{upload}", max_steps=500, checkpoint=checkpoint, launch=launch)

@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -426,6 +426,33 @@ EAGER_WAIT_S = 5.0
 WRITER_GROUP_TIMEOUT_S = 300.0
 
 
+# Asynchronous writes this process is carrying through now: a writer thread's, and a stopped
+# rank's wait to commit or abandon its write in flight (``interrupted``). A job stopped for good
+# waits for a stopped rank only while it writes (workers/process_group.py: release_generation).
+_carrying_lock = threading.Lock()
+_carrying = 0
+
+
+@contextlib.contextmanager
+def _carrying_a_write() -> Iterator[None]:
+    global _carrying
+    with _carrying_lock:
+        _carrying += 1
+    try:
+        yield
+    finally:
+        with _carrying_lock:
+            _carrying -= 1
+
+
+def writing() -> bool:
+    """Whether this process is writing a checkpoint that may still be committed: a writer
+    thread, or a stopped rank committing or abandoning its write in flight. A synchronous save
+    does not count: once a stopped rank's connections are shut down its collectives cannot
+    complete, so neither can the save."""
+    return _carrying > 0
+
+
 # How much nicer than the training's threads the writer thread runs: where they want the same
 # cores, the training's run first, and the write takes the time they leave (it has until the
 # next save).
@@ -593,6 +620,10 @@ class AsyncCheckpoints:
     def _write(self, write: _Write, group: Any) -> None:
         """The thread: the staged state serialized into memory (collective on ``group``, the
         writers' own), then its files into the target, hashed on the way."""
+        with _carrying_a_write():
+            self._write_files(write, group)
+
+    def _write_files(self, write: _Write, group: Any) -> None:
         import torch.distributed.checkpoint as dcp
         from fsspec.core import url_to_fs
 
@@ -707,6 +738,10 @@ class AsyncCheckpoints:
         if write is None:
             return None
         assert write.thread is not None
+        with _carrying_a_write():
+            return self._commit_or_abandon(write, timeout_s)
+
+    def _commit_or_abandon(self, write: _Write, timeout_s: float) -> Location | None:
         deadline = time.monotonic() + timeout_s
         committed = None
         try:

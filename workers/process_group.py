@@ -678,7 +678,9 @@ async def release_generation(
     once; a worker whose task still runs is told to stop (``stop``, for rank functions of
     :func:`workflows.launch`), shuts its own connections down so that a collective it waits
     in fails now, and reports itself busy, and the launcher asks again. Returns
-    ``{"busy": bool}``.
+    ``{"busy": bool, "writing": bool}``: ``writing``, whether a checkpoint write that may still
+    be committed goes on here (``workers.checkpoint.writing``), which a job stopped for good
+    waits for; a rank busy with anything else by then waits where gloo does not wake it.
     """
     plugin = _plugin_of(generation, dask_worker)
     membership = getattr(plugin, "membership", None)
@@ -693,8 +695,10 @@ async def release_generation(
             # after they left, or whose peer's group lingers, for its whole timeout). Ending
             # this worker's connections fails that collective now.
             plugin.disconnect()
-        return {"busy": True}
+        from workers.checkpoint import writing  # torch: imported already, a rank runs here
+
+        return {"busy": True, "writing": writing()}
     if member:
         # Leaving closes the backend's sockets; no rank of this generation runs here any more.
         await plugin.leave()
-    return {"busy": False}
+    return {"busy": False, "writing": False}

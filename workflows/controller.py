@@ -343,7 +343,8 @@ class JobController:
                     payload,
                     name=f"{self.task_prefix}-{self.spec.name}",
                     heartbeats=heartbeats,
-                    stop=_Either(self.stop, restart),
+                    stop=self.stop,
+                    restart=restart,
                     left_gracefully=watcher.left_gracefully if watcher else None,
                     on_poll=lambda: self._report_resize(heartbeats.first_step_at),
                 )
@@ -594,16 +595,6 @@ class _Watcher:
                 workers=self.workers,
                 timeout_s=self.controller.settings.init_timeout_s,
             )
-
-
-class _Either:
-    """Set when either event is: the caller's ``stop``, or a restart for a resize."""
-
-    def __init__(self, *events: threading.Event | None) -> None:
-        self.events = [e for e in events if e is not None]
-
-    def is_set(self) -> bool:
-        return any(e.is_set() for e in self.events)
 
 
 def _live_source(

@@ -50,12 +50,18 @@ from workflows.job_spec import JobSpec
 
 logger = logging.getLogger(__name__)
 RELEASE_POLL_S = 0.05
+# A job stopped for good waits this long for a stopped rank to let go; one still busy then,
+# writing no checkpoint, waits where the stop and its shut-down connections cannot reach it (in
+# gloo's wait for a send posted before its connection went, seen in 8 stops of 166), and its
+# worker is restarted now rather than at launch.release_timeout_s. A rank that lets go does so
+# in well under a second (the stop lands at its next line of Python).
+STOPPED_RANK_GRACE_S = 3.0
 PROBE_MIN_S = 1.0  # the least a worker is given to answer before it counts as stopped
 RESULT_POLL_S = 1.0  # how often a finished rank's result, still on its way, asks for its worker
 
 
 class Stop(Protocol):
-    """What ends a running job when set: a ``threading.Event``, or several at once."""
+    """What ends a running job when set: a ``threading.Event``."""
 
     def is_set(self) -> bool: ...
 
@@ -153,7 +159,8 @@ class LaunchConfig(BaseModel):
         default=15.0,
         gt=0,
         description="after a failure, how long ranks may take to let go of the group before "
-        "their workers are restarted",
+        "their workers are restarted; when the job is stopped for good (Ctrl-C, its stop), how "
+        "long a rank writing a checkpoint may take to finish it (others get 3 s)",
     )
     paused_worker_timeout_s: float = Field(
         default=10.0,
@@ -310,7 +317,14 @@ class RankHung(RankFailed):
 
 class JobStopped(RuntimeError):
     """The caller asked the job to stop (its ``stop`` event was set: a pruned sweep trial);
-    its ranks were released. Neither a failure to recover from nor an error of the code."""
+    its ranks were released. Neither a failure to recover from nor an error of the code.
+
+    ``for_good``: no attempt follows; False where only this attempt stops (an elastic
+    script's restart for a resize), whose ranks keep what they hold for the next."""
+
+    def __init__(self, message: str, *, for_good: bool = True) -> None:
+        super().__init__(message)
+        self.for_good = for_good
 
 
 class Heartbeats:
@@ -439,19 +453,24 @@ class ProcessGroup:
         )
         return self
 
-    def shutdown(self, *, abort: bool = False, stuck: Iterable[str] = ()) -> None:
+    def shutdown(
+        self, *, abort: bool = False, stuck: Iterable[str] = (), for_good: bool = False
+    ) -> None:
         """Leave the group. ``abort`` (after a failure, or to stop a job) first makes every rank
         let go of it: ranks still running are stopped, finished ones leave, which ends their
         peers' pending collectives; only a worker that does not let go within
         ``launch.release_timeout_s``, and the ``stuck`` ones (a stopped process cannot answer),
-        are restarted. Restarting survivors was the old way and cost each ~4 s."""
+        are restarted. Restarting survivors was the old way and cost each ~4 s. ``for_good``
+        (Ctrl-C, the caller's stop: no attempt follows, so no survivor's memory is needed)
+        waits that long only for ranks writing a checkpoint; one busy otherwise is restarted
+        after ``STOPPED_RANK_GRACE_S``."""
         if self.spec is None:
             if self._owns_admission:
                 self.admission.release()
             return
         spec, self.spec = self.spec, None
         if abort:
-            self._release(spec, stuck=set(stuck))
+            self._release(spec, stuck=set(stuck), for_good=for_good)
         # Restarted workers are new processes: the spec's worker ids keep them out of the group,
         # whatever address they come back at. Unregistering tears the group down on the rest.
         try:
@@ -467,7 +486,7 @@ class ProcessGroup:
         if self._owns_admission:
             self.admission.release()
 
-    def _release(self, spec: ProcessGroupSpec, *, stuck: set[str]) -> None:
+    def _release(self, spec: ProcessGroupSpec, *, stuck: set[str], for_good: bool) -> None:
         alive = set(self._alive_workers())
         pending = [a for a in spec.ranks if a in alive and a not in stuck]
         restart = [a for a in spec.ranks if a in alive and a in stuck]
@@ -482,7 +501,8 @@ class ProcessGroup:
             killed = _kill_through_nannies(self.client, restart)
             self._await_departure(spec, killed)
             restart = [w for w in restart if w not in killed]
-        deadline = time.monotonic() + self.config.release_timeout_s
+        stopped_at = time.monotonic()
+        deadline = stopped_at + self.config.release_timeout_s
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -502,6 +522,18 @@ class ProcessGroup:
             pending = [
                 a for a in pending if isinstance(answers.get(a), dict) and answers[a]["busy"]
             ]
+            if for_good and time.monotonic() - stopped_at >= STOPPED_RANK_GRACE_S:
+                unreachable = [a for a in pending if not answers[a]["writing"]]
+                if unreachable:
+                    logger.warning(
+                        "killing rank workers %s: stopped %.0f s ago, they write no checkpoint "
+                        "and have not let go of the group",
+                        unreachable,
+                        time.monotonic() - stopped_at,
+                    )
+                    killed = _kill_through_nannies(self.client, unreachable)
+                    self._await_departure(spec, killed)
+                    pending = [a for a in pending if a not in killed]
             if pending:
                 time.sleep(RELEASE_POLL_S)
         restart += pending
@@ -524,7 +556,10 @@ class ProcessGroup:
 
     def __exit__(self, exc_type: object, exc: object, *_: object) -> None:
         stuck = exc.stuck if isinstance(exc, RankHung) else []
-        self.shutdown(abort=exc_type is not None, stuck=stuck)
+        for_good = isinstance(exc, KeyboardInterrupt) or (
+            isinstance(exc, JobStopped) and exc.for_good
+        )
+        self.shutdown(abort=exc_type is not None, stuck=stuck, for_good=for_good)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -543,6 +578,7 @@ class ProcessGroup:
         timeout_s: float | None = None,
         heartbeats: Heartbeats | None = None,
         stop: "Stop | None" = None,
+        restart: "Stop | None" = None,
         left_gracefully: Callable[[str], bool] | None = None,
         on_poll: Callable[[], None] | None = None,
     ) -> list[Any]:
@@ -550,7 +586,8 @@ class ProcessGroup:
 
         Returns when every rank finished; raises :class:`RankFailed` for the root cause as
         soon as one rank raised or its worker left the cluster, and ``TimeoutError`` after
-        ``timeout_s``, and :class:`JobStopped` once ``stop`` is set.
+        ``timeout_s``, and :class:`JobStopped` once ``stop`` is set (for good), or ``restart``
+        (this attempt only: an elastic script's resize).
 
         ``left_gracefully(worker)``: whether a worker that left the cluster was retired (an
         elastic job's rank hands off at its step boundary as its worker closes); such a rank
@@ -575,7 +612,7 @@ class ProcessGroup:
         self._paused_since: dict[int, float] = {}
         self._started: set[int] = set()
         try:
-            self._watch(futures, timeout_s, heartbeats, stop, on_poll)
+            self._watch(futures, timeout_s, heartbeats, stop, restart, on_poll)
             return [
                 None if rank in self._departed else self._result(rank, future)
                 for rank, future in enumerate(futures)
@@ -593,6 +630,7 @@ class ProcessGroup:
         timeout_s: float | None,
         heartbeats: Heartbeats | None,
         stop: "Stop | None",
+        restart: "Stop | None",
         on_poll: Callable[[], None] | None = None,
     ) -> None:
         submitted = time.monotonic()
@@ -623,6 +661,8 @@ class ProcessGroup:
                 on_poll()
             if stop is not None and stop.is_set():
                 raise JobStopped("the job was asked to stop")
+            if restart is not None and restart.is_set():
+                raise JobStopped("the ranks stop for a resize", for_good=False)
             silent = (
                 heartbeats.silent_ranks(
                     len(futures),
