@@ -503,6 +503,7 @@ class ProcessGroup:
             restart = [w for w in restart if w not in killed]
         stopped_at = time.monotonic()
         deadline = stopped_at + self.config.release_timeout_s
+        asked_to_kill: set[str] = set()  # once: a worker without a nanny waits for the deadline
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -523,7 +524,10 @@ class ProcessGroup:
                 a for a in pending if isinstance(answers.get(a), dict) and answers[a]["busy"]
             ]
             if for_good and time.monotonic() - stopped_at >= STOPPED_RANK_GRACE_S:
-                unreachable = [a for a in pending if not answers[a]["writing"]]
+                unreachable = [
+                    a for a in pending if not answers[a]["writing"] and a not in asked_to_kill
+                ]
+                asked_to_kill.update(unreachable)
                 if unreachable:
                     logger.warning(
                         "killing rank workers %s: stopped %.0f s ago, they write no checkpoint "
