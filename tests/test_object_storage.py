@@ -418,37 +418,47 @@ def test_an_async_write_is_never_taken_before_it_is_committed_nor_after_it_faile
 SLOW_PUT_S = STOPPED_RANK_GRACE_S + 1.5
 
 
+def _plant(method: str, planted) -> None:
+    """Runs on a worker: ``AsyncCheckpoints.<method>`` becomes ``planted(original)`` until
+    ``_unplant(method)``."""
+    from workers.checkpoint import AsyncCheckpoints
+
+    kept = f"_unplanted_{method}"
+    original = vars(AsyncCheckpoints).get(kept, getattr(AsyncCheckpoints, method))
+    setattr(AsyncCheckpoints, kept, original)
+    setattr(AsyncCheckpoints, method, planted(original))
+
+
+def _unplant(method: str) -> None:
+    from workers.checkpoint import AsyncCheckpoints
+
+    original = vars(AsyncCheckpoints).get(f"_unplanted_{method}")
+    if original is not None:
+        setattr(AsyncCheckpoints, method, original)
+        delattr(AsyncCheckpoints, f"_unplanted_{method}")
+
+
 def _planted_puts(step: int, how: str, flag: str = "") -> None:
     """Runs on a worker: its asynchronous writes of DCP's data files are refused on rank 1 at
     step ``step`` (``how="refused"``), held there until the file ``flag`` is gone
     (``"stuck"``), or take ``SLOW_PUT_S`` at ``step`` and every later one (``"slow"``)."""
-    from workers import checkpoint
 
-    original = vars(checkpoint.AsyncCheckpoints).get("_unplanted", checkpoint.AsyncCheckpoints._put)
+    def planted(original):
+        def put(self, target, name, data):
+            at = int(re.search(r"step-(\d{9})", str(target)).group(1))
+            if name.endswith(".distcp") and (at == step or (how == "slow" and at > step)):
+                if how == "refused" and dist.get_rank() == 1:
+                    raise OSError("the store refused the upload (planted)")
+                if how == "slow":
+                    time.sleep(SLOW_PUT_S)
+                deadline = time.monotonic() + 60
+                while how == "stuck" and os.path.exists(flag) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            original(self, target, name, data)
 
-    def put(self, target, name, data):
-        at = int(re.search(r"step-(\d{9})", str(target)).group(1))
-        if name.endswith(".distcp") and (at == step or (how == "slow" and at > step)):
-            if how == "refused" and dist.get_rank() == 1:
-                raise OSError("the store refused the upload (planted)")
-            if how == "slow":
-                time.sleep(SLOW_PUT_S)
-            deadline = time.monotonic() + 60
-            while how == "stuck" and os.path.exists(flag) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        original(self, target, name, data)
+        return put
 
-    checkpoint.AsyncCheckpoints._unplanted = original
-    checkpoint.AsyncCheckpoints._put = put
-
-
-def _unplanted_puts() -> None:
-    from workers import checkpoint
-
-    original = vars(checkpoint.AsyncCheckpoints).get("_unplanted")
-    if original is not None:
-        checkpoint.AsyncCheckpoints._put = original
-        del checkpoint.AsyncCheckpoints._unplanted
+    _plant("_put", planted)
 
 
 def _writing_threads() -> list[str]:
@@ -462,7 +472,7 @@ def planted_puts(four_workers):
     """Plants ``_planted_puts`` on every worker; gone again after the test."""
     client = four_workers.client
     yield lambda *args: client.run(_planted_puts, *args)
-    client.run(_unplanted_puts)
+    client.run(_unplant, "_put")
 
 
 def test_a_failed_async_upload_reaches_the_client_as_a_record(
@@ -506,7 +516,7 @@ def test_a_job_stopped_mid_upload_commits_it_in_time_or_never(
     with pytest.raises(JobStopped):
         train(config, cluster=four_workers, on_event=stop_after_step_5, stop=stop)
     flag.unlink()  # the store takes uploads again: what the stuck thread held lands now
-    four_workers.client.run(_unplanted_puts)
+    four_workers.client.run(_unplant, "_put")
     deadline = time.monotonic() + 10
     while any(four_workers.client.run(_writing_threads).values()):
         assert time.monotonic() < deadline, "a checkpoint thread outlived its job"
@@ -535,6 +545,67 @@ def test_a_job_stopped_mid_upload_commits_it_in_time_or_never(
     train(resumed, cluster=four_workers, on_event=_steps_into(steps))
     assert steps == [3, 4]
     assert list_checkpoints(directory, opts) == [at_4, at_2]
+
+
+def _planted_staging(step: int, flag: str) -> None:
+    """Runs on a worker: rank 1's save of ``step`` holds in its staging, in Python (where a
+    stop lands), after touching ``flag``: its write never begins, while rank 0's has."""
+
+    class Holding:
+        def stage(self, tensors):
+            pathlib.Path(flag).touch()
+            while True:
+                time.sleep(0.05)
+
+    def planted(original):
+        def save(self, tensors, *, step: int, fields):
+            if step == at and dist.get_rank() == 1:
+                self._writers = lambda: (type(self)._writers(self)[0], Holding())
+            return original(self, tensors, step=step, fields=fields)
+
+        return save
+
+    at = step
+    _plant("save", planted)
+
+
+def test_a_job_stopped_before_a_peer_began_its_write_abandons_it_at_once(
+    in_bucket, four_workers, tmp_path
+):
+    # Seen in 1 of 50 CLI runs stopped at their first step: the stop held 12 s, rank 0 waiting
+    # (0.8 x launch.release_timeout_s) for its write, whose exchange of plans waited for a
+    # rank stopped before its own write began. Without the bound on that exchange: 16 s here.
+    client = four_workers.client
+    flag = tmp_path / "rank-1-staging"
+    client.run(_planted_staging, 4, str(flag))
+    try:
+        launch = {"world_size": 2, "release_timeout_s": 20.0}
+        checkpoint = {"every_steps": 2, "keep": 100}  # async_save by default
+        config = in_bucket("stopped-unbegun", max_steps=500, checkpoint=checkpoint, launch=launch)
+        stop = threading.Event()
+        stopped_at = []
+
+        def stop_once_rank_0_writes() -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                threads = [t for ts in client.run(_writing_threads).values() for t in ts]
+                if flag.exists() and "checkpoint-step-000000004" in threads:
+                    break
+                time.sleep(0.05)
+            stopped_at.append(time.monotonic())
+            stop.set()
+
+        threading.Thread(target=stop_once_rank_0_writes, daemon=True).start()
+        with pytest.raises(JobStopped):
+            train(config, cluster=four_workers, on_event=None, stop=stop)
+        held_s = time.monotonic() - stopped_at[0]
+    finally:
+        client.run(_unplant, "save")
+    assert held_s < 8, f"the stop took {held_s:.1f} s: the unbegun write was waited out"
+    directory = config.checkpoint.directory
+    assert list_checkpoints(directory, config.checkpoint.storage_options) == [
+        f"{directory}/step-000000002"
+    ]
 
 
 def test_storage_options_credentials_are_never_written_into_the_run_directory(

@@ -19,7 +19,8 @@ With ``checkpoint.async_save`` (:class:`AsyncCheckpoints`, the default) a save r
 rank's part is copied into CPU buffers kept for the purpose; a thread serializes and writes it,
 and the manifest follows as soon as every rank's files are written. A job stopped
 meanwhile (Ctrl-C, SIGTERM, the launcher's stop) waits for the write within
-``launch.release_timeout_s`` and commits it, or abandons it without a manifest.
+``launch.release_timeout_s`` and commits it, or abandons it without a manifest (at once where a
+peer was stopped before its own write began: the write cannot finish).
 
 A damaged checkpoint (missing manifest, a file whose hash differs) is skipped. DCP's
 ``.metadata`` is a pickle, which ``torch.distributed.checkpoint`` would load with plain
@@ -417,6 +418,11 @@ STAGING = "memory://dask-train-staging"  # fsspec's memory filesystem: this proc
 STOP_WAIT_SHARE = 0.8
 WRITTEN = ".written-rank"  # + <rank>: a rank's files are written (their hashes)
 JOIN_POLL_S = 0.1  # waits in slices: the launcher's stop lands between them
+# A stopped rank waits this long for its write's exchange of plans, which takes milliseconds
+# once every rank's thread has begun: one still before it waits for a peer stopped before its
+# own thread began, which never will (seen: a stopped CLI run held 12 s, 0.8 of
+# launch.release_timeout_s, by such a write).
+EXCHANGE_WAIT_S = 2.0
 # Rank 0's thread waits for the other ranks' notes at least this long, or as long again as its
 # own write took (they started together), before it leaves the commit to the next save.
 EAGER_WAIT_S = 5.0
@@ -492,11 +498,39 @@ class _Write:
     took_s: float | None = None
     # Set once the write no longer counts (the job stopped): the thread writes no more files.
     abandoned: threading.Event = field(default_factory=threading.Event)
+    # Set once DCP's exchange of plans among the writers' threads is done: every rank's began.
+    exchanged: threading.Event = field(default_factory=threading.Event)
     # Set by the thread as it ends. Not Thread.is_alive(): a join that the launcher's stop
     # interrupts marks a thread still running as stopped (CPython's bpo-45274 handling).
     done: threading.Event = field(default_factory=threading.Event)
     # Rank 0: what its thread committed as soon as every rank's files were written.
     committed: "Location | None" = None
+
+
+def _planner_marking(exchanged: threading.Event) -> Any:
+    """DCP's default save planner, which sets ``exchanged`` once the plans are exchanged: past
+    that point a write needs no other rank's thread to begin."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    class MarkingPlanner(DefaultSavePlanner):
+        def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+            exchanged.set()
+            return super().finish_plan(new_plan)
+
+    return MarkingPlanner()
+
+
+def _exchanged(write: _Write, timeout_s: float) -> bool:
+    """Wait, ``timeout_s`` at most, until ``write``'s plans are exchanged or its thread ended;
+    whether one of them happened."""
+    deadline = time.monotonic() + timeout_s
+    while not (write.exchanged.is_set() or write.done.is_set()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        write.exchanged.wait(min(JOIN_POLL_S, left))
+    return True
 
 
 def _join(write: _Write, timeout_s: float | None) -> bool:
@@ -635,6 +669,7 @@ class AsyncCheckpoints:
             dcp.save(
                 write.staged,
                 storage_writer=FSSPEC_WRITER(write.staging, sync_files=False),
+                planner=_planner_marking(write.exchanged),
                 process_group=group,
             )
             for path in sorted(memory.find(staging)):
@@ -745,7 +780,9 @@ class AsyncCheckpoints:
         deadline = time.monotonic() + timeout_s
         committed = None
         try:
-            if not _join(write, timeout_s):
+            if not _exchanged(write, min(EXCHANGE_WAIT_S, timeout_s)):
+                raise _Abandoned(f"rank {write.rank}: a peer stopped before its write began")
+            if not _join(write, max(0.0, deadline - time.monotonic())):
                 raise _Abandoned(f"rank {write.rank}: still writing after {timeout_s:g} s")
             if write.error:
                 raise _Abandoned(f"rank {write.rank}: {write.error}")
