@@ -586,14 +586,16 @@ def test_a_job_stopped_before_a_peer_began_its_write_abandons_it_at_once(
         stopped_at = []
 
         def stop_once_rank_0_writes() -> None:
+            # Only then: a stop before it would pass the test without the case it is about
+            # (never seen, the job fails as hung instead of stopping).
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 threads = [t for ts in client.run(_writing_threads).values() for t in ts]
                 if flag.exists() and "checkpoint-step-000000004" in threads:
-                    break
+                    stopped_at.append(time.monotonic())
+                    stop.set()
+                    return
                 time.sleep(0.05)
-            stopped_at.append(time.monotonic())
-            stop.set()
 
         threading.Thread(target=stop_once_rank_0_writes, daemon=True).start()
         with pytest.raises(JobStopped):

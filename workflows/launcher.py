@@ -497,9 +497,7 @@ class ProcessGroup:
             # stopped mid-write held its peer 12 s, launch.release_timeout_s x
             # STOP_WAIT_SHARE, before it was released). A stopped process cannot close
             # itself: its nanny kills it, and starts another.
-            logger.warning("killing rank workers %s: they stopped answering", restart)
-            killed = _kill_through_nannies(self.client, restart)
-            self._await_departure(spec, killed)
+            killed = self._kill_now(spec, restart, "they stopped answering")
             restart = [w for w in restart if w not in killed]
         stopped_at = time.monotonic()
         deadline = stopped_at + self.config.release_timeout_s
@@ -529,14 +527,11 @@ class ProcessGroup:
                 ]
                 asked_to_kill.update(unreachable)
                 if unreachable:
-                    logger.warning(
-                        "killing rank workers %s: stopped %.0f s ago, they write no checkpoint "
-                        "and have not let go of the group",
-                        unreachable,
-                        time.monotonic() - stopped_at,
+                    why = (
+                        f"stopped {time.monotonic() - stopped_at:.0f} s ago, they write no "
+                        "checkpoint and have not let go of the group"
                     )
-                    killed = _kill_through_nannies(self.client, unreachable)
-                    self._await_departure(spec, killed)
+                    killed = self._kill_now(spec, unreachable, why)
                     pending = [a for a in pending if a not in killed]
             if pending:
                 time.sleep(RELEASE_POLL_S)
@@ -544,6 +539,14 @@ class ProcessGroup:
         if restart:
             logger.warning("restarting rank workers %s: they did not let go of the group", restart)
             self.client.restart_workers(restart, timeout=60, raise_for_error=False)
+
+    def _kill_now(self, spec: ProcessGroupSpec, workers: list[str], why: str) -> list[str]:
+        """Kill ``workers`` through their nannies and wait until the scheduler saw them go;
+        returns those killed (a worker without a nanny is left to the restart)."""
+        logger.warning("killing rank workers %s: %s", workers, why)
+        killed = _kill_through_nannies(self.client, workers)
+        self._await_departure(spec, killed)
+        return killed
 
     def _await_departure(self, spec: ProcessGroupSpec, killed: list[str]) -> None:
         """Until the scheduler has seen the killed processes go (their plugins' teardown would
