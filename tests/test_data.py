@@ -1,12 +1,15 @@
 """Per-rank loading from the store: every sample once per epoch, deterministic, lazy."""
 
 import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 import zarr
 
+from workers import data
 from workers.data import (
     WORKER_CHUNKS,
     DataConfig,
@@ -161,6 +164,31 @@ def test_in_memory_prefetched_and_lazy_reads_give_the_same_batches(digits_store)
     ]
     for x, y in results[1:]:
         assert torch.equal(x, results[0][0]) and torch.equal(y, results[0][1])
+
+
+def test_a_rank_that_stops_mid_epoch_ends_its_prefetch_thread_without_waiting_for_its_poll(
+    monkeypatch,
+):
+    # A run that stops before its epoch's end (max_steps, a resize, a stop) closes its batches;
+    # the prefetch thread, waiting for room in the full queue, must end then, not at its next
+    # look (before: up to 0.1 s on every such job; here the look would come after a minute,
+    # past the 5 s the close waits for the thread, which would still be alive).
+    monkeypatch.setattr(data, "HAND_OVER_POLL_S", 60.0)
+    read = []
+
+    def batches():
+        for batch in range(100):
+            read.append(batch)
+            yield batch
+
+    prefetched = data._prefetched(batches(), depth=1)
+    assert next(prefetched) == 0
+    while len(read) < 3:  # 1 waits in the queue, 2 for room in it
+        time.sleep(0.01)
+    time.sleep(0.2)  # well into its wait for room
+    prefetched.close()
+    assert not [t for t in threading.enumerate() if t.name == "dask-train-prefetch"]
+    assert read == [0, 1, 2]  # nothing read after the stop
 
 
 def test_augmentation_is_seeded_per_epoch_and_keeps_shapes(digits_store):

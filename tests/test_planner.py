@@ -197,7 +197,9 @@ def test_plan_command_refuses_a_config_that_cannot_be_staged(tmp_path):
 
 def test_a_worker_killed_for_memory_while_profiling_is_an_error_naming_it(make_config):
     # A model of ~1.5 GiB on a worker allowed 1 GiB: the nanny kills the worker while the
-    # profile builds it. Dask would keep the task bound to the gone worker forever.
+    # profile builds it, whatever the profile does next (its parameters alone pass the limit;
+    # a model of 0.25 GiB, whose profiled step only neared it, was once not killed).
+    # Dask would keep the task bound to the gone worker forever.
     # A DDP run on the one worker: planned as a 2-stage pipeline beside it, profiled all the same.
     config = make_config(
         {"cluster": {"n_workers": 1, "memory_limit": "1GiB", "dashboard_port": 0}},
@@ -205,7 +207,7 @@ def test_a_worker_killed_for_memory_while_profiling_is_an_error_naming_it(make_c
     )
 
     def too_large() -> nn.Module:
-        width = 20_000  # 20,000 x 20,000 float32: 1.5 GiB, every page written by the init
+        width = 130_000  # 3,072 x 130,000 float32: 1.5 GiB, every page written by the init
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.Linear(width, 10))
 
     with start_cluster(config.cluster) as cluster:

@@ -8,6 +8,7 @@ or cut with ``drop_last``), the order is a pure function of (seed, epoch), and e
 ever reads its own few chunks at a time.
 """
 
+import contextlib
 import json
 import math
 import queue
@@ -464,6 +465,11 @@ class RankBatches:
         return batches
 
 
+# How often a prefetch thread waiting for room looks whether its consumer has gone (a consumer
+# that goes makes room for it at once as well: _prefetched).
+HAND_OVER_POLL_S = 0.1
+
+
 def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
     """Read the next batches in a thread while the current one trains (zarr I/O
     releases the GIL)."""
@@ -475,10 +481,11 @@ def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
         """Put item in the queue unless the consumer has gone; False once it has."""
         while not stop.is_set():
             try:
-                slots.put(item, timeout=0.1)
-                return True
+                slots.put(item, timeout=HAND_OVER_POLL_S)
             except queue.Full:
                 continue
+            # The consumer may have gone while this waited: its drain below made the room.
+            return not stop.is_set()
         return False
 
     def produce() -> None:
@@ -499,6 +506,12 @@ def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
             yield item
     finally:
         stop.set()
+        # A producer waiting for room (a run that ends before its epoch does: max_steps, a
+        # resize, a stop) gets it now and sees the stop, rather than at its put's timeout,
+        # which every such job waited out before its rank could return (up to 0.1 s).
+        with contextlib.suppress(queue.Empty):
+            while True:
+                slots.get_nowait()
         thread.join(timeout=5)
 
 
