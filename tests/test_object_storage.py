@@ -547,9 +547,11 @@ def test_a_job_stopped_mid_upload_commits_it_in_time_or_never(
     assert list_checkpoints(directory, opts) == [at_4, at_2]
 
 
-def _planted_staging(step: int, flag: str) -> None:
+def _planted_staging(step: int, flag: str, rank_0_unreachable: bool) -> None:
     """Runs on a worker: rank 1's save of ``step`` holds in its staging, in Python (where a
-    stop lands), after touching ``flag``: its write never begins, while rank 0's has."""
+    stop lands), after touching ``flag``: its write never begins, while rank 0's has. And with
+    ``rank_0_unreachable``, rank 0, once its save has begun that write, sleeps where no stop
+    reaches it (one call into C)."""
 
     class Holding:
         def stage(self, tensors):
@@ -561,7 +563,10 @@ def _planted_staging(step: int, flag: str) -> None:
         def save(self, tensors, *, step: int, fields):
             if step == at and dist.get_rank() == 1:
                 self._writers = lambda: (type(self)._writers(self)[0], Holding())
-            return original(self, tensors, step=step, fields=fields)
+            saved = original(self, tensors, step=step, fields=fields)
+            if step == at and dist.get_rank() == 0 and rank_0_unreachable:
+                time.sleep(120)
+            return saved
 
         return save
 
@@ -569,15 +574,24 @@ def _planted_staging(step: int, flag: str) -> None:
     _plant("save", planted)
 
 
+@pytest.mark.parametrize(
+    "rank_0_unreachable",
+    [
+        pytest.param(False, id="rank 0 stopped"),
+        # Its write waits in the exchange all the same, for a peer that will never begin: it
+        # must not count as one that may still finish (before: release_timeout_s waited out).
+        pytest.param(True, id="rank 0 where no stop reaches it"),
+    ],
+)
 def test_a_job_stopped_before_a_peer_began_its_write_abandons_it_at_once(
-    in_bucket, four_workers, tmp_path
+    in_bucket, four_workers, tmp_path, rank_0_unreachable
 ):
     # Seen in 1 of 50 CLI runs stopped at their first step: the stop held 12 s, rank 0 waiting
     # (0.8 x launch.release_timeout_s) for its write, whose exchange of plans waited for a
     # rank stopped before its own write began. Without the bound on that exchange: 16 s here.
     client = four_workers.client
     flag = tmp_path / "rank-1-staging"
-    client.run(_planted_staging, 4, str(flag))
+    client.run(_planted_staging, 4, str(flag), rank_0_unreachable)
     try:
         launch = {"world_size": 2, "release_timeout_s": 20.0}
         checkpoint = {"every_steps": 2, "keep": 100}  # async_save by default
@@ -603,6 +617,8 @@ def test_a_job_stopped_before_a_peer_began_its_write_abandons_it_at_once(
         held_s = time.monotonic() - stopped_at[0]
     finally:
         client.run(_unplant, "save")
+        # Workers the stop could not reach are restarted by their nannies.
+        client.wait_for_workers(4, timeout=60)
     assert held_s < 8, f"the stop took {held_s:.1f} s: the unbegun write was waited out"
     directory = config.checkpoint.directory
     assert list_checkpoints(directory, config.checkpoint.storage_options) == [

@@ -432,9 +432,10 @@ EAGER_WAIT_S = 5.0
 WRITER_GROUP_TIMEOUT_S = 300.0
 
 
-# Asynchronous writes this process is carrying through now: a writer thread's, and a stopped
-# rank's wait to commit or abandon its write in flight (``interrupted``). A job stopped for good
-# waits for a stopped rank only while it writes (workers/process_group.py: release_generation).
+# Asynchronous writes this process is carrying through now: a writer thread's past its exchange
+# of plans, and a stopped rank's wait to commit or abandon its write in flight (``interrupted``).
+# A job stopped for good waits for a stopped rank only while it writes
+# (workers/process_group.py: release_generation).
 _carrying_lock = threading.Lock()
 _carrying = 0
 
@@ -453,7 +454,8 @@ def _carrying_a_write() -> Iterator[None]:
 
 def writing() -> bool:
     """Whether this process is writing a checkpoint that may still be committed: a writer
-    thread, or a stopped rank committing or abandoning its write in flight. A synchronous save
+    thread past its exchange of plans (every rank's write began), or a stopped rank committing
+    or abandoning its write in flight. A synchronous save
     does not count: once a stopped rank's connections are shut down its collectives cannot
     complete, so neither can the save."""
     return _carrying > 0
@@ -507,15 +509,15 @@ class _Write:
     committed: "Location | None" = None
 
 
-def _planner_marking(exchanged: threading.Event) -> Any:
-    """DCP's default save planner, which sets ``exchanged`` once the plans are exchanged: past
-    that point a write needs no other rank's thread to begin."""
+def _planner_marking(on_exchanged: Callable[[], None]) -> Any:
+    """DCP's default save planner, which calls ``on_exchanged`` once the plans are exchanged:
+    past that point a write needs no other rank's thread to begin."""
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlan
 
     class MarkingPlanner(DefaultSavePlanner):
         def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-            exchanged.set()
+            on_exchanged()
             return super().finish_plan(new_plan)
 
     return MarkingPlanner()
@@ -653,11 +655,20 @@ class AsyncCheckpoints:
 
     def _write(self, write: _Write, group: Any) -> None:
         """The thread: the staged state serialized into memory (collective on ``group``, the
-        writers' own), then its files into the target, hashed on the way."""
-        with _carrying_a_write():
-            self._write_files(write, group)
+        writers' own), then its files into the target, hashed on the way. It counts as
+        writing (``writing()``) from the exchange of plans on: before it, it may wait for a
+        peer stopped before its own write began, which never will, and a rank stuck where a
+        stop cannot reach it would be waited for as if its write could still finish."""
+        with contextlib.ExitStack() as counted:
 
-    def _write_files(self, write: _Write, group: Any) -> None:
+            def exchanged() -> None:
+                if not write.exchanged.is_set():
+                    counted.enter_context(_carrying_a_write())
+                    write.exchanged.set()
+
+            self._write_files(write, group, on_exchanged=exchanged)
+
+    def _write_files(self, write: _Write, group: Any, *, on_exchanged: Callable[[], None]) -> None:
         import torch.distributed.checkpoint as dcp
         from fsspec.core import url_to_fs
 
@@ -669,7 +680,7 @@ class AsyncCheckpoints:
             dcp.save(
                 write.staged,
                 storage_writer=FSSPEC_WRITER(write.staging, sync_files=False),
-                planner=_planner_marking(write.exchanged),
+                planner=_planner_marking(on_exchanged),
                 process_group=group,
             )
             for path in sorted(memory.find(staging)):
