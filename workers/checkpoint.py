@@ -455,9 +455,8 @@ def _carrying_a_write() -> Iterator[None]:
 def writing() -> bool:
     """Whether this process is writing a checkpoint that may still be committed: a writer
     thread past its exchange of plans (every rank's write began), or a stopped rank committing
-    or abandoning its write in flight. A synchronous save
-    does not count: once a stopped rank's connections are shut down its collectives cannot
-    complete, so neither can the save."""
+    or abandoning its write in flight. A synchronous save does not count: once a stopped rank's
+    connections are shut down its collectives cannot complete, so neither can the save."""
     return _carrying > 0
 
 
