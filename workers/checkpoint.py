@@ -525,26 +525,30 @@ def _planner_marking(on_exchanged: Callable[[], None]) -> Any:
 def _exchanged(write: _Write, timeout_s: float) -> bool:
     """Wait, ``timeout_s`` at most, until ``write``'s plans are exchanged or its thread ended;
     whether one of them happened."""
-    deadline = time.monotonic() + timeout_s
-    while not (write.exchanged.is_set() or write.done.is_set()):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        write.exchanged.wait(min(JOIN_POLL_S, left))
-    return True
+    return _wait_in_slices(
+        lambda: write.exchanged.is_set() or write.done.is_set(), write.exchanged, timeout_s
+    )
 
 
 def _join(write: _Write, timeout_s: float | None) -> bool:
-    """Wait for ``write``'s thread (``timeout_s`` at most; None: however long it takes) in
-    slices, so that the launcher's stop (an exception raised in this thread) lands; whether
-    it ended."""
+    """Wait for ``write``'s thread (``timeout_s`` at most; None: however long it takes);
+    whether it ended."""
+    return _wait_in_slices(write.done.is_set, write.done, timeout_s)
+
+
+def _wait_in_slices(
+    happened: Callable[[], bool], event: threading.Event, timeout_s: float | None
+) -> bool:
+    """Wait until ``happened()`` (``event`` is set when it may have), ``timeout_s`` at most
+    (None: however long it takes), in slices, so that the launcher's stop (an exception raised
+    in this thread) lands; whether it happened."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not write.done.is_set():
+    while not happened():
         left = JOIN_POLL_S if deadline is None else min(JOIN_POLL_S, deadline - time.monotonic())
         if left <= 0:
             break
-        write.done.wait(left)
-    return write.done.is_set()
+        event.wait(left)
+    return happened()
 
 
 class AsyncCheckpoints:
