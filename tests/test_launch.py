@@ -12,6 +12,9 @@ import sys
 import textwrap
 import time
 import traceback
+import types
+import uuid
+import weakref
 from pathlib import Path
 
 import psutil
@@ -492,6 +495,78 @@ def test_twenty_launches_leave_descriptors_and_threads_flat(cluster):
         f"(threads, descriptors) after 20 launches: client {client_before} -> {client_after}, "
         f"workers {workers_before} -> {workers_after}"
     )
+
+
+# -- what a worker's jobs leave in its heap ---------------------------------------------------
+
+
+def _weak_cycles() -> list:
+    return sys.modules.setdefault(
+        "_dask_train_test_weak_cycles", types.ModuleType("_dask_train_test_weak_cycles")
+    ).__dict__.setdefault("refs", [])
+
+
+def _leave_a_state_and_an_import(job_id: str, module: str) -> None:
+    """On a worker (``Client.run``): a state kept for ``job_id``'s live recovery whose model
+    is in a reference cycle, and a module imported since the last job, holding a list."""
+    from workers import live_recovery
+
+    model = nn.Linear(2, 2)
+    model.loop = [model]  # a cycle, as hooks and wrappers make: only a collection frees it
+    _weak_cycles().append(weakref.ref(model))
+    live_recovery.keep(job_id, {"model": model}, step=0, replicated=True)
+    sys.modules[module] = types.ModuleType(module)
+    sys.modules[module].made = [object()]
+
+
+def _frozen(module: str) -> bool:
+    """Whether the module's list is in the collector's permanent generation: tracked, yet in
+    none of the generations a collection walks."""
+    made = sys.modules[module].made
+    return gc.is_tracked(made) and not any(o is made for o in gc.get_objects())
+
+
+def _cycles_freed(module: str) -> tuple[bool, bool]:
+    gc.collect()
+    return _frozen(module), all(ref() is None for ref in _weak_cycles())
+
+
+def _frozen_and_cycles_freed(ctx, module: str) -> tuple[bool, bool]:
+    return _cycles_freed(module)
+
+
+def test_a_worker_freezes_what_earlier_jobs_imported_once_no_jobs_state_is_left(cluster):
+    # Each rank starts with a full collection, which walks what the worker's jobs imported:
+    # frozen before the next job's group forms, that is walked once (workers/between_jobs.py).
+    # Never while a job's state is kept there: its reference cycles would never be freed.
+    module = f"_dask_train_test_import_{uuid.uuid4().hex}"
+    cluster.client.run(_leave_a_state_and_an_import, "a job whose client died", module)
+    # The next job's group forms with that state still there: nothing is frozen; its ranks
+    # drop the state as they start, and the collector frees it.
+    first = launch(_frozen_and_cycles_freed, module, cluster=cluster, world_size=2)
+    assert first.results == [(False, True), (False, True)]
+    # The job after that: what the workers imported is frozen as its group forms.
+    second = launch(_frozen_and_cycles_freed, module, cluster=cluster, world_size=2)
+    assert second.results == [(True, True), (True, True)]
+
+
+def test_a_state_kept_for_a_live_recovery_is_never_frozen(cluster):
+    from workers.between_jobs import freeze_what_earlier_jobs_imported
+
+    module = f"_dask_train_test_import_{uuid.uuid4().hex}"
+    cluster.client.run(_leave_a_state_and_an_import, "this job", module)
+    # A restarted attempt of the job that keeps the state forms its group: the state's modules
+    # and optimizers (reference cycles) stay collectable, so nothing is frozen.
+    assert set(cluster.client.run(freeze_what_earlier_jobs_imported).values()) == {False}
+    cluster.client.run(_forget_kept_state, "this job")
+    assert set(cluster.client.run(_cycles_freed, module).values()) == {(False, True)}
+    assert set(cluster.client.run(freeze_what_earlier_jobs_imported).values()) == {True}
+
+
+def _forget_kept_state(job_id: str) -> None:
+    from workers import live_recovery
+
+    live_recovery.forget(job_id)
 
 
 # -- code the workers cannot import ---------------------------------------------------------

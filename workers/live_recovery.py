@@ -134,6 +134,11 @@ def forget(job_id: str | None = None, *, others: bool = False, **_: Any) -> None
             kept.drop()
 
 
+def holding() -> bool:
+    """Whether this worker keeps any job's state."""
+    return bool(_kept)
+
+
 def held(job_id: str, **_: Any) -> dict[str, Any] | None:
     """What this worker keeps of ``job_id`` (run with ``Client.run``): its step, whether it
     is clean, and when that step was done; None: nothing."""

@@ -96,6 +96,11 @@ def take(job_id: str, names: list[str]) -> dict[str, Piece]:
     return taken
 
 
+def holding() -> bool:
+    """Whether this worker holds pieces of any job's model."""
+    return bool(_waiting)
+
+
 def forget(job_id: str | None = None, *, others: bool = False, **_: Any) -> None:
     """Drop the pieces of ``job_id`` (None: every job's; ``others``: every job's but
     ``job_id``'s). Also run with ``Client.run``, which passes ``dask_worker``."""

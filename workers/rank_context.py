@@ -20,9 +20,9 @@ import torch
 from distributed import get_worker, secede
 
 from workers import live_recovery, model_pieces
+from workers.between_jobs import forget_other_jobs
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
 from workers.compat.distributed_private import sampling_profiler_paused
-from workers.device_mesh import forget_earlier_meshes
 from workers.elastic import Boundary, ResizeBoundary
 from workers.live_recovery import LiveSource
 from workers.malloc import release_free_memory
@@ -460,10 +460,7 @@ def run_function(job: RankJob) -> RankOutcome:
         # still compute the partitions ranks read (Dask recomputes those a lost worker held);
         # with every thread in a rank task, waiting for them would never end.
         secede()
-    # A state another job left here (its client died) must not share the device with this one.
-    live_recovery.forget(job.job_id, others=True)
-    model_pieces.forget(job.job_id, others=True)  # nor the pieces it left for its client
-    forget_earlier_meshes()  # nor may DTensor's caches of another job's meshes
+    forget_other_jobs(job.job_id)
     with rank_threads.running(job.generation), sampling_profiler_paused(get_worker()):
         try:
             value = job.fn(ctx, *job.args, **job.kwargs)
