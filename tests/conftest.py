@@ -1,3 +1,4 @@
+import gc
 import os
 import signal
 import subprocess
@@ -54,6 +55,15 @@ def pytest_sessionstart(session):
     # Ctrl-C, so the suite takes Python's own handling back.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_finish(session):
+    # What collection imported (torch, Dask, every test module) lives as long as the suite:
+    # frozen, the test process's full collections walk only what the tests make (measured with
+    # gc.callbacks: 31 full collections took 11.6 s of a suite run). The fork server's reason
+    # (workers/frozen_heap.py); what the tests leave is still collected.
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -548,6 +548,7 @@ def describe_worker(socket_ifname: str | None = None, *, dask_worker: Worker) ->
         "cuda_devices": torch.cuda.device_count(),
         "free_port": free_port,
         "worker_id": dask_worker.id,
+        "memory_limit": dask_worker.memory_manager.memory_limit,  # bytes; None: no limit
         "interfaces": sorted(interfaces),
         "ifname_address": ifname_address,
     }

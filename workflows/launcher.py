@@ -434,6 +434,9 @@ class ProcessGroup:
         )
         started = time.perf_counter()
         self.spec = spec
+        # For the message of a worker its nanny kills for memory: the launcher's first look at
+        # the workers may come after the kill (a clean clone's run lost the limit that way).
+        self._memory_limits = {w: described[w].get("memory_limit") for w in workers}
         try:
             # Registering under the job's name replaces (and tears down) its earlier generation.
             self.client.register_plugin(ProcessGroupPlugin(spec), name=spec.plugin_name)
@@ -717,7 +720,6 @@ class ProcessGroup:
         if any(not f.infrastructure for f in failures):
             return next(f for f in failures if not f.infrastructure)
         if any(not future.done() for future in futures) or failures:
-            seen_before = self._identities
             alive = self._identities = self._alive_workers()
             for rank, address in enumerate(self.workers):
                 if address in alive or rank in self._departed:
@@ -728,7 +730,7 @@ class ProcessGroup:
                     logger.info("rank %d's worker %s left gracefully", rank, address)
                     self._departed.add(rank)
                     continue
-                why = _killed_for_memory(self.client, address, seen_before.get(address, {}))
+                why = _killed_for_memory(self.client, address, self._memory_limits.get(address))
                 return WorkerLost(
                     f"rank {rank}'s worker {address} left the cluster{why}",
                     rank=rank,
@@ -873,11 +875,11 @@ class ProcessGroup:
         return hold_workers(self.client, self.admission, self.config.workers)
 
 
-def _killed_for_memory(client: Client, address: str, identity: dict[str, Any]) -> str:
+def _killed_for_memory(client: Client, address: str, limit: int | None) -> str:
     """``": its nanny restarted it ..."`` when the worker at ``address`` was restarted by its
-    nanny past its memory limit (the ``worker-restart-memory`` event the nanny logs with the
-    scheduler before it ends the process), else ``""``. ``identity``: the worker as last seen,
-    for its limit."""
+    nanny past its memory ``limit`` (bytes; None: none known), from the
+    ``worker-restart-memory`` event the nanny logs with the scheduler before it ends the
+    process; else ``""``."""
     try:
         events = client.get_events("worker-restart-memory")
     except Exception:  # a cause to add to a message, never a failure of its own
@@ -885,7 +887,6 @@ def _killed_for_memory(client: Client, address: str, identity: dict[str, Any]) -
     rss = next((e.get("rss") for _, e in reversed(events) if e.get("worker") == address), None)
     if not rss:
         return ""
-    limit = identity.get("memory_limit")
     of_limit = f", {rss / limit:.0%} of its {limit / 2**30:.2f} GiB limit" if limit else ""
     return (
         f": its nanny restarted it, its process at {rss / 2**30:.2f} GiB{of_limit} "
