@@ -526,13 +526,14 @@ def _frozen(module: str) -> bool:
     return gc.is_tracked(made) and not any(o is made for o in gc.get_objects())
 
 
-def _cycles_freed(module: str) -> tuple[bool, bool]:
+def _frozen_and_freed(module: str) -> tuple[bool, bool]:
+    """Whether the module's list is frozen, and whether the collector freed every model left."""
     gc.collect()
     return _frozen(module), all(ref() is None for ref in _weak_cycles())
 
 
-def _frozen_and_cycles_freed(ctx, module: str) -> tuple[bool, bool]:
-    return _cycles_freed(module)
+def _frozen_and_freed_in_a_rank(ctx, module: str) -> tuple[bool, bool]:
+    return _frozen_and_freed(module)
 
 
 def test_a_worker_freezes_what_earlier_jobs_imported_once_no_jobs_state_is_left(cluster):
@@ -543,10 +544,10 @@ def test_a_worker_freezes_what_earlier_jobs_imported_once_no_jobs_state_is_left(
     cluster.client.run(_leave_a_state_and_an_import, "a job whose client died", module)
     # The next job's group forms with that state still there: nothing is frozen; its ranks
     # drop the state as they start, and the collector frees it.
-    first = launch(_frozen_and_cycles_freed, module, cluster=cluster, world_size=2)
+    first = launch(_frozen_and_freed_in_a_rank, module, cluster=cluster, world_size=2)
     assert first.results == [(False, True), (False, True)]
     # The job after that: what the workers imported is frozen as its group forms.
-    second = launch(_frozen_and_cycles_freed, module, cluster=cluster, world_size=2)
+    second = launch(_frozen_and_freed_in_a_rank, module, cluster=cluster, world_size=2)
     assert second.results == [(True, True), (True, True)]
 
 
@@ -559,7 +560,7 @@ def test_a_state_kept_for_a_live_recovery_is_never_frozen(cluster):
     # and optimizers (reference cycles) stay collectable, so nothing is frozen.
     assert set(cluster.client.run(freeze_what_earlier_jobs_imported).values()) == {False}
     cluster.client.run(_forget_kept_state, "this job")
-    assert set(cluster.client.run(_cycles_freed, module).values()) == {(False, True)}
+    assert set(cluster.client.run(_frozen_and_freed, module).values()) == {(False, True)}
     assert set(cluster.client.run(freeze_what_earlier_jobs_imported).values()) == {True}
 
 

@@ -38,10 +38,9 @@ def forget_other_jobs(job_id: str) -> None:
     forget_earlier_meshes()  # nor may DTensor's caches of another job's meshes
 
 
-def freeze_what_earlier_jobs_imported(**_: object) -> bool:
+def freeze_what_earlier_jobs_imported() -> bool:
     """Before this worker joins a job's process group: collect, then freeze what survives if
-    modules were imported since the last freeze and no job's state is held here. Also run with
-    ``Client.run``, which passes ``dask_worker``.
+    modules were imported since the last freeze and no job's state is held here.
 
     Returns:
         Whether it froze.
