@@ -1,5 +1,6 @@
 import gc
 import os
+import re
 import signal
 import subprocess
 import time
@@ -77,6 +78,36 @@ def pytest_sessionfinish(session, exitstatus):
     if reporter is not None:
         reporter.write_sep("=", message, red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The equivalence checks' margins, by kernel path: how close the worst result came to its
+    allowance, and how far outside it the nearest refused bug landed (tests/reference.py)."""
+    from tests.reference import MARGINS
+
+    if not MARGINS:
+        return
+    groups: dict[str, list] = {}
+    for margin in MARGINS:
+        path = re.search(r"aten-[^-]+-onednn-[^-\]]+", margin.test)
+        groups.setdefault(path.group(0) if path else "the suite's own path", []).append(margin)
+    terminalreporter.write_sep("-", "equivalence margins: distance / allowance")
+    for path, margins in groups.items():
+        worst = max(margins, key=lambda m: m.worst)
+        near = min(margins, key=lambda m: m.near_miss)
+        bug = min(margins, key=lambda m: m.nearest_bug_fraction)
+        terminalreporter.write_line(
+            f"{path}: {len(margins)} checks. Worst result {worst.worst:.2f} ({worst.worst_tensor}"
+            f" in {_short(worst.test)}); near miss {near.near_miss:.2f} (in {_short(near.test)});"
+            " nearest planted bug "
+            f"{bug.nearest_bug_fraction:.3g} ({bug.nearest_bug}, in {_short(bug.test)})"
+        )
+
+
+def _short(test: str) -> str:
+    """A test's id without its module: the kernel path's tests by their case alone."""
+    name = test.split("::")[-1]
+    return name[name.index("[") :] if "kernels_matches" in name else name
 
 
 @pytest.fixture(autouse=True)
