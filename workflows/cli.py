@@ -558,6 +558,12 @@ def run(
     help="where predictions, metrics and summary go; must not exist",
 )
 @click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
+@click.option(
+    "--trust-config",
+    is_flag=True,
+    help="build the model that the run's config.json names by import path (its code runs "
+    "here and on the workers): only for a run you trust",
+)
 def predict(
     config: Path,
     overrides: tuple[str, ...],
@@ -565,6 +571,7 @@ def predict(
     input_path: str,
     output: str,
     scheduler: str | None,
+    trust_config: bool,
 ) -> None:
     """Score DATA with a trained model as Dask tasks; predictions and metrics go to PATH.
 
@@ -578,7 +585,12 @@ def predict(
     try:
         run_config, settings = load_predict_config(_read(config, overrides, scheduler))
         prepared = prepare(
-            model=model, input=input_path, output=output, config=run_config, settings=settings
+            model=model,
+            input=input_path,
+            output=output,
+            config=run_config,
+            settings=settings,
+            trust_config=trust_config,
         )
     except (ConfigError, CheckpointError, SourceError) as error:
         _fail(EXIT_INVALID, str(error))

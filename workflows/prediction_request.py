@@ -29,6 +29,7 @@ from workflows.config import ConfigError, RunConfig, load_config, one_line, read
 from workflows.prediction_input import plan_input
 from workflows.stores import read_manifest
 from workflows.tracking import TrackingConfig
+from workflows.trust import CONFIG_SIGNATURE, check_config_trusted
 
 
 class PredictConfig(BaseModel):
@@ -102,11 +103,14 @@ class TrainedModel:
     image_size: int
 
 
-def resolve_model(model: str | Path, config: RunConfig | None = None) -> TrainedModel:
+def resolve_model(
+    model: str | Path, config: RunConfig | None = None, *, trust_config: bool = False
+) -> TrainedModel:
     """A run directory (or its ``model.pt``) brings its own config and statistics; a bare
     checkpoint takes model and data from ``config``, statistics from that config's store.
     ``model`` may be an fsspec URL (a run kept in a bucket), reached with ``config``'s
-    ``data.storage_options`` or the environment's credentials."""
+    ``data.storage_options`` or the environment's credentials. A run's config.json that names
+    its model by import path is refused unless trusted (workflows/trust.py)."""
     given = str(model) if "://" in str(model) else str(Path(model).expanduser())
     options = dict(config.data.storage_options) if config is not None else {}
     fs, path = fsspec.core.url_to_fs(given, **options)
@@ -120,9 +124,25 @@ def resolve_model(model: str | Path, config: RunConfig | None = None) -> Trained
     checkpoint = f"{run_dir}/model.pt" if is_dir else path
     summary: dict[str, Any] = {}
     if fs.isfile(f"{run_dir}/config.json"):
+        source = f"--model: {fs.unstrip_protocol(run_dir)}/config.json"
         try:
-            config = load_config(json.loads(fs.cat_file(f"{run_dir}/config.json")))
+            raw = json.loads(fs.cat_file(f"{run_dir}/config.json"))
+            if not isinstance(raw, dict):
+                raise ConfigError("not a JSON object")
+            signed = f"{run_dir}/{CONFIG_SIGNATURE}"
+            check_config_trusted(
+                raw,
+                source,
+                own_model=config.model.name if config is not None else None,
+                trust_config=trust_config,
+                signing_key_file=config.checkpoint.signing_key_file if config else None,
+                signature=fs.cat_file(signed).decode() if fs.isfile(signed) else None,
+            )
+            config = load_config(raw)
         except (json.JSONDecodeError, ConfigError) as error:
+            if str(error).startswith(source):  # refused as untrusted: said whole
+                raise
+
             raise ConfigError(
                 f"--model: {fs.unstrip_protocol(run_dir)}/config.json is not a run config: {error}"
             ) from None
@@ -202,6 +222,7 @@ def prepare(
     output: str | Path,
     config: RunConfig | str | Path | dict[str, Any] | None = None,
     settings: PredictConfig | dict[str, Any] | None = None,
+    trust_config: bool = False,
 ) -> PreparedPrediction:
     """Check everything about a request without starting anything; errors name the field or
     file (ConfigError, CheckpointError), the output path first of all, as soon as the model's
@@ -210,7 +231,7 @@ def prepare(
         config = load_config(config)
     if not isinstance(settings, PredictConfig):
         settings = PredictConfig.from_dict(settings)
-    trained = resolve_model(model, config)
+    trained = resolve_model(model, config, trust_config=trust_config)
     if trained.config.training.resolved_task != "classification":
         raise ConfigError(
             f"--model: {trained.checkpoint} was trained for {trained.config.training.resolved_task}"

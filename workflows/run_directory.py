@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Self
 from workers.records import EpochRecord, StepRecord, parse_record
 from workflows.config import ConfigError, RunConfig
 from workflows.run_storage import RunMirror, is_url, mirror_folder
+from workflows.trust import CONFIG_SIGNATURE, config_signature
 
 if TYPE_CHECKING:  # the driver imports torch: a refused or finished run never needs it
     from workflows.driver import TrainResult
@@ -238,6 +239,10 @@ class RunDirectory:
             write_atomically(self.path / CONFIG, text)
         else:
             self._claim(text)
+        key = self.config.checkpoint.signing_key_file
+        if key is not None:  # what predict checks before it trusts the file (workflows/trust.py)
+            signature = config_signature(json.loads(text), key)
+            write_atomically(self.path / CONFIG_SIGNATURE, signature + "\n")
         if self.mirror is not None:
             self.mirror.copy()  # config.json: the URL holds this run from now on
             self.mirror.start()
