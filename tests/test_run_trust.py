@@ -70,7 +70,7 @@ def test_predict_refuses_a_model_that_a_run_config_names_by_import_path_before_i
     with pytest.raises(ConfigError, match=r"predict\(model=...\).*trust_config=True"):
         predict(model=run, input=tmp_path / "input", output=tmp_path / "scored")
     assert not marker.exists()
-    with pytest.raises(ConfigError, match="not a torch.nn.Module"):
+    with pytest.raises(ConfigError, match=r"not a torch\.nn\.Module"):
         prepare(model=run, input=tmp_path / "x", output=tmp_path / "y", trust_config=True)
     assert marker.exists()
 
@@ -91,15 +91,15 @@ def test_a_signed_run_config_is_trusted_with_its_key_and_refused_once_changed(
     holder = make_config({"checkpoint": {"signing_key_file": str(key)}})  # names cifar_cnn
     assert resolve_model(run, holder).config.model.name == own_model["name"]
     # Without the key, the import path is refused; the same model named by the user is not.
-    with pytest.raises(ConfigError, match="model.name = 'tests.traced_models:ResidualNet'"):
+    with pytest.raises(ConfigError, match=r"model\.name = 'tests\.traced_models:ResidualNet'"):
         resolve_model(run, make_config())
     assert resolve_model(run, make_config({"model": own_model})).config.model == signed.model
     # Changed after signing: refused with the key, whatever it names.
     raw = json.loads((run / "config.json").read_text())
     raw["model"]["name"] = "cifar_cnn"
     (run / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="config.json has a wrong signature"):
+    with pytest.raises(ConfigError, match=r"config\.json has a wrong signature"):
         resolve_model(run, holder)
     (run / CONFIG_SIGNATURE).unlink()
-    with pytest.raises(ConfigError, match="config.json carries no signature"):
+    with pytest.raises(ConfigError, match=r"config\.json carries no signature"):
         resolve_model(run, holder)
