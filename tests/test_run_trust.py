@@ -4,6 +4,11 @@ deleted unsent, URLs are checked before anything starts, code named in a file ru
 the user says so, and a user error reads as one message."""
 
 import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,8 +19,7 @@ from workflows.cli import main
 from workflows.config import ConfigError, load_config
 from workflows.prediction_request import prepare, resolve_model
 from workflows.run_directory import RunDirectory
-from workflows.run_storage import SUMMARY, RunMirror
-from workflows.trust import CONFIG_SIGNATURE
+from workflows.run_storage import SUMMARY, RunMirror, mirror_folder
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 
@@ -78,6 +82,8 @@ def test_predict_refuses_a_model_that_a_run_config_names_by_import_path_before_i
 def test_a_signed_run_config_is_trusted_with_its_key_and_refused_once_changed(
     tmp_path, make_config
 ):
+    from workflows.trust import CONFIG_SIGNATURE
+
     key = tmp_path / "signing.key"
     key.write_text("a key only the team holds\n")
     own_model = {"name": "tests.traced_models:ResidualNet", "kwargs": {"width": 8}}
@@ -103,3 +109,221 @@ def test_a_signed_run_config_is_trusted_with_its_key_and_refused_once_changed(
     (run / CONFIG_SIGNATURE).unlink()
     with pytest.raises(ConfigError, match=r"config\.json carries no signature"):
         resolve_model(run, holder)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["run", "--output", "s3:/bucket/run"], "--output: s3:/bucket/run: not a URL (s3:// takes"),
+        (["run", "--output", "foo://bucket/run"], "--output: foo://bucket/run: unknown protocol"),
+        (
+            ["run", "--set", "checkpoint.directory='gs:/b/c'"],
+            "checkpoint.directory: gs:/b/c: not a URL (gs:// takes",
+        ),
+        (["run", "--set", "data.store='foo://b/s'"], "data.store: foo://b/s: unknown protocol"),
+        (
+            ["predict", "--model", "s3:/b/run", "--input", "x", "--output", "y"],
+            "--model: s3:/b/run: not a URL",
+        ),
+        (
+            [
+                "sweep",
+                "--param",
+                "training.lr=log:1e-3:1e-1",
+                "--trials",
+                "2",
+                "--output",
+                "s3://b/s",
+            ],
+            "--output: s3:/b/s: not a URL",
+        ),
+    ],
+)
+def test_a_mistyped_url_is_refused_in_one_line_before_anything_is_written(
+    arguments, said, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    command, *options = arguments
+    done = CliRunner().invoke(main, [command, str(CONFIGS / "digits_ddp.toml"), *options])
+    assert done.exit_code == 2, done.output
+    (message,) = done.stderr.strip().splitlines()
+    assert said in message, message
+    assert not list(tmp_path.iterdir())  # no folder named s3: or foo:
+
+
+def test_a_file_url_means_its_path(tmp_path):
+    assert RunDirectory.path_of(f"file://{tmp_path}/run", "n") == tmp_path / "run"
+    config = load_config({"checkpoint": {"directory": f"file://{tmp_path}/ckpt"}})
+    assert config.checkpoint.directory == f"{tmp_path}/ckpt"
+
+
+def test_every_writer_of_a_bucket_uses_the_one_set_of_options_the_config_gives_it(
+    s3, make_config, tmp_path, monkeypatch
+):
+    # No credentials where s3fs would look for them, and an endpoint that refuses: only the
+    # config's options reach the server.
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    bucket = s3.bucket("one-set")
+    options = {"checkpoint": {"storage_options": s3.storage_options}}
+    url = f"{bucket}/runs/x"
+    config = make_config(RunDirectory.with_its_folders(options, url))
+    with RunDirectory.create(config, url):  # the run directory's copy: config.json at once
+        pass
+    assert s3.filesystem().exists(f"{url.removeprefix('s3://')}/config.json")
+    # A sweep's journal in the same bucket.
+    optuna = pytest.importorskip("optuna")
+    from workflows.sweeps import sweep_spec
+
+    in_the_bucket = {"checkpoint": options["checkpoint"] | {"directory": f"{url}/checkpoints"}}
+    swept = make_config(in_the_bucket)
+    spec = sweep_spec(
+        swept,
+        {"training.lr": ("log", 1e-3, 1e-1)},
+        n_trials=1,
+        metric="val_loss",
+        storage=f"{bucket}/study.log",
+    )
+    optuna.create_study(storage=spec.storage, study_name="s")
+    assert s3.filesystem().ls(f"{bucket.removeprefix('s3://')}/study.log.d")
+    # Two sets for one bucket: which one would a writer take? Refused.
+    other = {"endpoint_url": "http://127.0.0.1:2"}
+    with pytest.raises(ConfigError, match="one bucket one set of options"):
+        make_config(in_the_bucket | {"data": {"store": f"{bucket}/s", "storage_options": other}})
+
+
+def test_a_bucket_runs_local_copy_is_private_and_a_failed_upload_is_sent_by_the_resume(
+    s3, make_config, monkeypatch
+):
+    from workflows.run_storage import mirror_root
+
+    for key, value in s3.environment.items():
+        monkeypatch.setenv(key, value)
+    name = "left-unsent"
+    url = f"{s3.bucket(name)}/runs/x"
+    config = make_config(RunDirectory.with_its_folders({}, url))
+    directory = RunDirectory.create(config, url)
+    folder = mirror_folder(url)
+    assert folder.parent == mirror_root() != Path(tempfile.gettempdir()) / "dask-train-runs"
+    root = folder.parent.lstat()
+    assert root.st_uid == os.getuid() and stat.S_IMODE(root.st_mode) == 0o700
+    fs = s3.filesystem()
+    with pytest.raises(Exception, match=r"bucket does not exist"), directory:
+        (directory.path / "model.pt").write_bytes(b"the final weights")
+        (directory.path / SUMMARY).write_text(json.dumps({"epochs": 10**6}))
+        fs.rm(name, recursive=True)  # the last copy finds no bucket
+    assert (folder / "model.pt").read_bytes() == b"the final weights"
+    fs.mkdir(name)
+    resumed = RunDirectory.create(config, url, resume=True)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{name}/runs/x/model.pt") == b"the final weights"
+    assert resumed.finished == {"epochs": 10**6}  # its summary, sent last: the run finished
+    shutil.rmtree(resumed.path)  # the bucket's copy, read back: nothing left unsent
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def _what_stderr_shows(dask_worker, keys: list[str]) -> dict[str, bool]:
+    """For each task key: whether the worker's stderr handlers pass the "Compute Failed"
+    record its log kept of it (None: the log kept none)."""
+    from workers.user_errors import _stderr_handlers
+
+    kept = {
+        str(record.args[0]): record
+        for handler in logging.getLogger("distributed.worker").handlers
+        for record in getattr(handler, "deque", ())
+        if str(record.msg).startswith("Compute Failed")
+    }
+    handlers = _stderr_handlers()
+    assert handlers, "the worker writes no log to its stderr"
+    return {key: all(h.filter(kept[key]) for h in handlers) for key in keys if key in kept}
+
+
+def test_our_own_errors_compute_failed_blocks_stay_off_the_terminal_and_in_the_worker_log(
+    cluster,
+):
+    from workers.sources import SourceError
+    from workers.user_errors import UserErrorsOffStderr
+
+    client = cluster.client
+    client.register_plugin(UserErrorsOffStderr())
+    try:
+        futures = {
+            "ours": client.submit(_raise, SourceError("data.root: x: refused"), key="ours"),
+            "a bug": client.submit(_raise, RuntimeError("a bug"), key="a-bug"),
+        }
+        for future in futures.values():
+            with pytest.raises((SourceError, RuntimeError)):
+                future.result(timeout=30)
+        shown = {}
+        for seen in client.run(_what_stderr_shows, keys=["ours", "a-bug"]).values():
+            shown |= seen
+    finally:
+        client.unregister_worker_plugin(UserErrorsOffStderr.name)
+    assert shown == {"ours": False, "a-bug": True}
+
+
+def test_every_user_error_name_is_one_of_our_error_types_with_its_subclasses():
+    from workers.activation_checkpointing import ActivationCheckpointingError
+    from workers.checkpoint import CheckpointDamaged
+    from workers.in_place_init import InPlaceInitError
+    from workers.inference import CheckpointError
+    from workers.model_sources import ModelError
+    from workers.optimizers import OptimizerError
+    from workers.sources import SourceError
+    from workers.sources.cifar10 import BatchRefused
+    from workers.weight_files import WeightsError
+    from workers.user_errors import USER_ERRORS
+    from workflows.collections import DataError
+
+    roots = [ActivationCheckpointingError, BatchRefused, CheckpointDamaged, CheckpointError]
+    roots += [ConfigError, DataError, ModelError, OptimizerError, SourceError]
+    roots += [InPlaceInitError, WeightsError]  # imported: subclasses of ModelError
+
+    def with_subclasses(kind: type) -> set[str]:
+        return {kind.__name__}.union(*(with_subclasses(k) for k in kind.__subclasses__()))
+
+    assert set(USER_ERRORS) == set().union(*(with_subclasses(k) for k in roots))
+
+
+def test_every_secret_is_masked_wherever_it_is_written_or_shown(make_config, tmp_path):
+    from workflows.sweep_directory import SweepDirectory
+    from workflows.tracking import flatten
+
+    planted = {name: f"planted-{name}-{os.getpid()}" for name in ("phrase", "cookie", "url")}
+    planted |= {"weights": f"w-{os.getpid()}", "database": f"db-{os.getpid()}"}
+    options = {
+        "passphrase": planted["phrase"],
+        "headers": {"Cookie": planted["cookie"]},
+        "endpoint_url": f"http://user:{planted['url']}@127.0.0.1:9",
+    }
+    raw = {
+        "name": "secretive",
+        "checkpoint": {"storage_options": options},
+        "model": {"weights": f"ftp://user:{planted['weights']}@127.0.0.1/w"},
+    }
+    config = make_config(RunDirectory.with_its_folders(raw, tmp_path / "run"))
+    shown = [repr(config), str(config), repr(config.checkpoint), json.dumps(flatten(raw))]
+    shown.append(json.dumps(flatten(config.model_dump(mode="json"))))  # MLflow's params
+    with RunDirectory.create(config, tmp_path / "run"):  # config.json, run.log
+        logging.getLogger("workflows.test").warning("reaching %s", options)
+    database = f"postgresql://user:{planted['database']}@127.0.0.1:1/db"
+    sweep = SweepDirectory.open("secretive", tmp_path / "sweep", study_name=None, storage=database)
+    sweep.write_request({"config": config.model_dump(mode="json")})
+    # An error that names the storage, from the CLI.
+    arguments = ["sweep", str(CONFIGS / "digits_ddp.toml"), "--trials", "1", "--storage", database]
+    arguments += ["--param", "training.lr=log:1e-3:1e-1", "--output", str(tmp_path / "refused")]
+    done = CliRunner().invoke(main, arguments)
+    assert done.exit_code == 2 and "storage: postgresql://user:***@127.0.0.1:1/db" in done.stderr
+    shown.append(done.output)
+    written = [path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()]
+    assert len(written) >= 3  # config.json, run.log, sweep.json
+    for secret in planted.values():
+        assert not [text for text in shown if secret in text], secret
+        assert not [data for data in written if secret.encode() in data], secret
+    # What is left is said to be masked; the config in this process keeps every value.
+    assert b"reaching {'passphrase': '***'" in (tmp_path / "run" / "run.log").read_bytes()
+    assert config.checkpoint.storage_options == options

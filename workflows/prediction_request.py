@@ -27,6 +27,7 @@ from workers.sources import InputPlan, InputRequest
 from workflows.cluster import ClusterConfig
 from workflows.config import ConfigError, RunConfig, load_config, one_line, read_raw_config
 from workflows.prediction_input import plan_input
+from workflows.run_storage import checked_url
 from workflows.stores import read_manifest
 from workflows.tracking import TrackingConfig
 from workflows.trust import CONFIG_SIGNATURE, check_config_trusted
@@ -111,7 +112,8 @@ def resolve_model(
     ``model`` may be an fsspec URL (a run kept in a bucket), reached with ``config``'s
     ``data.storage_options`` or the environment's credentials. A run's config.json that names
     its model by import path is refused unless trusted (workflows/trust.py)."""
-    given = str(model) if "://" in str(model) else str(Path(model).expanduser())
+    given = checked_url("--model", str(model))
+    given = given if "://" in given else str(Path(given).expanduser())
     options = dict(config.data.storage_options) if config is not None else {}
     fs, path = fsspec.core.url_to_fs(given, **options)
     if not fs.exists(path):
@@ -372,7 +374,7 @@ def _read_bytes(url: str, options: dict[str, Any]) -> bytes:
 
 
 def _check_output(output: str | Path, options: dict[str, Any]) -> str:
-    url = str(output)
+    url = checked_url("--output", str(output))
     if "://" not in url:
         url = str(Path(url).expanduser().resolve())
     fs, path = fsspec.core.url_to_fs(url, **options)

@@ -12,8 +12,11 @@ Credentials come from where fsspec finds them (environment variables, fsspec's c
 cloud's own files): none is written into the run directory.
 """
 
+import contextlib
 import hashlib
 import logging
+import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -21,10 +24,24 @@ from typing import Any
 
 import fsspec
 
+from workers.spec.locations import checked_location
+from workflows.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 SYNC_EVERY_S = 5.0  # how stale the bucket's copy of a running run's records may be
 CONFIG, SUMMARY, CHECKPOINTS = "config.json", "summary.json", "checkpoints"
+# In a mirror whose last copy to the bucket failed: it holds the run's newest files.
+UNSENT = ".unsent"
+
+
+def checked_url(field: str, location: str) -> str:
+    """``location`` (an option's value) as a path or a URL of a protocol fsspec knows, else a
+    ConfigError naming ``field`` in one line; ``file:///x`` comes back as ``/x``."""
+    try:
+        return checked_location(field, location)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def is_url(location: "str | Path | None") -> bool:
@@ -36,11 +53,34 @@ def is_url(location: "str | Path | None") -> bool:
     return protocol not in ("file", "local")
 
 
+def mirror_root() -> Path:
+    """Where this user's runs are mirrored: a folder of their own in the temporary folder,
+    which no other local user can read (the mirror holds model.pt and the run's records)."""
+    return Path(tempfile.gettempdir()) / f"dask-train-runs-{os.getuid()}"
+
+
 def mirror_folder(url: str) -> Path:
     """The local folder a run at ``url`` is written into before it is copied there: the same
     for the same URL, so that a resumed run's TensorBoard folder is known before it starts."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "dask-train-runs" / digest
+    return mirror_root() / digest
+
+
+def make_mirror_root() -> Path:
+    """:func:`mirror_root`, made private (0700) if absent; one that another user made, or
+    that others may read or enter, or a link, is refused rather than written into."""
+    root = mirror_root()
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    held = root.lstat()
+    if not stat.S_ISDIR(held.st_mode) or held.st_uid != os.getuid():
+        raise ConfigError(
+            f"--output: {root}, where runs kept at a URL are mirrored, is not a folder of "
+            "this user's (made by someone else?); remove it"
+        )
+    if held.st_mode & 0o077:
+        os.chmod(root, 0o700)  # ours, but open to others: made so by hand
+    return root
 
 
 class RunMirror:
@@ -67,6 +107,10 @@ class RunMirror:
             local.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote, str(local))
             self._copied[name] = _stamp(local)
+
+    def forget_sent(self) -> None:
+        """Send every file again at the next copy (the folder's files are others now)."""
+        self._copied.clear()
 
     def copy(self, *, final: bool = False) -> None:
         """Send each file that changed since it was last sent; ``final``: summary.json too,
