@@ -275,8 +275,8 @@ def test_every_user_error_name_is_one_of_our_error_types_with_its_subclasses():
     from workers.optimizers import OptimizerError
     from workers.sources import SourceError
     from workers.sources.cifar10 import BatchRefused
-    from workers.weight_files import WeightsError
     from workers.user_errors import USER_ERRORS
+    from workers.weight_files import WeightsError
     from workflows.collections import DataError
 
     roots = [ActivationCheckpointingError, BatchRefused, CheckpointDamaged, CheckpointError]
