@@ -323,7 +323,6 @@ def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool
     return tracker
 
 
-@contextlib.contextmanager
 def _start_cluster(config: "ClusterConfig") -> "TrainingCluster":
     """The command's cluster. A local one's workers write to this terminal: Dask's "Compute
     Failed" blocks for our own errors are kept off it (the error is said once, as the
@@ -341,6 +340,7 @@ def _start_cluster(config: "ClusterConfig") -> "TrainingCluster":
     return cluster
 
 
+@contextlib.contextmanager
 def _cluster_for(run_directory: "RunDirectory", config: RunConfig) -> Iterator["TrainingCluster"]:
     """The run's cluster. One that cannot start (an unreachable scheduler, say) gives the new
     directory back: nothing ran, so the same command may run again, without --resume."""

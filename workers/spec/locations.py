@@ -14,11 +14,6 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)")
 _LOCAL = ("file", "local")
 
 
-def protocols() -> list[str]:
-    """The protocols fsspec knows (installed or not: a missing one is named when it is used)."""
-    return sorted(fsspec.available_protocols())
-
-
 def checked_location(field: str, value: str) -> str:
     """``value`` as a path or a URL, or a ValueError naming ``field`` in one line. A
     ``file://`` or ``local://`` URL comes back as its path."""
