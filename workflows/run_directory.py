@@ -22,8 +22,9 @@ a new directory appears with its config.json already in it: a run interrupted at
 leaves either no directory or one that ``--resume`` takes.
 
 ``--output`` may be an fsspec URL (``s3://bucket/runs/x``): the directory is then written into
-a local mirror and copied there as the run goes (``workflows/run_storage.py``), summary.json
-last; its checkpoints go straight to ``<url>/checkpoints``.
+a private local mirror and copied there as the run goes (``workflows/run_storage.py``),
+summary.json last; its checkpoints go straight to ``<url>/checkpoints``. With a signing key,
+config.json.hmac signs config.json (``workflows/trust.py``).
 """
 
 import contextlib

@@ -8,8 +8,13 @@ end everything, summary.json last, so that its presence in the bucket still says
 finished. Checkpoints do not pass through the mirror: ranks write them straight to
 ``<url>/checkpoints`` (``workers/checkpoint.py``), each good only once its manifest is there.
 
+The mirror lives in a folder of the user's own (0700, :func:`make_mirror_root`), and is never
+deleted unsent: a mirror whose last copy failed is marked (``.unsent``) and sent by the next
+run at the URL (``workflows/run_directory.py``).
+
 Credentials come from where fsspec finds them (environment variables, fsspec's config, the
-cloud's own files): none is written into the run directory.
+cloud's own files), or from the config's storage options for the URL's bucket
+(``RunConfig.bucket_options``): none is written into the run directory.
 """
 
 import contextlib
