@@ -319,6 +319,10 @@ def test_every_secret_is_masked_wherever_it_is_written_or_shown(make_config, tmp
     done = CliRunner().invoke(main, arguments)
     assert done.exit_code == 2 and "storage: postgresql://user:***@127.0.0.1:1/db" in done.stderr
     shown.append(done.output)
+    # An error from Python, naming the location with its password.
+    with pytest.raises(ConfigError, match=r"foo://user:\*\*\*@h/x: unknown protocol") as refused:
+        load_config({"checkpoint": {"directory": f"foo://user:{planted['weights']}@h/x"}})
+    shown.append(str(refused.value))
     written = [path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()]
     assert len(written) >= 3  # config.json, run.log, sweep.json
     for secret in planted.values():

@@ -18,6 +18,7 @@ from workers.spec.layout import Layout
 from workers.spec.locations import bucket_of
 from workers.spec.names import STRATEGIES
 from workers.spec.plans import StrategyPlan, StrategySections, get_plan
+from workers.spec.secrets import redact
 from workers.spec.sections import (
     SCHEDULES_OVER_THE_RUN,
     CheckpointConfig,
@@ -35,7 +36,11 @@ from workflows.tracking import TrackingConfig
 
 
 class ConfigError(ValueError):
-    """Invalid configuration; the message names the field and what to change."""
+    """Invalid configuration; the message names the field and what to change, every secret in
+    it masked (a URL's password, a storage option's value: workers/spec/secrets.py)."""
+
+    def __init__(self, message: object = "", *rest: object) -> None:
+        super().__init__(redact(str(message)), *rest)
 
 
 class RunConfig(Redacted):
