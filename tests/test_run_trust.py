@@ -294,7 +294,7 @@ def test_every_secret_is_masked_wherever_it_is_written_or_shown(make_config, tmp
     from workflows.tracking import flatten
 
     planted = {name: f"planted-{name}-{os.getpid()}" for name in ("phrase", "cookie", "url")}
-    planted |= {"weights": f"w-{os.getpid()}", "database": f"db-{os.getpid()}"}
+    planted |= {"weights": f"weights-{os.getpid()}", "database": f"database-{os.getpid()}"}
     options = {
         "passphrase": planted["phrase"],
         "headers": {"Cookie": planted["cookie"]},

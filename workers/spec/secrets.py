@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 MASK = "***"
-MIN_SECRET = 4  # shorter values would mask every such word in every log line
+MIN_SECRET = 8  # shorter values (gcsfs's token = "anon") would mask common words in every line
 
 # Option names whose values are settings, not secrets: fsspec's own, and those s3fs, gcsfs and
 # adlfs share (a table under one of them is read by the same rule).
