@@ -6,7 +6,6 @@ the user says so, and a user error reads as one message."""
 import json
 import logging
 import os
-import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tests.worker_logs import raise_it, what_stderr_shows
 from workflows import predict
 from workflows.cli import main
 from workflows.config import ConfigError, load_config
@@ -39,9 +39,8 @@ def test_a_run_mirror_sends_its_summary_only_after_every_other_file(tmp_path):
     assert not (bucket / SUMMARY).exists()
     (bucket / "model.pt").rmdir()
     mirror.copy(final=True)
-    assert sorted(p.name for p in bucket.iterdir()) == sorted(
-        p.name for p in mirror_folder.iterdir()
-    )
+    sent = ["config.json", "metrics.jsonl", "model.pt", SUMMARY]
+    assert sorted(p.name for p in bucket.iterdir()) == sent
     assert Path(bucket / SUMMARY).read_text() == SUMMARY
 
 
@@ -194,18 +193,19 @@ def test_every_writer_of_a_bucket_uses_the_one_set_of_options_the_config_gives_i
 
 
 def test_a_bucket_runs_local_copy_is_private_and_a_failed_upload_is_sent_by_the_resume(
-    s3, make_config, monkeypatch
+    s3, make_config, monkeypatch, tmp_path
 ):
     from workflows.run_storage import mirror_root
 
     for key, value in s3.environment.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own mirrors
     name = "left-unsent"
     url = f"{s3.bucket(name)}/runs/x"
     config = make_config(RunDirectory.with_its_folders({}, url))
     directory = RunDirectory.create(config, url)
     folder = mirror_folder(url)
-    assert folder.parent == mirror_root() != Path(tempfile.gettempdir()) / "dask-train-runs"
+    assert folder.parent == mirror_root() == tmp_path / f"dask-train-runs-{os.getuid()}"
     root = folder.parent.lstat()
     assert root.st_uid == os.getuid() and stat.S_IMODE(root.st_mode) == 0o700
     fs = s3.filesystem()
@@ -219,27 +219,28 @@ def test_a_bucket_runs_local_copy_is_private_and_a_failed_upload_is_sent_by_the_
     fs.invalidate_cache()
     assert fs.cat_file(f"{name}/runs/x/model.pt") == b"the final weights"
     assert resumed.finished == {"epochs": 10**6}  # its summary, sent last: the run finished
-    shutil.rmtree(resumed.path)  # the bucket's copy, read back: nothing left unsent
+    # The resumed run's mirror, the bucket's copy read back and left: nothing in it unsent.
+    again = RunDirectory.create(config, url, resume=True)
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
+    # A mirror a killed process left, a file changed since it was sent (and the bucket may be
+    # newer than the rest): kept aside.
+    (again.path / "model.pt").write_bytes(b"weights of a killed process")
+    RunDirectory.create(config, url, resume=True)
+    (aside,) = folder.parent.glob(f"{folder.name}-left-*")
+    assert (aside / "model.pt").read_bytes() == b"weights of a killed process"
 
 
-def _raise(error: Exception) -> None:
-    raise error
+def test_a_mirror_folder_that_is_not_the_users_own_is_refused(make_config, tmp_path, monkeypatch):
+    from workflows.run_storage import mirror_root
 
-
-def _what_stderr_shows(dask_worker, keys: list[str]) -> dict[str, bool]:
-    """For each task key: whether the worker's stderr handlers pass the "Compute Failed"
-    record its log kept of it (None: the log kept none)."""
-    from workers.user_errors import _stderr_handlers
-
-    kept = {
-        str(record.args[0]): record
-        for handler in logging.getLogger("distributed.worker").handlers
-        for record in getattr(handler, "deque", ())
-        if str(record.msg).startswith("Compute Failed")
-    }
-    handlers = _stderr_handlers()
-    assert handlers, "the worker writes no log to its stderr"
-    return {key: all(h.filter(kept[key]) for h in handlers) for key in keys if key in kept}
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    elsewhere = tmp_path / "someone-elses"
+    elsewhere.mkdir(mode=0o777)
+    mirror_root().symlink_to(elsewhere)  # planted where the run would write
+    config = make_config(RunDirectory.with_its_folders({}, "memory://b/run"))
+    with pytest.raises(ConfigError, match=r"is not a folder of this user's"):
+        RunDirectory.create(config, "memory://b/run")
+    assert not list(elsewhere.iterdir())
 
 
 def test_our_own_errors_compute_failed_blocks_stay_off_the_terminal_and_in_the_worker_log(
@@ -252,14 +253,14 @@ def test_our_own_errors_compute_failed_blocks_stay_off_the_terminal_and_in_the_w
     client.register_plugin(UserErrorsOffStderr())
     try:
         futures = {
-            "ours": client.submit(_raise, SourceError("data.root: x: refused"), key="ours"),
-            "a bug": client.submit(_raise, RuntimeError("a bug"), key="a-bug"),
+            "ours": client.submit(raise_it, SourceError("data.root: x: refused"), key="ours"),
+            "a bug": client.submit(raise_it, RuntimeError("a bug"), key="a-bug"),
         }
         for future in futures.values():
             with pytest.raises((SourceError, RuntimeError)):
                 future.result(timeout=30)
         shown = {}
-        for seen in client.run(_what_stderr_shows, keys=["ours", "a-bug"]).values():
+        for seen in client.run(what_stderr_shows, keys=["ours", "a-bug"]).values():
             shown |= seen
     finally:
         client.unregister_worker_plugin(UserErrorsOffStderr.name)

@@ -482,8 +482,9 @@ class RunDirectory:
 
 def _settle_leftover(mirror: RunMirror) -> None:
     """A mirror folder that an earlier process left at ``mirror.folder``: sent (its last copy
-    failed: these are the run's newest files, model.pt and summary.json among them), or, left
-    by a killed process, moved aside; never deleted unsent."""
+    failed: these are the run's newest files, model.pt and summary.json among them), removed
+    when every file is in the bucket as it is here, or else (a killed process's, which may be
+    older than the bucket too) moved aside; never deleted unsent."""
     folder = mirror.folder
     if not folder.exists():
         return
@@ -497,6 +498,9 @@ def _settle_leftover(mirror: RunMirror) -> None:
             ) from None
         logger.info("run directory %s: sent what the last copy left in %s", mirror.url, folder)
         mirror.forget_sent()
+        shutil.rmtree(folder)
+        return
+    if not mirror.unsent():  # every file is in the bucket as it is here: nothing to lose
         shutil.rmtree(folder)
         return
     aside = folder.with_name(f"{folder.name}-left-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -19,6 +19,7 @@ cloud's own files), or from the config's storage options for the URL's bucket
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import stat
@@ -38,6 +39,9 @@ SYNC_EVERY_S = 5.0  # how stale the bucket's copy of a running run's records may
 CONFIG, SUMMARY, CHECKPOINTS = "config.json", "summary.json", "checkpoints"
 # In a mirror whose last copy to the bucket failed: it holds the run's newest files.
 UNSENT = ".unsent"
+# In every mirror: what is in the bucket as it is here (name: size, mtime), so that a mirror
+# left behind is known to hold nothing unsent.
+SENT = ".sent.json"
 
 
 def checked_url(field: str, location: str) -> str:
@@ -112,6 +116,7 @@ class RunMirror:
             local.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote, str(local))
             self._copied[name] = _stamp(local)
+        self._keep_sent()
 
     def forget_sent(self) -> None:
         """Send every file again at the next copy (the folder's files are others now)."""
@@ -136,6 +141,29 @@ class RunMirror:
                     continue
                 self.fs.put_file(str(local), f"{self.root}/{name}")
                 self._copied[name] = stamp
+                self._keep_sent()
+
+    def _keep_sent(self) -> None:
+        kept = self.folder / SENT
+        partial = kept.with_name(f"{SENT}.partial")
+        partial.write_text(json.dumps(self._copied))
+        os.replace(partial, kept)
+
+    def unsent(self) -> list[str]:
+        """The files of a mirror left behind that are not in the bucket as they are here (all
+        of them, when it never recorded what it sent)."""
+        try:
+            sent = {k: tuple(v) for k, v in json.loads((self.folder / SENT).read_text()).items()}
+        except (OSError, ValueError, AttributeError, TypeError):
+            sent = {}
+        names = [p.relative_to(self.folder).as_posix() for p in self.folder.rglob("*")]
+        return [
+            name
+            for name in names
+            if (self.folder / name).is_file()
+            and not name.rsplit("/", 1)[-1].startswith(".")
+            and sent.get(name) != _stamp(self.folder / name)
+        ]
 
     def start(self) -> None:
         """Copy every ``SYNC_EVERY_S`` until :meth:`stop`."""
