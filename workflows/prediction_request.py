@@ -129,25 +129,23 @@ def resolve_model(
         source = f"--model: {fs.unstrip_protocol(run_dir)}/config.json"
         try:
             raw = json.loads(fs.cat_file(f"{run_dir}/config.json"))
-            if not isinstance(raw, dict):
-                raise ConfigError("not a JSON object")
-            signed = f"{run_dir}/{CONFIG_SIGNATURE}"
-            check_config_trusted(
-                raw,
-                source,
-                own_model=config.model.name if config is not None else None,
-                trust_config=trust_config,
-                signing_key_file=config.checkpoint.signing_key_file if config else None,
-                signature=fs.cat_file(signed).decode() if fs.isfile(signed) else None,
-            )
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{source} is not a run config: {error}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source} is not a run config: not a JSON object")
+        signed = f"{run_dir}/{CONFIG_SIGNATURE}"
+        check_config_trusted(  # before anything it names is imported
+            raw,
+            source,
+            own_model=config.model.name if config is not None else None,
+            trust_config=trust_config,
+            signing_key_file=config.checkpoint.signing_key_file if config else None,
+            signature=fs.cat_file(signed).decode() if fs.isfile(signed) else None,
+        )
+        try:
             config = load_config(raw)
-        except (json.JSONDecodeError, ConfigError) as error:
-            if str(error).startswith(source):  # refused as untrusted: said whole
-                raise
-
-            raise ConfigError(
-                f"--model: {fs.unstrip_protocol(run_dir)}/config.json is not a run config: {error}"
-            ) from None
+        except ConfigError as error:
+            raise ConfigError(f"{source} is not a run config: {error}") from None
         if fs.isfile(f"{run_dir}/summary.json"):
             summary = json.loads(fs.cat_file(f"{run_dir}/summary.json")).get("store", {})
     elif is_dir:
