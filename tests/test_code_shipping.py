@@ -114,9 +114,11 @@ def test_a_factory_outside_the_repository_is_shipped_to_stock_workers(
             with run:
                 result = train(config, cluster=client, on_event=None)
                 run.finish(result)
-            # Batch prediction rebuilds the run's model from its config on the workers.
+            # Batch prediction rebuilds the run's model from its config on the workers: code
+            # named by the run's config.json, trusted since the caller names the same model.
             scored = predict(
                 model=run.path,
+                config=config,
                 input=config.data.resolved().store_url,
                 output=tmp_path / "predictions",
                 settings={"partition_size": 200},

@@ -1348,6 +1348,12 @@ def _read_key(signing_key_file: str) -> bytes:
     return key
 
 
+def document_signature(document: dict[str, Any], signing_key_file: str) -> str:
+    """The HMAC a manifest carries, over another JSON document of the run (its config.json:
+    workflows/trust.py), made with the same key the same way."""
+    return _signature(document, _read_key(signing_key_file))
+
+
 def _signature(manifest: dict[str, Any], key: bytes) -> str:
     """HMAC-SHA256 over the manifest's canonical JSON, its signature left out."""
     content = {k: v for k, v in manifest.items() if k != SIGNATURE}

@@ -135,6 +135,7 @@ def predict(
     config: RunConfig | str | Path | dict[str, Any] | None = None,
     settings: PredictConfig | dict[str, Any] | None = None,
     cluster: TrainingCluster | Client | None = None,
+    trust_config: bool = False,
 ) -> PredictResult:
     """Score ``input`` with the trained ``model`` on ``cluster`` (or on a local cluster
     started and closed here) and write the predictions to ``output``.
@@ -154,6 +155,10 @@ def predict(
         settings: A `PredictConfig` or a dict of its fields (the ``[predict]`` keys).
         cluster: A `TrainingCluster` or a Dask ``Client``; ``None`` starts a local cluster
             and closes it afterwards.
+        trust_config: Build a model that the run's config.json names by import path
+            (``package.module:factory``): its code runs here and on the workers. Without it
+            such a run is refused unless ``config`` names the same model, or the run's
+            config.json is signed with ``config``'s ``checkpoint.signing_key_file``.
 
     Returns:
         The counts, timings and metrics; ``read()`` loads the predictions.
@@ -166,7 +171,12 @@ def predict(
     """
     try:
         prepared = prepare(
-            model=model, input=input, output=output, config=config, settings=settings
+            model=model,
+            input=input,
+            output=output,
+            config=config,
+            settings=settings,
+            trust_config=trust_config,
         )
     except (ConfigError, CheckpointError, SourceError) as error:
         raise naming_keywords(error) from None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from workers.sources import SourceError, check_root, store_to_build
+from workers.spec.secrets import RedactingFilter, redact
 from workers.spec.sections import LOSSES
 from workflows.config import ConfigError, RunConfig, load_config, read_raw_config
 from workflows.interrupts import DroppedInterrupts
@@ -27,7 +28,7 @@ from workflows.launcher import LaunchError
 from workflows.sweep_space import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:
-    from workflows.cluster import TrainingCluster
+    from workflows.cluster import ClusterConfig, TrainingCluster
     from workflows.run_directory import RunDirectory
     from workflows.tracking import Tracker
 
@@ -137,7 +138,7 @@ class _Command(click.Group):
         except click.Abort as error:
             if isinstance(error.__cause__, KeyboardInterrupt):
                 _fail(EXIT_INTERRUPTED, "interrupted")
-            click.echo("Aborted!", err=True)
+            _echo("Aborted!", err=True)
             sys.exit(EXIT_FAILED)
         except KeyboardInterrupt:
             _fail(EXIT_INTERRUPTED, "interrupted")
@@ -166,6 +167,7 @@ def main(verbose: bool) -> None:
     )
     for handler in logging.getLogger().handlers:
         handler.setLevel(logging.INFO if verbose else logging.WARNING)
+        handler.addFilter(RedactingFilter())
 
 
 # The config reader checks the file itself, so every problem with it is one line naming it.
@@ -266,8 +268,13 @@ def _start_worker_imports(config: RunConfig) -> None:
     start_fork_server_early(config.cluster)
 
 
+def _echo(message: object = None, **options: Any) -> None:
+    """click.echo, with every secret masked (workers/spec/secrets.py)."""
+    click.echo(None if message is None else redact(str(message)), **options)
+
+
 def _fail(code: int, message: str) -> NoReturn:
-    click.echo(f"dask-train: {message}", err=True)
+    _echo(f"dask-train: {message}", err=True)
     sys.exit(code)
 
 
@@ -295,9 +302,9 @@ def _echo_dashboard(cluster: "TrainingCluster") -> None:
     from workflows.monitoring import serve_training_page
 
     page = serve_training_page(cluster.client)
-    click.echo(f"dashboard: {cluster.dashboard_link}")
+    _echo(f"dashboard: {cluster.dashboard_link}")
     if page:
-        click.echo(f"training page: {page}")
+        _echo(f"training page: {page}")
 
 
 def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool) -> "Tracker":
@@ -316,14 +323,29 @@ def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool
     return tracker
 
 
+def _start_cluster(config: "ClusterConfig") -> "TrainingCluster":
+    """The command's cluster. A local one's workers write to this terminal: Dask's "Compute
+    Failed" blocks for our own errors are kept off it (the error is said once, as the
+    command's last line; the worker's own log keeps them)."""
+    from workers.user_errors import UserErrorsOffStderr
+    from workflows.cluster import start_cluster
+
+    cluster = start_cluster(config)
+    if cluster.cluster is not None:
+        try:
+            cluster.client.register_plugin(UserErrorsOffStderr())
+        except BaseException:
+            cluster.close()
+            raise
+    return cluster
+
+
 @contextlib.contextmanager
 def _cluster_for(run_directory: "RunDirectory", config: RunConfig) -> Iterator["TrainingCluster"]:
     """The run's cluster. One that cannot start (an unreachable scheduler, say) gives the new
     directory back: nothing ran, so the same command may run again, without --resume."""
-    from workflows.cluster import start_cluster
-
     try:
-        cluster = start_cluster(config.cluster)
+        cluster = _start_cluster(config.cluster)
     except Exception:
         run_directory.release()
         raise
@@ -355,7 +377,7 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
             check_model(resolved, num_classes=len(manifest["classes"]) if manifest else 10)
         except ConfigError as error:
             _fail(EXIT_INVALID, f"invalid config: {error}")
-    click.echo(resolved.model_dump_json(indent=2))
+    _echo(resolved.model_dump_json(indent=2))
 
 
 @main.command()
@@ -379,16 +401,15 @@ def preprocess(
         _fail(EXIT_INVALID, str(error))
     _check_data_root(resolved)
     _start_worker_imports(resolved)
-    from workflows.cluster import start_cluster
     from workflows.preprocess import prepare_store
 
-    with _exit_codes("preprocessing"), start_cluster(resolved.cluster) as cluster:
-        click.echo(f"dashboard: {cluster.dashboard_link}")
+    with _exit_codes("preprocessing"), _start_cluster(resolved.cluster) as cluster:
+        _echo(f"dashboard: {cluster.dashboard_link}")
         manifest = prepare_store(
             cluster.client, resolved.data.resolved(), seed=resolved.training.seed, force=force
         )
     state = "up to date, reused" if manifest.reused else f"built in {manifest.seconds:.1f} s"
-    click.echo(
+    _echo(
         f"store {manifest.url}: {state}; train {manifest.counts['train']}, "
         f"val {manifest.counts['val']} images; {len(manifest.bad_records)} bad records skipped"
     )
@@ -405,7 +426,6 @@ def plan(
     """Profile CONFIG's model on a worker; print the stage split and the strategy that fits."""
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
     _start_worker_imports(resolved)
-    from workflows.cluster import start_cluster
     from workflows.planner import plan as plan_stages
     from workflows.resolved_run import resolve_run
     from workflows.stores import read_manifest
@@ -415,14 +435,14 @@ def plan(
     # The class count only sizes the last layer; before preprocessing, assume CIFAR-10's.
     num_classes = len(manifest["classes"]) if manifest else 10
     # A ValueError here is the planner's: the model does not fit the stages it is given.
-    with _exit_codes("planning", ValueError), start_cluster(resolved.cluster) as cluster:
+    with _exit_codes("planning", ValueError), _start_cluster(resolved.cluster) as cluster:
         run = resolve_run(cluster.client, resolved)
         result = plan_stages(cluster.client, run, num_classes=num_classes)
-    click.echo(
+    _echo(
         f"{resolved.model.name} on {run.layout.world_size} workers, global batch "
         f"{resolved.training.batch_size}"
     )
-    click.echo(result.render())
+    _echo(result.render())
 
 
 @main.command()
@@ -481,7 +501,7 @@ def run(
         # Training again would redo nothing and overwrite the run's figures with those of an
         # empty attempt: the directory is left exactly as it is.
         done = run_directory.finished
-        click.echo(
+        _echo(
             f"{run_directory.location} finished already ({done.get('steps')} steps, "
             f"{done.get('samples_per_s') or 0:.0f} samples/s, {done.get('wall_s') or 0:.1f} s): "
             "nothing to resume"
@@ -513,7 +533,7 @@ def run(
         _exit_codes("training", LaunchError, TrackingError, DataError, interrupted=interrupted),
         run_directory,
     ):
-        click.echo(f"run directory: {run_directory.location}")
+        _echo(f"run directory: {run_directory.location}")
         with (
             _cluster_for(run_directory, resolved) as cluster,
             _open_tracker(resolved, run_directory, resume).closing() as tracker,
@@ -527,7 +547,7 @@ def run(
     final = summary["final"]
     # The task's headline figure: accuracy, or R² for regression.
     headline = "val_accuracy" if "val_accuracy" in final else "val_r2"
-    click.echo(
+    _echo(
         f"done: {summary['strategy']} on {summary['world_size']} ranks, "
         f"{headline.replace('_', ' ')} {final[headline]:.4f}, "
         f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f} s; results in "
@@ -558,6 +578,12 @@ def run(
     help="where predictions, metrics and summary go; must not exist",
 )
 @click.option("--scheduler", metavar="ADDRESS", help="run on an existing Dask cluster")
+@click.option(
+    "--trust-config",
+    is_flag=True,
+    help="build the model that the run's config.json names by import path (its code runs "
+    "here and on the workers): only for a run you trust",
+)
 def predict(
     config: Path,
     overrides: tuple[str, ...],
@@ -565,6 +591,7 @@ def predict(
     input_path: str,
     output: str,
     scheduler: str | None,
+    trust_config: bool,
 ) -> None:
     """Score DATA with a trained model as Dask tasks; predictions and metrics go to PATH.
 
@@ -572,13 +599,17 @@ def predict(
     outputs, format and the rest.
     """
     from workflows.batch_predict import CheckpointError, load_predict_config, prepare, run_prepared
-    from workflows.cluster import start_cluster
 
     # Everything about the request is checked before a cluster starts.
     try:
         run_config, settings = load_predict_config(_read(config, overrides, scheduler))
         prepared = prepare(
-            model=model, input=input_path, output=output, config=run_config, settings=settings
+            model=model,
+            input=input_path,
+            output=output,
+            config=run_config,
+            settings=settings,
+            trust_config=trust_config,
         )
     except (ConfigError, CheckpointError, SourceError) as error:
         _fail(EXIT_INVALID, str(error))
@@ -586,18 +617,18 @@ def predict(
     interrupted = f"interrupted; partial output in {prepared.output}"
     with (
         _exit_codes("prediction", CheckpointError, interrupted=interrupted),
-        start_cluster(prepared.cluster) as cluster,
+        _start_cluster(prepared.cluster) as cluster,
     ):
-        click.echo(f"dashboard: {cluster.dashboard_link}")
-        click.echo(
+        _echo(f"dashboard: {cluster.dashboard_link}")
+        _echo(
             f"scoring {plan.count} images ({plan.kind} {plan.url}) in "
             f"{len(plan.partitions)} partitions"
         )
         result = run_prepared(cluster.client, prepared)
     for note in result.notes:
-        click.echo(f"note: {note}")
+        _echo(f"note: {note}")
     accuracy = f", accuracy {result.metrics['accuracy']:.4f}" if result.metrics else ""
-    click.echo(
+    _echo(
         f"done: {result.count} predictions on {result.workers} workers, "
         f"{result.images_per_s:.0f} images/s, {result.seconds:.1f} s{accuracy}; "
         f"results in {result.output}"
@@ -688,18 +719,20 @@ def sweep(
 ) -> None:
     """Sweep CONFIG's values: one training run per trial, chosen by Optuna, several at once;
     trials.csv and best.json in the sweep's directory."""
+    from workflows.run_storage import checked_url
     from workflows.sweep_directory import SweepDirectory
 
     resolved = _load(config, overrides, scheduler)
     _check_data_root(resolved)
     try:
+        if output is not None:  # a folder here: a URL there is a typo (Path made s3:// s3:/)
+            output = Path(checked_url("--output", str(output)))
         directory = SweepDirectory.open(
             resolved.name, output, study_name=study_name, storage=storage
         )
     except ConfigError as error:
         _fail(EXIT_INVALID, str(error))
     _start_worker_imports(resolved)
-    from workflows.cluster import start_cluster
     from workflows.sweeps import run_sweep, sweep_spec
 
     checkpoints = None if resolved.checkpoint.directory else directory.checkpoints
@@ -727,16 +760,16 @@ def sweep(
     interrupted = f"interrupted; continue the sweep with --output {directory.path}"
     with (
         _exit_codes("sweep", interrupted=interrupted),
-        start_cluster(resolved.cluster) as cluster,
+        _start_cluster(resolved.cluster) as cluster,
     ):
-        click.echo(f"sweep directory: {directory.path}")
+        _echo(f"sweep directory: {directory.path}")
         _echo_dashboard(cluster)
         result = run_sweep(spec, cluster=cluster, on_trial=_trial_line(metric))
         directory.write_results(result, metric=metric, mode=mode)
     if result.best_trial is None:
         _fail(EXIT_FAILED, f"sweep failed: no trial completed; see {directory.path / 'trials.csv'}")
     best = result.best_trial
-    click.echo(
+    _echo(
         f"done: best trial {best.number}, {metric} {best.value:.4f}, {_described(best.params)}; "
         f"results in {directory.path}"
     )
@@ -762,7 +795,7 @@ def _trial_line(metric: str) -> Callable[[dict[str, Any]], None]:
             return
         value = record["value"]
         figure = f"{metric} {value:.4f}" if value is not None else record.get("error", "")
-        click.echo(
+        _echo(
             f"trial {record['number']} {record['state']}: {figure}, "
             f"{_described(record['params'])} ({record['wall_s']:.1f} s)"
         )
@@ -819,10 +852,13 @@ def launch(
     # The workers' imports go on beside ours (torch, and the target's); a target refused below
     # stops the fork server at exit.
     start_fork_server_early(cluster)
+    from workflows.run_storage import checked_url
     from workflows.script_launch import ScriptNotFound, launch_script, resolve_target
 
     try:
         resolve_target(script, module=module)  # a missing script fails before a cluster starts
+        if output is not None:  # a folder: a URL there is a typo (Path made s3:// s3:/)
+            output = Path(checked_url("--output", str(output)))
     except (ValueError, ScriptNotFound) as error:
         _fail(EXIT_INVALID, str(error).splitlines()[0])
     with _exit_codes("launch", LaunchError, interrupted="interrupted; every rank was stopped"):
@@ -833,10 +869,10 @@ def launch(
             cluster=cluster,
             launch_config=settings,
             output=output,
-            echo=click.echo,
+            echo=_echo,
         )
     restarts = f", {len(result.recoveries)} restarts" if result.recoveries else ""
-    click.echo(f"done: {result.world_size} ranks exited 0 in {result.wall_s:.1f} s{restarts}")
+    _echo(f"done: {result.world_size} ranks exited 0 in {result.wall_s:.1f} s{restarts}")
 
 
 if __name__ == "__main__":  # python -m workflows.cli, as the dask-train script

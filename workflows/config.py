@@ -15,8 +15,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from workers.spec.layout import Layout
+from workers.spec.locations import bucket_of
 from workers.spec.names import STRATEGIES
 from workers.spec.plans import StrategyPlan, StrategySections, get_plan
+from workers.spec.secrets import redact
 from workers.spec.sections import (
     SCHEDULES_OVER_THE_RUN,
     CheckpointConfig,
@@ -25,6 +27,7 @@ from workers.spec.sections import (
     ModelConfig,
     ParallelConfig,
     PipelineConfig,
+    Redacted,
     TrainingConfig,
 )
 from workflows.cluster import ClusterConfig
@@ -33,10 +36,14 @@ from workflows.tracking import TrackingConfig
 
 
 class ConfigError(ValueError):
-    """Invalid configuration; the message names the field and what to change."""
+    """Invalid configuration; the message names the field and what to change, every secret in
+    it masked (a URL's password, a storage option's value: workers/spec/secrets.py)."""
+
+    def __init__(self, message: object = "", *rest: object) -> None:
+        super().__init__(redact(str(message)), *rest)
 
 
-class RunConfig(BaseModel):
+class RunConfig(Redacted):
     """A run's whole configuration: the TOML file's sections, validated and frozen.
 
     Made by `load_config`. Each section is a model of its own; every key is in the
@@ -75,6 +82,44 @@ class RunConfig(BaseModel):
         if isinstance(strategy, str) and strategy in STRATEGIES:
             return get_plan(strategy).defaults(raw)
         return raw
+
+    def located_options(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(field, location, its section's storage options) for each location the config
+        gives: what one bucket's options are read from."""
+        given = [
+            ("checkpoint.directory", self.checkpoint.directory, self.checkpoint.storage_options),
+            ("data.store", self.data.store, self.data.storage_options),
+            ("data.root", self.data.root, self.data.storage_options),
+            ("model.weights", self.model.weights, self.model.storage_options),
+        ]
+        return [(field, where, dict(options)) for field, where, options in given if where]
+
+    def bucket_options(self, url: str) -> dict[str, Any]:
+        """The storage options for ``url``'s bucket: those of the section that names a location
+        in it (one set per bucket, checked), so that every writer there (the run directory's
+        copy, a sweep's journal, the checkpoints) reaches the same store; none: {}."""
+        bucket = bucket_of(url)
+        for _, where, options in self.located_options():
+            if bucket is not None and bucket_of(where) == bucket and options:
+                return options
+        return {}
+
+    @model_validator(mode="after")
+    def _one_set_of_options_per_bucket(self) -> "RunConfig":
+        seen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        for field, where, options in self.located_options():
+            bucket = bucket_of(where)
+            if bucket is None or not options:
+                continue
+            first = seen.setdefault(bucket, (field, options))
+            if first[1] != options:
+                section, other = field.split(".")[0], first[0].split(".")[0]
+                raise ValueError(
+                    f"{section}.storage_options: {where} is in the bucket {bucket[0]}://"
+                    f"{bucket[1]} that {first[0]} names with other {other}.storage_options; "
+                    "give one bucket one set of options (the same in both, or in one only)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _sections_agree(self) -> "RunConfig":

@@ -22,12 +22,13 @@ from workers.sources import (
     look_at_root,
 )
 from workflows.config import ConfigError
+from workflows.run_storage import checked_url
 from workflows.stores import read_manifest
 
 
 def plan_input(source: str | Path, request: InputRequest) -> InputPlan:
     """List ``source`` (a path or URL) into partitions, as the first kind that claims it."""
-    url = str(source)
+    url = checked_url("--input", str(source))
     if "://" not in url:
         url = str(Path(url).expanduser().resolve())
     try:

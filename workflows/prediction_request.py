@@ -27,8 +27,10 @@ from workers.sources import InputPlan, InputRequest
 from workflows.cluster import ClusterConfig
 from workflows.config import ConfigError, RunConfig, load_config, one_line, read_raw_config
 from workflows.prediction_input import plan_input
+from workflows.run_storage import checked_url
 from workflows.stores import read_manifest
 from workflows.tracking import TrackingConfig
+from workflows.trust import CONFIG_SIGNATURE, check_config_trusted
 
 
 class PredictConfig(BaseModel):
@@ -102,12 +104,16 @@ class TrainedModel:
     image_size: int
 
 
-def resolve_model(model: str | Path, config: RunConfig | None = None) -> TrainedModel:
+def resolve_model(
+    model: str | Path, config: RunConfig | None = None, *, trust_config: bool = False
+) -> TrainedModel:
     """A run directory (or its ``model.pt``) brings its own config and statistics; a bare
     checkpoint takes model and data from ``config``, statistics from that config's store.
     ``model`` may be an fsspec URL (a run kept in a bucket), reached with ``config``'s
-    ``data.storage_options`` or the environment's credentials."""
-    given = str(model) if "://" in str(model) else str(Path(model).expanduser())
+    ``data.storage_options`` or the environment's credentials. A run's config.json that names
+    its model by import path is refused unless trusted (workflows/trust.py)."""
+    given = checked_url("--model", str(model))
+    given = given if "://" in given else str(Path(given).expanduser())
     options = dict(config.data.storage_options) if config is not None else {}
     fs, path = fsspec.core.url_to_fs(given, **options)
     if not fs.exists(path):
@@ -120,12 +126,26 @@ def resolve_model(model: str | Path, config: RunConfig | None = None) -> Trained
     checkpoint = f"{run_dir}/model.pt" if is_dir else path
     summary: dict[str, Any] = {}
     if fs.isfile(f"{run_dir}/config.json"):
+        source = f"--model: {fs.unstrip_protocol(run_dir)}/config.json"
         try:
-            config = load_config(json.loads(fs.cat_file(f"{run_dir}/config.json")))
-        except (json.JSONDecodeError, ConfigError) as error:
-            raise ConfigError(
-                f"--model: {fs.unstrip_protocol(run_dir)}/config.json is not a run config: {error}"
-            ) from None
+            raw = json.loads(fs.cat_file(f"{run_dir}/config.json"))
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{source} is not a run config: {error}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source} is not a run config: not a JSON object")
+        signed = f"{run_dir}/{CONFIG_SIGNATURE}"
+        check_config_trusted(  # before anything it names is imported
+            raw,
+            source,
+            own_model=config.model.name if config is not None else None,
+            trust_config=trust_config,
+            signing_key_file=config.checkpoint.signing_key_file if config else None,
+            signature=fs.cat_file(signed).decode() if fs.isfile(signed) else None,
+        )
+        try:
+            config = load_config(raw)
+        except ConfigError as error:
+            raise ConfigError(f"{source} is not a run config: {error}") from None
         if fs.isfile(f"{run_dir}/summary.json"):
             summary = json.loads(fs.cat_file(f"{run_dir}/summary.json")).get("store", {})
     elif is_dir:
@@ -202,6 +222,7 @@ def prepare(
     output: str | Path,
     config: RunConfig | str | Path | dict[str, Any] | None = None,
     settings: PredictConfig | dict[str, Any] | None = None,
+    trust_config: bool = False,
 ) -> PreparedPrediction:
     """Check everything about a request without starting anything; errors name the field or
     file (ConfigError, CheckpointError), the output path first of all, as soon as the model's
@@ -210,7 +231,7 @@ def prepare(
         config = load_config(config)
     if not isinstance(settings, PredictConfig):
         settings = PredictConfig.from_dict(settings)
-    trained = resolve_model(model, config)
+    trained = resolve_model(model, config, trust_config=trust_config)
     if trained.config.training.resolved_task != "classification":
         raise ConfigError(
             f"--model: {trained.checkpoint} was trained for {trained.config.training.resolved_task}"
@@ -351,7 +372,7 @@ def _read_bytes(url: str, options: dict[str, Any]) -> bytes:
 
 
 def _check_output(output: str | Path, options: dict[str, Any]) -> str:
-    url = str(output)
+    url = checked_url("--output", str(output))
     if "://" not in url:
         url = str(Path(url).expanduser().resolve())
     fs, path = fsspec.core.url_to_fs(url, **options)

@@ -22,8 +22,9 @@ a new directory appears with its config.json already in it: a run interrupted at
 leaves either no directory or one that ``--resume`` takes.
 
 ``--output`` may be an fsspec URL (``s3://bucket/runs/x``): the directory is then written into
-a local mirror and copied there as the run goes (``workflows/run_storage.py``), summary.json
-last; its checkpoints go straight to ``<url>/checkpoints``.
+a private local mirror and copied there as the run goes (``workflows/run_storage.py``),
+summary.json last; its checkpoints go straight to ``<url>/checkpoints``. With a signing key,
+config.json.hmac signs config.json (``workflows/trust.py``).
 """
 
 import contextlib
@@ -39,8 +40,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from workers.records import EpochRecord, StepRecord, parse_record
+from workers.spec.secrets import RedactingFilter
 from workflows.config import ConfigError, RunConfig
-from workflows.run_storage import RunMirror, is_url, mirror_folder
+from workflows.run_storage import (
+    UNSENT,
+    RunMirror,
+    checked_url,
+    is_url,
+    make_mirror_root,
+    mirror_folder,
+)
+from workflows.trust import CONFIG_SIGNATURE, config_signature
 
 if TYPE_CHECKING:  # the driver imports torch: a refused or finished run never needs it
     from workflows.driver import TrainResult
@@ -82,12 +92,15 @@ class RunDirectory:
     @classmethod
     def _create_mirrored(cls, config: RunConfig, url: str, *, resume: bool) -> Self:
         """A run at ``url``, written into a fresh local mirror (the bucket's copy, for a run
-        resumed: a mirror left by a killed process may be older or newer than what it sent)."""
+        resumed), in this user's private folder. A mirror left behind is never deleted unsent:
+        what a failed last copy left is sent first, and one left by a killed process (which
+        may be older or newer than what it sent) is kept aside."""
+        make_mirror_root()
         folder = mirror_folder(url)
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
         try:
-            mirror = RunMirror(url, folder)
+            mirror = RunMirror(url, folder, config.bucket_options(url))
+            _settle_leftover(mirror)
+            folder.mkdir(mode=0o700)
             held = mirror.holds_run()
             if held and resume:
                 mirror.download()
@@ -139,6 +152,8 @@ class RunDirectory:
         ``runs/<name>-<UTC time>``."""
         if resume and output is None:
             raise ConfigError("--resume: name the run directory to continue with --output DIR")
+        if isinstance(output, str):
+            output = checked_url("--output", output)
         if is_url(str(output) if output is not None else None):
             return str(output).rstrip("/")
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -238,6 +253,10 @@ class RunDirectory:
             write_atomically(self.path / CONFIG, text)
         else:
             self._claim(text)
+        key = self.config.checkpoint.signing_key_file
+        if key is not None:  # what predict checks before it trusts the file (workflows/trust.py)
+            signature = config_signature(json.loads(text), key)
+            write_atomically(self.path / CONFIG_SIGNATURE, signature + "\n")
         if self.mirror is not None:
             self.mirror.copy()  # config.json: the URL holds this run from now on
             self.mirror.start()
@@ -246,6 +265,7 @@ class RunDirectory:
         self._log_handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
         )
+        self._log_handler.addFilter(RedactingFilter())
         logging.getLogger().addHandler(self._log_handler)
         logger.info("run %s started in %s", self.config.name, self.path)
         # Where training starts from, read before it writes checkpoints of its own.
@@ -293,9 +313,12 @@ class RunDirectory:
                 self.mirror.copy(final=True)
                 shutil.rmtree(self.path, ignore_errors=True)  # all of it is at the URL now
             except Exception as error:
-                # Nothing is lost: the mirror stays, and says where it is.
+                # Nothing is lost: the mirror stays, says where it is, and is marked for the
+                # next run at this URL (--resume, or the same command) to send first.
+                (self.path / UNSENT).write_text(f"{error}\n")
                 logger.error(
-                    "run directory %s: the last copy failed (%s); the run's files are in %s",
+                    "run directory %s: the last copy failed (%s); the run's files are in %s, "
+                    "and --resume sends them first",
                     self.mirror.url,
                     error,
                     self.path,
@@ -455,6 +478,38 @@ class RunDirectory:
         write_atomically(self.path / SUMMARY, json.dumps(summary, indent=2) + "\n")
         logger.info("run %s finished: %s", self.config.name, summary["final"])
         return summary
+
+
+def _settle_leftover(mirror: RunMirror) -> None:
+    """A mirror folder that an earlier process left at ``mirror.folder``: sent (its last copy
+    failed: these are the run's newest files, model.pt and summary.json among them), removed
+    when every file is in the bucket as it is here, or else (a killed process's, which may be
+    older than the bucket too) moved aside; never deleted unsent."""
+    folder = mirror.folder
+    if not folder.exists():
+        return
+    if (folder / UNSENT).exists():
+        try:
+            mirror.copy(final=True)
+        except Exception as error:
+            raise ConfigError(
+                f"--output: {mirror.url}: the files its last run could not send are in "
+                f"{folder}, and sending them failed again ({error}); nothing was deleted"
+            ) from None
+        logger.info("run directory %s: sent what the last copy left in %s", mirror.url, folder)
+        mirror.forget_sent()
+        shutil.rmtree(folder)
+        return
+    if not mirror.unsent():  # every file is in the bucket as it is here: nothing to lose
+        shutil.rmtree(folder)
+        return
+    aside = folder.with_name(f"{folder.name}-left-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder.rename(aside)
+    logger.warning(
+        "run directory %s: a local copy left by an interrupted process is kept in %s",
+        mirror.url,
+        aside,
+    )
 
 
 def write_atomically(path: Path, text: str) -> None:

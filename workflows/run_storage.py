@@ -8,12 +8,21 @@ end everything, summary.json last, so that its presence in the bucket still says
 finished. Checkpoints do not pass through the mirror: ranks write them straight to
 ``<url>/checkpoints`` (``workers/checkpoint.py``), each good only once its manifest is there.
 
+The mirror lives in a folder of the user's own (0700, :func:`make_mirror_root`), and is never
+deleted unsent: a mirror whose last copy failed is marked (``.unsent``) and sent by the next
+run at the URL (``workflows/run_directory.py``).
+
 Credentials come from where fsspec finds them (environment variables, fsspec's config, the
-cloud's own files): none is written into the run directory.
+cloud's own files), or from the config's storage options for the URL's bucket
+(``RunConfig.bucket_options``): none is written into the run directory.
 """
 
+import contextlib
 import hashlib
+import json
 import logging
+import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -21,10 +30,27 @@ from typing import Any
 
 import fsspec
 
+from workers.spec.locations import checked_location
+from workflows.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 SYNC_EVERY_S = 5.0  # how stale the bucket's copy of a running run's records may be
 CONFIG, SUMMARY, CHECKPOINTS = "config.json", "summary.json", "checkpoints"
+# In a mirror whose last copy to the bucket failed: it holds the run's newest files.
+UNSENT = ".unsent"
+# In every mirror: what is in the bucket as it is here (name: size, mtime), so that a mirror
+# left behind is known to hold nothing unsent.
+SENT = ".sent.json"
+
+
+def checked_url(field: str, location: str) -> str:
+    """``location`` (an option's value) as a path or a URL of a protocol fsspec knows, else a
+    ConfigError naming ``field`` in one line; ``file:///x`` comes back as ``/x``."""
+    try:
+        return checked_location(field, location)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def is_url(location: "str | Path | None") -> bool:
@@ -36,11 +62,34 @@ def is_url(location: "str | Path | None") -> bool:
     return protocol not in ("file", "local")
 
 
+def mirror_root() -> Path:
+    """Where this user's runs are mirrored: a folder of their own in the temporary folder,
+    which no other local user can read (the mirror holds model.pt and the run's records)."""
+    return Path(tempfile.gettempdir()) / f"dask-train-runs-{os.getuid()}"
+
+
 def mirror_folder(url: str) -> Path:
     """The local folder a run at ``url`` is written into before it is copied there: the same
     for the same URL, so that a resumed run's TensorBoard folder is known before it starts."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "dask-train-runs" / digest
+    return mirror_root() / digest
+
+
+def make_mirror_root() -> Path:
+    """:func:`mirror_root`, made private (0700) if absent; one that another user made, or
+    that others may read or enter, or a link, is refused rather than written into."""
+    root = mirror_root()
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    held = root.lstat()
+    if not stat.S_ISDIR(held.st_mode) or held.st_uid != os.getuid():
+        raise ConfigError(
+            f"--output: {root}, where runs kept at a URL are mirrored, is not a folder of "
+            "this user's (made by someone else?); remove it"
+        )
+    if held.st_mode & 0o077:
+        os.chmod(root, 0o700)  # ours, but open to others: made so by hand
+    return root
 
 
 class RunMirror:
@@ -67,6 +116,11 @@ class RunMirror:
             local.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote, str(local))
             self._copied[name] = _stamp(local)
+        self._keep_sent()
+
+    def forget_sent(self) -> None:
+        """Send every file again at the next copy (the folder's files are others now)."""
+        self._copied.clear()
 
     def copy(self, *, final: bool = False) -> None:
         """Send each file that changed since it was last sent; ``final``: summary.json too,
@@ -87,6 +141,29 @@ class RunMirror:
                     continue
                 self.fs.put_file(str(local), f"{self.root}/{name}")
                 self._copied[name] = stamp
+                self._keep_sent()
+
+    def _keep_sent(self) -> None:
+        kept = self.folder / SENT
+        partial = kept.with_name(f"{SENT}.partial")
+        partial.write_text(json.dumps(self._copied))
+        os.replace(partial, kept)
+
+    def unsent(self) -> list[str]:
+        """The files of a mirror left behind that are not in the bucket as they are here (all
+        of them, when it never recorded what it sent)."""
+        try:
+            sent = {k: tuple(v) for k, v in json.loads((self.folder / SENT).read_text()).items()}
+        except (OSError, ValueError, AttributeError, TypeError):
+            sent = {}
+        names = [p.relative_to(self.folder).as_posix() for p in self.folder.rglob("*")]
+        return [
+            name
+            for name in names
+            if (self.folder / name).is_file()
+            and not name.rsplit("/", 1)[-1].startswith(".")
+            and sent.get(name) != _stamp(self.folder / name)
+        ]
 
     def start(self) -> None:
         """Copy every ``SYNC_EVERY_S`` until :meth:`stop`."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from workers.spec.secrets import MASK, mask_url, redact_value
 from workflows.config import ConfigError
 from workflows.sweeps import SweepResult, config_study
 
@@ -69,13 +70,20 @@ class SweepDirectory:
             raise ConfigError(
                 f"--output: {path / REQUEST} is not a sweep's record ({error})"
             ) from None
-        for option, given in (("--study-name", study_name), ("--storage", storage)):
+        # The storage is kept without its password: given again, it must be the same URL.
+        written = None if storage is None else mask_url(storage)
+        for option, given in (("--study-name", study_name), ("--storage", written)):
             if given is not None and given != kept[option]:
                 raise ConfigError(
                     f"{option}: {path} continues study {kept['--study-name']!r} in "
                     f"{kept['--storage']}; leave {option} out, or choose another --output"
                 )
-        return cls(path, kept["--study-name"], kept["--storage"])
+        if storage is None and f":{MASK}@" in kept["--storage"]:
+            raise ConfigError(
+                f"--storage: {path} continues study {kept['--study-name']!r} in "
+                f"{kept['--storage']}, whose password is not kept: give --storage again"
+            )
+        return cls(path, kept["--study-name"], storage or kept["--storage"])
 
     @property
     def checkpoints(self) -> Path:
@@ -87,8 +95,9 @@ class SweepDirectory:
         if not self.path.exists():
             self.path.mkdir(parents=True)
             self.created = True
-        held = {"study_name": self.study_name, "storage": self.storage, **request}
-        write_atomically(self.path / REQUEST, json.dumps(held, indent=2) + "\n")
+        held = {"study_name": self.study_name, "storage": mask_url(self.storage), **request}
+        # Every secret masked, by value: a password inside any field of the request too.
+        write_atomically(self.path / REQUEST, json.dumps(redact_value(held), indent=2) + "\n")
 
     def release(self) -> None:
         """Give back a directory this process made for a sweep that never started."""

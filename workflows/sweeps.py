@@ -52,13 +52,14 @@ from distributed import Client
 
 from workers.records import EpochRecord, Record, ReportRecord, TrialRecord, parse_record
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root
+from workers.spec.secrets import redact, remember_url
 from workers.spec.sections import KEEP_CREDENTIALS
 from workflows.admission import WorkerSelection
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.config import ConfigError, RunConfig, load_config
 from workflows.launcher import JobStopped, select_workers
 from workflows.monitoring import sweep_topic
-from workflows.run_storage import is_url
+from workflows.run_storage import checked_url, is_url
 from workflows.sweep_owners import TrialOwners
 from workflows.sweep_space import (
     PRUNERS,
@@ -502,7 +503,13 @@ def sweep_spec(
         direction="minimize" if mode == "min" else "maximize",
         sampler=_sampler(optuna, sampler, distributions, n_trials),
         pruner=_pruner(optuna, pruner),
-        storage=_storage(optuna, storage),
+        storage=_storage(
+            optuna,
+            storage,
+            trials.base_config.bucket_options(str(storage))
+            if isinstance(trials, ConfigTrials) and isinstance(storage, str | Path)
+            else {},
+        ),
         study_name=study_name,
     )
 
@@ -616,22 +623,29 @@ def _pruner(optuna: ModuleType, pruner: Any) -> "BasePruner":
     raise ValueError(f"pruner: None, one of {list(PRUNERS)} or an Optuna pruner, got {pruner!r}")
 
 
-def _storage(optuna: ModuleType, storage: Any) -> "BaseStorage":
+def _storage(
+    optuna: ModuleType, storage: Any, storage_options: dict[str, Any] | None = None
+) -> "BaseStorage":
+    """``storage_options``: those of a journal's bucket (the config's, for its bucket)."""
     if storage is None:
         return optuna.storages.InMemoryStorage()
     if isinstance(storage, optuna.storages.BaseStorage):
         return storage
     text = str(storage) if isinstance(storage, str | Path) else ""
+    if text.endswith(JOURNAL_SUFFIXES):  # a path, or a URL fsspec knows: s3:/x is a typo
+        text = checked_url("storage", text)
     if text.endswith(JOURNAL_SUFFIXES) and is_url(text):  # a journal in a bucket
         from workflows.object_journal import ObjectJournalBackend
 
-        return optuna.storages.JournalStorage(ObjectJournalBackend(text))
+        return optuna.storages.JournalStorage(ObjectJournalBackend(text, storage_options))
     if "://" in text:
+        remember_url(text)  # a database's password: masked wherever it is shown
         _make_folder_of(text)
         try:
             return optuna.storages.RDBStorage(text)
         except Exception as error:
-            raise ValueError(f"storage: {text}: {type(error).__name__}: {error}") from None
+            said = f"storage: {text}: {type(error).__name__}: {error}"
+            raise ValueError(redact(said)) from None
     if text.endswith(JOURNAL_SUFFIXES):
         path = Path(text).expanduser()
         try:

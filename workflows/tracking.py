@@ -34,6 +34,8 @@ from workers.records import (
     StepRecord,
     parse_record,
 )
+from workers.spec.secrets import redact
+from workers.spec.sections import Location
 
 logger = logging.getLogger(__name__)
 EventHandler = Callable[[dict[str, Any]], None]
@@ -65,7 +67,7 @@ class TrackingConfig(BaseModel):
         description="a folder for TensorBoard's event files; `dask-train run` uses "
         "<run dir>/tensorboard",
     )
-    mlflow_uri: str | None = Field(
+    mlflow_uri: Location = Field(
         default=None,
         description="sqlite:///path/mlflow.db or http(s)://host:port; needs the [mlflow] extra",
     )
@@ -120,8 +122,8 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
             flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = str(value)[:_MAX_PARAM]
+        else:  # by value too: a secret in any field is masked (workers/spec/secrets.py)
+            flat[name] = redact(str(value))[:_MAX_PARAM]
     return flat
 
 
@@ -346,7 +348,7 @@ class Tracker:
                     self._each(lambda sink: sink.log(typed.kind, step, metrics))
 
     def _tag(self, **values: Any) -> None:
-        values = {k: str(v) for k, v in values.items() if v is not None}
+        values = {k: redact(str(v)) for k, v in values.items() if v is not None}
         self._facts.update(values)
         self._each(lambda sink: sink.tags(values) if isinstance(sink, _MLflow) else None)
 

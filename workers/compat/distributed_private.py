@@ -17,6 +17,9 @@ Worker side:
 - ``Worker.periodic_callbacks["profile"]`` and ``["profile-cycle"]``: the worker's sampling
   profiler, paused while a rank runs on it (``workers/rank_context.py``); distributed offers
   only a setting read when the worker starts.
+- The log record ``Worker.execute`` writes for a task that raised ("Compute Failed", the
+  exception's repr its fourth argument): kept off the CLI's terminal for the user's own errors
+  (``workers/user_errors.py``).
 
 Scheduler and client side (``workflows/`` imports this module; ``workers/`` never imports
 ``workflows/``):
@@ -35,6 +38,8 @@ Scheduler and client side (``workflows/`` imports this module; ``workers/`` neve
 """
 
 import contextlib
+import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,6 +81,12 @@ SAMPLING_PROFILER = ("profile", "profile-cycle")  # its keys there, when it is e
 for _key in SAMPLING_PROFILER:
     if _key not in Worker.__init__.__code__.co_consts:
         raise _missing(f'Worker.periodic_callbacks["{_key}"]')
+COMPUTE_FAILED = "Compute Failed\n"
+if not any(
+    isinstance(c, str) and c.startswith(COMPUTE_FAILED + "Key:") and c.count("%") == 5
+    for c in inspect.unwrap(Worker.execute).__code__.co_consts
+):
+    raise _missing("Worker.execute's 'Compute Failed' log record")
 if "adaptive_target" not in Scheduler.__init__.__code__.co_consts:
     raise _missing('Scheduler.handlers["adaptive_target"]')
 _sets(Cluster.adapt, "_adaptive", "Cluster._adaptive")
@@ -92,6 +103,14 @@ def running_task_keys(worker: Worker) -> list[Any]:
 def executing_task_keys(worker: Worker) -> list[Any]:
     """The keys of the tasks ``worker`` is executing now."""
     return [ts.key for ts in worker.state.executing]
+
+
+def failed_task_exception(record: logging.LogRecord) -> str | None:
+    """The repr of the exception a task raised, from the worker's "Compute Failed" record;
+    None for any other record."""
+    if not str(record.msg).startswith(COMPUTE_FAILED) or not isinstance(record.args, tuple):
+        return None
+    return str(record.args[3]) if len(record.args) == 5 else None
 
 
 def worker_process_pid(nanny: Any) -> int | None:

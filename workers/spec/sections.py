@@ -11,16 +11,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
     SerializationInfo,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from workers.spec.locations import checked_location
 from workers.spec.names import (
     BUILTIN_MODELS,
     BUILTIN_TP_PLANS,
@@ -30,36 +33,13 @@ from workers.spec.names import (
     STRATEGIES,
     check_model_name,
 )
-
-# Words in the names of fsspec options that carry credentials: s3fs's key, secret, token and
-# client_kwargs' aws_*_key_id / aws_secret_access_key / aws_session_token, gcsfs's token,
-# adlfs's account_key, sas_token, connection_string, client_secret.
-_SECRET_WORDS = (
-    "key",
-    "secret",
-    "token",
-    "password",
-    "passwd",
-    "credential",
-    "connection_string",
-    "sas",
-    "auth",
+from workers.spec.secrets import (
+    mask_url,
+    redact,
+    remember_options,
+    remember_url,
+    without_secrets,
 )
-
-
-def _without_credentials(value: Any) -> Any:
-    """``value`` (fsspec options) less every entry whose name says it holds a credential, at any
-    depth; left out rather than masked, so a config read back falls back on the environment."""
-    if isinstance(value, dict):
-        return {
-            k: _without_credentials(v)
-            for k, v in value.items()
-            if not any(word in str(k).lower() for word in _SECRET_WORDS)
-        }
-    if isinstance(value, list | tuple):
-        return [_without_credentials(v) for v in value]
-    return value
-
 
 # Context for a dump that keeps the credentials: a config rebuilt in this process from its
 # dump (a sweep's trials), never one written out.
@@ -71,7 +51,35 @@ def _serialized(options: dict[str, Any], info: SerializationInfo) -> dict[str, A
     # secrets out; the model itself, which travels to the workers pickled, keeps them.
     if (info.context or {}).get("credentials"):
         return options
-    return _without_credentials(options)
+    return without_secrets(options)
+
+
+def _location_serialized(location: str | None, info: SerializationInfo) -> str | None:
+    # A URL's password (ftp://user:PASSWORD@host/x) is never written out either.
+    if location is None or (info.context or {}).get("credentials"):
+        return location
+    return mask_url(location)
+
+
+class Redacted(BaseModel):
+    """A section whose ``repr`` masks every secret (workers/spec/secrets.py)."""
+
+    def __repr__(self) -> str:
+        return redact(super().__repr__())
+
+    def __str__(self) -> str:
+        return redact(super().__str__())
+
+
+def located(location: str | None) -> str | None:
+    """A location's URL password, remembered to be masked wherever it is shown."""
+    if location is not None:
+        remember_url(location)
+    return location
+
+
+# A location field's type: its password remembered when read, masked when written.
+Location = Annotated[str | None, AfterValidator(located), PlainSerializer(_location_serialized)]
 
 
 def fsspec_options(section: str) -> Any:
@@ -82,19 +90,20 @@ def fsspec_options(section: str) -> Any:
         if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
             raise ValueError(
                 f"{section}.storage_options: a table of fsspec options with string keys (e.g. "
-                f"{{endpoint_url = 'http://host:9000'}}), not {options!r:.60}"
+                "{endpoint_url = 'http://host:9000'}), not a " + type(options).__name__
             )
+        remember_options(options)
         return options
 
     return Annotated[dict[str, Any], BeforeValidator(a_table), PlainSerializer(_serialized)]
 
 
-class CheckpointConfig(BaseModel):
+class CheckpointConfig(Redacted):
     """When to checkpoint, how many to keep, and whether to continue from one."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    directory: str | None = Field(
+    directory: Location = Field(
         default=None,
         description="a folder every worker can reach, or an fsspec URL (s3://bucket/ckpt, "
         "gs://, abfs://); `dask-train run` uses <run dir>/checkpoints",
@@ -132,6 +141,11 @@ class CheckpointConfig(BaseModel):
         "false: training waits for every byte. ctx.save in launch() is always synchronous",
     )
 
+    @field_validator("directory")
+    @classmethod
+    def _a_location(cls, value: str | None) -> str | None:
+        return None if value is None else checked_location("checkpoint.directory", value)
+
     @field_validator("signing_key_file")
     @classmethod
     def _key_readable(cls, value: str | None) -> str | None:
@@ -156,7 +170,7 @@ class CheckpointConfig(BaseModel):
         return self.model_copy(update={"directory": str(Path(self.directory).absolute())})
 
 
-class DataConfig(BaseModel):
+class DataConfig(Redacted):
     """Where the images come from, where the preprocessed store lives, how ranks read it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -168,7 +182,7 @@ class DataConfig(BaseModel):
         "size; text: files of text, windows of tokens for a language model; parquet, zarr: "
         "your own files, read as Dask collections (workers/sources/, one module each)",
     )
-    root: str | None = Field(
+    root: Location = Field(
         default=None,
         description="cifar10: folder holding cifar-10-batches-py; imagefolder: "
         "class-per-folder tree; text: the folder of the files, or 'python:stdlib' (the "
@@ -194,7 +208,7 @@ class DataConfig(BaseModel):
         default=None, description="parquet: the label column; zarr: the array of labels"
     )
     download: bool = Field(default=False, description="cifar10: fetch the archive into root")
-    store: str | None = Field(
+    store: Location = Field(
         default=None,
         description="zarr store (path or URL); default data/stores/<dataset>, and for Dask "
         "collections written into a store data/stores/collections-<their fingerprint>",
@@ -232,6 +246,13 @@ class DataConfig(BaseModel):
     prefetch_batches: int = Field(default=4, ge=0, description="batches read ahead in a thread")
     augment: bool = Field(default=False, description="random crop (pad 4) and horizontal flip")
     drop_last: bool = Field(default=False, description="drop the samples that do not fill ranks")
+
+    @field_validator("root", "store")
+    @classmethod
+    def _a_location(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or value.startswith("python:"):  # text: a package's own sources
+            return value
+        return checked_location(f"data.{info.field_name}", value)
 
     @model_validator(mode="after")
     def _root_where_needed(self) -> "DataConfig":
@@ -332,7 +353,7 @@ def _choice(field: str, value: str, known: list[str], what: str) -> str:
     return f"{field}: unknown {what} {value!r}; {hint}choose one of {known} or an import path "
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Redacted):
     """Which model to train (workers/model_sources/), and the arguments its factory takes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -364,7 +385,7 @@ class ModelConfig(BaseModel):
         "own values they are; factory for any other)",
     )
 
-    weights: str | None = Field(
+    weights: Location = Field(
         default=None,
         description="a file of the whole model's state dict to start from, on every worker "
         "(torch.save's .pt, or .safetensors): each rank maps it and copies only its own part, "
@@ -385,6 +406,11 @@ class ModelConfig(BaseModel):
     def _known_syntax(cls, name: str) -> str:
         check_model_name(name)
         return name
+
+    @field_validator("weights")
+    @classmethod
+    def _a_location(cls, value: str | None) -> str | None:
+        return None if value is None else checked_location("model.weights", value)
 
     @field_validator("tp_plan")
     @classmethod
