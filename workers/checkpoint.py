@@ -25,7 +25,8 @@ meanwhile (Ctrl-C, SIGTERM, the launcher's stop) waits for the write within
 peer was stopped before its own write began: the write cannot finish).
 
 Loading verifies every file against the manifest, on local disk and on an object store alike:
-its size, then its SHA-256 (each file is read whole once more for it). A damaged checkpoint
+its size, then its SHA-256 (each file is read whole once more for it: by the client choosing
+it, and by the ranks loading it, each a share). A damaged checkpoint
 (missing manifest, a file whose size or hash differs) is skipped. DCP's
 ``.metadata`` is a pickle, which ``torch.distributed.checkpoint`` would load with plain
 ``pickle.load``: here it is read (from disk or through fsspec alike) with an unpickler that
@@ -294,36 +295,27 @@ def _folder_name(root: Path | _Remote, step: int, run_id: str | None) -> str:
     return f"{name}.{run_id}"
 
 
-def _decided(decide: Callable[[], Any]) -> Any:
-    """What ``decide()`` returns on rank 0, on every rank (collective); every rank raises
-    CheckpointDamaged where it failed."""
+def _decided(decide: Callable[[], Any], *, failed: str = "not written") -> Any:
+    """What ``decide()`` returns on rank 0, on every rank (collective): where it failed, every
+    rank raises CheckpointDamaged (``failed``: what the message begins with), none waits for
+    the others' timeout."""
     box: list[Any] = [None, None]
     if dist.get_rank() == 0:
         try:
             box = [decide(), None]
-        except (CheckpointDamaged, OSError) as error:
+        except (CheckpointDamaged, OSError) as error:  # OSError: the store's, or the disk's
             box = [None, str(error) if isinstance(error, CheckpointDamaged) else repr(error)]
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        raise CheckpointDamaged(f"not written: {box[1]}")
+        raise CheckpointDamaged(f"{failed}: {box[1]}")
     return box[0]
 
 
-def _agreed(commit: Callable[[], Location | None]) -> Location | None:
-    """Rank 0 commits, the others learn how it went (collective): every rank raises
-    CheckpointDamaged when the commit was refused, none waits for the others' timeout. No rank
-    starts the next save (which may clear this folder) before it is committed."""
-    box: list[Any] = [None]
-    committed = None
-    if dist.get_rank() == 0:
-        try:
-            committed = commit()
-        except (CheckpointDamaged, OSError) as error:  # OSError: the store's, or the disk's
-            box = [str(error) if isinstance(error, CheckpointDamaged) else repr(error)]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise CheckpointDamaged(f"not committed: {box[0]}")
-    return committed
+def _agreed(commit: Callable[[], Location]) -> Location | None:
+    """Rank 0 commits, the others learn how it went (:func:`_decided`); the committed folder
+    on rank 0. No rank starts the next save (which may clear this folder) before it is."""
+    committed = _decided(commit, failed="not committed")
+    return committed if dist.get_rank() == 0 else None
 
 
 def _checked(where: Path | _Remote, files: Written | None) -> Written:
@@ -1029,9 +1021,12 @@ def verify_checkpoint(
     storage_options: StorageOptions = None,
     *,
     run_id: str | None = None,
+    hashed: slice = slice(None),
 ) -> dict[str, Any]:
     """The manifest of an intact checkpoint (signed with the key in ``signing_key_file``, when
     given; of run ``run_id``, when given); raises :class:`CheckpointDamaged` otherwise.
+    ``hashed``: which of its files (in the manifest's order) to hash, the others' sizes only
+    (:func:`verify_checkpoint_together` gives each rank a share).
 
     On an object store, a store that cannot be reached or refuses access raises its own error:
     that is no damage, and no reason to pass over the checkpoint."""
@@ -1071,7 +1066,7 @@ def verify_checkpoint(
         if wrong:
             raise CheckpointDamaged(f"{path}: files {wrong} are not the size the manifest says")
     # Then every byte, wherever the checkpoint lives: a file changed in place keeps its size.
-    for name, digest in files.items():
+    for name, digest in list(files.items())[hashed]:
         try:
             found = _digest(where, name)
         except _missing(where) as error:  # removed since it was listed
@@ -1079,6 +1074,29 @@ def verify_checkpoint(
         if found != digest:
             raise CheckpointDamaged(f"{_name(where, name)}: checksum differs from the manifest")
     read_metadata(path, storage_options)  # refuses foreign pickles before DCP would load them
+    return manifest
+
+
+def verify_checkpoint_together(
+    path: str | Path, signing_key_file: str | None = None, storage_options: StorageOptions = None
+) -> dict[str, Any]:
+    """:func:`verify_checkpoint` by every rank of the default group (collective), each hashing
+    a share of the files: the checkpoint is read once for its hashes, not once a rank. Every
+    rank raises CheckpointDamaged where any rank found damage."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest, found = None, None
+    try:
+        manifest = verify_checkpoint(
+            path, signing_key_file, storage_options, hashed=slice(rank, None, world)
+        )
+    except CheckpointDamaged as error:
+        found = str(error)
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(verdicts, found)
+    damage = [verdict for verdict in verdicts if verdict is not None]
+    if damage:
+        raise CheckpointDamaged(damage[0])
+    assert manifest is not None
     return manifest
 
 
@@ -1116,7 +1134,7 @@ def load_checkpoint(
     restored where this rank's was saved.
     """
     # Verified again where it is loaded: the folder may have changed since the client looked.
-    manifest = verify_checkpoint(path, signing_key_file, storage_options)
+    manifest = verify_checkpoint_together(path, signing_key_file, storage_options)
     metadata = read_metadata(path, storage_options)
     rank = dist.get_rank()
     state = _state(modules, optimizer, scaler)

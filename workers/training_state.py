@@ -26,7 +26,7 @@ from workers.checkpoint import (
     read_metadata,
     safe_reader,
     tensors_only_planner,
-    verify_checkpoint,
+    verify_checkpoint_together,
     write_checkpoint,
 )
 
@@ -75,7 +75,7 @@ def load_state(
     """
     # Verified again here, on the rank that loads it: the folder may have changed since the
     # client chose it.
-    manifest = verify_checkpoint(path, signing_key_file, storage_options)
+    manifest = verify_checkpoint_together(path, signing_key_file, storage_options)
     saved = set(read_metadata(path, storage_options).state_dict_metadata)
     template, _ = capture_state(state)
     rank = f"rank{dist.get_rank()}"
