@@ -53,9 +53,9 @@ def copy_of(trained, tmp_path):
 def _rehash(checkpoint: pathlib.Path) -> None:
     """What an attacker who can write the folder does: make the manifest match the files."""
     manifest = json.loads((checkpoint / MANIFEST).read_text())
-    manifest["files"] = {
-        p.name: _sha256(p) for p in sorted(checkpoint.iterdir()) if p.name != MANIFEST
-    }
+    files = [p for p in sorted(checkpoint.iterdir()) if p.name != MANIFEST]
+    manifest["files"] = {p.name: _sha256(p) for p in files}
+    manifest["sizes"] = {p.name: p.stat().st_size for p in files}
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -287,19 +287,25 @@ def test_with_a_signing_key_an_unsigned_rehashed_or_foreign_checkpoint_is_refuse
     with pytest.raises(CheckpointDamaged, match=r"signature does not match"):
         verify_checkpoint(signed, str(other))
 
-    # A resumed run's ranks check the signature too, and continue from it.
+    # A resumed run's ranks check the signature too, and continue from it: its first step is
+    # the one after the checkpoint's, and epoch 1's record came from the checkpoint (a run
+    # started afresh would train and report epoch 1 again; its history reads the same).
+    events: list[dict] = []
     resumed = train(
         make_config(
             {
                 "name": "signed",
                 "checkpoint": {"directory": str(directory), "signing_key_file": str(key)},
             },
-            **(BASE | {"epochs": 2}),
+            **(BASE | {"epochs": 2, "log_every_steps": 1}),
         ),
         cluster=cluster,
-        on_event=None,
+        on_event=events.append,
     )
     assert [r["epoch"] for r in resumed.history] == [1, 2]
+    steps = [e["step"] for e in events if e["kind"] == "step"]
+    assert steps[0] == manifest["step"] + 1, steps[:3]
+    assert [e["epoch"] for e in events if e["kind"] == "epoch"] == [2]
 
     # Someone who can write the folder alters the parameters and the history, then rehashes:
     # the hashes alone accept it, the signature does not.
@@ -319,3 +325,55 @@ def test_with_a_signing_key_an_unsigned_rehashed_or_foreign_checkpoint_is_refuse
         verify_checkpoint(newest, str(key))
     found, _ = latest_good_checkpoint(directory, str(key))
     assert found != newest
+
+
+# -- runs that share a folder -------------------------------------------------------------------
+
+
+def _another_runs(trained: pathlib.Path, directory: pathlib.Path, steps: list[int]) -> dict:
+    """Real checkpoints of a run called "earlier" at ``steps`` in ``directory``, as a long run
+    leaves them: name -> their files' bytes."""
+    left = {}
+    for step in steps:
+        target = directory / f"step-{step:09d}"
+        shutil.copytree(trained, target)
+        manifest = json.loads((target / MANIFEST).read_text())
+        (target / MANIFEST).write_text(json.dumps(manifest | {"step": step, "run": "earlier"}))
+        left[target.name] = {p.name: p.read_bytes() for p in target.iterdir()}
+    return left
+
+
+def test_another_runs_checkpoints_in_the_folder_are_never_resumed_from_nor_deleted(
+    cluster, make_config, trained, tmp_path
+):
+    # Before, a new run resumed from the other run's step 1000, and retention, sorting by step,
+    # deleted the new run's own checkpoint as soon as it was committed; the other run's step 10
+    # would have been replaced by the new run's.
+    directory = tmp_path / "shared"
+    theirs = _another_runs(trained, directory, [1000, 900, 800, 10])
+    events: list[dict] = []
+    config = make_config(
+        {"name": "new", "checkpoint": {"directory": str(directory), "keep": 1}},
+        **(BASE | {"max_steps": 10, "log_every_steps": 1}),
+    )
+    train(config, cluster=cluster, on_event=events.append)
+    assert [e["step"] for e in events if e["kind"] == "step"] == list(range(1, 11))  # afresh
+    mine = directory / "step-000000010.new"  # step-000000010 is the other run's
+    assert verify_checkpoint(mine, run_id="new")["step"] == 10
+    assert sorted(p.name for p in directory.iterdir()) == sorted([mine.name, *theirs])
+    for name, files in theirs.items():  # untouched, byte for byte
+        assert {p.name: p.read_bytes() for p in (directory / name).iterdir()} == files
+    with pytest.raises(CheckpointDamaged, match=r"of run 'earlier', not 'new'"):
+        verify_checkpoint(directory / "step-000001000", run_id="new")
+
+    # The same run started again continues from its own step 10, not from step 1000, and then
+    # deletes its own step 10 only (keep = 1).
+    events.clear()
+    more = make_config(
+        {"name": "new", "checkpoint": {"directory": str(directory), "keep": 1}},
+        **(BASE | {"max_steps": 12, "log_every_steps": 1}),
+    )
+    train(more, cluster=cluster, on_event=events.append)
+    assert [e["step"] for e in events if e["kind"] == "step"] == [11, 12]
+    assert latest_good_checkpoint(directory, run_id="new")[0] == directory / "step-000000012"
+    assert sorted(p.name for p in directory.iterdir()) == sorted(["step-000000012", *theirs])

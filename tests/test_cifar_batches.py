@@ -319,9 +319,9 @@ def test_preprocess_and_predict_of_a_planted_batch_exit_2_naming_it_and_run_noth
         # Arrays and dtypes of Python objects, through the allowed globals.
         (
             b"cnumpy._core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85U\x01O\x87R",
-            "dtype of",
+            "calls _reconstruct in a way",
         ),
-        (b"cnumpy\ndtype\nU\x02O8K\x00K\x01\x87R", "dtype of Python objects"),
+        (b"cnumpy\ndtype\nU\x02O8K\x00K\x01\x87R", "calls dtype in a way"),
         # An allowed global called other than a batch calls it.
         (b"cnumpy\nndarray\nK\x01\x85R", "calls ndarray in a way"),
         # BUILD on a class itself, which would set its attributes.
@@ -348,3 +348,175 @@ def test_a_root_the_backend_cannot_read_is_one_line_naming_data_root(root, told)
     with pytest.raises(SourceError, match=rf"^data\.root: {told}") as error:
         Cifar10.check_root(data)
     assert "\n" not in str(error.value)
+
+
+# -- values, not layouts ------------------------------------------------------------------------
+
+
+def _uint8_dtype() -> bytes:
+    """dtype("u1", 0, 1) and its state, as numpy pickles a plain uint8."""
+    minus_one = pickle.BININT + struct.pack("<i", -1)
+    return (
+        pickle.GLOBAL
+        + b"numpy\ndtype\n"
+        + _s("u1")
+        + _int(0)
+        + _int(1)
+        + pickle.TUPLE3
+        + pickle.REDUCE
+        + pickle.MARK
+        + _int(3)
+        + _s("|")
+        + pickle.NONE * 3
+        + minus_one * 2
+        + _int(0)
+        + pickle.TUPLE
+        + pickle.BUILD
+    )
+
+
+def _structured_dtype(base: str, offset: int) -> bytes:
+    """dtype(base) given, by its state, one uint8 field ``offset`` bytes in: an itemsize of 1
+    whose field lies past the item, and past the buffer of any array of it."""
+    return (
+        pickle.GLOBAL
+        + b"numpy\ndtype\n"
+        + _s(base)
+        + _int(0)
+        + _int(1)
+        + pickle.TUPLE3
+        + pickle.REDUCE
+        + pickle.MARK
+        + _int(3)
+        + _s("|")
+        + pickle.NONE
+        + _s("f0")
+        + pickle.TUPLE1
+        + pickle.EMPTY_DICT
+        + _s("f0")
+        + _uint8_dtype()
+        + _int(offset)
+        + pickle.TUPLE2
+        + pickle.SETITEM
+        + _int(1)
+        + _int(1)
+        + _int(16)
+        + pickle.TUPLE
+        + pickle.BUILD
+    )
+
+
+def _image_array(dtype: bytes, rows: int, *, columns: int = 3072, spare: int = 0) -> bytes:
+    """An array of ``rows`` images as numpy 2 pickles it, of the dtype that ``dtype`` makes
+    (``columns`` bytes a row, its buffer ``spare`` bytes longer than they need)."""
+    return (
+        pickle.GLOBAL
+        + b"numpy._core.multiarray\n_reconstruct\n"
+        + pickle.GLOBAL
+        + b"numpy\nndarray\n"
+        + _int(0)
+        + pickle.TUPLE1
+        + pickle.SHORT_BINBYTES
+        + b"\x01b"
+        + pickle.TUPLE3
+        + pickle.REDUCE
+        + pickle.MARK
+        + _int(1)
+        + _int(rows)
+        + _int(columns)
+        + pickle.TUPLE2
+        + dtype
+        + pickle.NEWFALSE
+        + pickle.BINBYTES
+        + struct.pack("<I", rows * columns + spare)
+        + bytes(rows * columns + spare)
+        + pickle.TUPLE
+        + pickle.BUILD
+    )
+
+
+OUT_OF_BOUNDS = 1 << 30  # a field a gigabyte past a 3,072-byte buffer
+
+
+@pytest.mark.parametrize(
+    ("base", "refused"),
+    [("V1", "calls dtype in a way"), ("u1", "sets the state of dtype other than")],
+    ids=["void", "uint8 given fields"],
+)
+def test_a_structured_dtype_whose_field_lies_past_the_buffer_is_refused(tmp_path, base, refused):
+    # The issue's reproduction: decoding such a batch read other heap bytes as images, and at a
+    # larger offset the worker died of SIGSEGV. Unrestricted, the array comes back with its
+    # field a gigabyte past its buffer (looked at, never read: that would crash this process).
+    raw = python2_batch(
+        [0], [b"x.png"], value=_image_array(_structured_dtype(base, OUT_OF_BOUNDS), 1)
+    )
+    # Only its dtype is kept: a failed assertion's report would print the array itself.
+    layout = pickle.loads(raw, encoding="latin1")["data"].dtype
+    assert layout.itemsize == 1 and layout.fields["f0"][1] == OUT_OF_BOUNDS
+    if base == "u1":
+        assert layout == np.uint8  # numpy's == does not tell it from a plain uint8
+
+    with pytest.raises(BatchRefused, match=refused):
+        read_batch(io.BytesIO(raw))
+    folder = _folder(tmp_path)
+    (folder / "data_batch_1").write_bytes(raw)
+    with pytest.raises(SourceError) as refused:
+        Cifar10.decode([f"file://{folder / 'data_batch_1'}"], Decoding(32))
+    assert str(refused.value).startswith(f"file://{folder / 'data_batch_1'}: not a readable")
+    assert "\n" not in str(refused.value)
+
+    # The same bytes under a plain uint8 read: the refusal is the layout's, not the array's.
+    plain = python2_batch([0], [b"x.png"], value=_image_array(_uint8_dtype(), 1))
+    assert read_batch(io.BytesIO(plain))["data"].shape == (1, 3072)
+
+
+@pytest.mark.parametrize(
+    ("value", "refused"),
+    [
+        # Images not 3,072 bytes a row, a buffer longer than its shape, no array at all.
+        (_image_array(_uint8_dtype(), 1, columns=3071), "sets the state"),
+        (_image_array(_uint8_dtype(), 1, spare=1), "sets the state"),
+        (_int(1) + _int(2) + pickle.TUPLE2, "its data is not rows"),
+    ],
+    ids=["rows of 3071", "a buffer longer than its shape", "a tuple"],
+)
+def test_images_other_than_a_batchs_rows_of_uint8_are_refused(value, refused):
+    with pytest.raises(BatchRefused, match=refused):
+        read_batch(io.BytesIO(python2_batch([0], [b"x.png"], value=value)))
+
+
+def test_labels_other_than_one_int_an_image_are_refused():
+    images = np.zeros((2, 3072), np.uint8)
+    with pytest.raises(BatchRefused, match=r"2 images but 1 labels"):
+        read_batch(io.BytesIO(python2_batch([0], [b"x.png"], data=images)))
+    labels = pickle.EMPTY_LIST + pickle.MARK + _int(0) + _str2(b"1") + pickle.APPENDS
+    as_str = python2_batch([0, 1], [b"x.png"], data=images).replace(
+        pickle.EMPTY_LIST + pickle.MARK + _int(0) + _int(1) + pickle.APPENDS, labels
+    )
+    assert as_str.count(labels) == 1
+    with pytest.raises(BatchRefused, match=r"labels are not a list of ints"):
+        read_batch(io.BytesIO(as_str))
+
+
+def _ndarray_by(opcode: bytes) -> bytes:
+    """np.ndarray((1,), "O"), an array of Python objects, made by ``opcode`` on the allowed
+    global numpy.ndarray, never through REDUCE."""
+    args = _int(1) + pickle.TUPLE1 + _s("O")
+    ndarray = pickle.GLOBAL + b"numpy\nndarray\n"
+    return {
+        pickle.INST: pickle.MARK + args + pickle.INST + b"numpy\nndarray\n",
+        pickle.OBJ: pickle.MARK + ndarray + args + pickle.OBJ,
+        pickle.NEWOBJ: ndarray + args + pickle.TUPLE2 + pickle.NEWOBJ,
+        pickle.NEWOBJ_EX: ndarray + args + pickle.TUPLE2 + pickle.EMPTY_DICT + pickle.NEWOBJ_EX,
+    }[opcode]
+
+
+@pytest.mark.parametrize("opcode", ["INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"])
+def test_instances_of_allowed_globals_other_than_by_reduce_are_refused(opcode):
+    # The globals check passes numpy.ndarray: only the opcode's own refusal stands between the
+    # payload and an array of Python objects (which unrestricted loading returns).
+    raw = python2_batch([0], [b"x.png"], value=_ndarray_by(getattr(pickle, opcode)))
+    made = pickle.loads(raw, encoding="latin1")["data"]
+    assert type(made) is np.ndarray and made.dtype == object
+    with pytest.raises(BatchRefused, match=rf"uses {opcode}, which no CIFAR-10 batch holds"):
+        read_batch(io.BytesIO(raw))

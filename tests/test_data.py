@@ -1,5 +1,9 @@
 """Per-rank loading from the store: every sample once per epoch, deterministic, lazy."""
 
+import contextlib
+import importlib.metadata
+import json
+import pickle
 import shutil
 import threading
 import time
@@ -8,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from packaging.version import Version
 
 from workers import data
 from workers.data import (
@@ -239,3 +244,64 @@ def test_fixed_shape_eval_batches_pad_the_tail_and_give_every_rank_as_many_batch
     assert sum(real for b in per_rank for _, _, real in b) == n
     labels = torch.cat([y[:real] for b in per_rank for _, y, real in b])
     assert labels.tolist() == split.labels.tolist()  # each sample once, in order
+
+
+# -- a planted store ---------------------------------------------------------------------------
+
+
+class _Touch:
+    """What a planted chunk unpickles to: a command that creates ``marker``."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (__import__("os").system, (f"touch {self.marker}",))
+
+
+def _store_with_pickled_labels(root, marker) -> None:
+    """A complete store as dask-train's manifest says, in zarr's format 2, whose train labels
+    are Python objects (dtype |O) behind numcodecs' pickle filter, their chunk a payload."""
+    group = zarr.open_group(root, mode="w", zarr_format=2)
+    group.attrs.update({"complete": True, "fingerprint": "planted", "classes": ["a", "b"]})
+    for split in ("train", "val"):
+        group.create_array(f"{split}/images", data=np.zeros((1, 3, 4, 4), np.float32))
+        group.create_array(f"{split}/labels", data=np.zeros(1, np.int64))
+    labels = root / "train" / "labels"
+    meta = json.loads((labels / ".zarray").read_text())
+    # zarr takes the first filter for the objects' codec (vlen-utf8); the pickle filter runs
+    # before it, on the chunk's bytes.
+    meta |= {"dtype": "|O", "filters": [{"id": "vlen-utf8"}, {"id": "pickle"}], "compressor": None}
+    (labels / ".zarray").write_text(json.dumps(meta))
+    (labels / "0").write_bytes(pickle.dumps(_Touch(marker)))
+
+
+def test_a_store_whose_arrays_a_codec_would_unpickle_is_refused_unread(tmp_path, monkeypatch):
+    import numcodecs.pickles
+
+    # The pinned numcodecs refuses to unpickle on its own; older releases, or a process with
+    # NUMCODECS_ALLOW_UNSAFE_PICKLE_DECODE=1 in its environment, do not: as here.
+    assert Version(importlib.metadata.version("numcodecs")) >= Version("0.16.6")
+    monkeypatch.setattr(numcodecs.pickles, "ALLOW_UNSAFE_PICKLE_DECODE", True)
+    store, marker = tmp_path / "store", tmp_path / "payload-ran"
+    _store_with_pickled_labels(store, marker)
+    with contextlib.suppress(Exception):  # what the objects become does not matter
+        zarr.open_group(store, mode="r")["train/labels"][:]
+    assert marker.exists(), "the store's payload does not run even when zarr reads it"
+    marker.unlink()
+
+    with pytest.raises(data.StoreRefused) as refused:
+        open_store(str(store))
+    assert str(refused.value) == (
+        f"data.store: {store}/train/labels holds StringDType() values, not numbers: refused unread"
+    )
+    assert not marker.exists()
+    # A codec no store of ours uses is refused too, on an array of numbers: the list is of
+    # what may be, not of what may not.
+    labels = store / "train" / "labels"
+    meta = json.loads((labels / ".zarray").read_text())
+    scaled = {"id": "fixedscaleoffset", "offset": 0, "scale": 1, "dtype": "<i8"}
+    (labels / ".zarray").write_text(json.dumps(meta | {"dtype": "<i8", "filters": [scaled]}))
+    with pytest.raises(data.StoreRefused, match=r"labels is encoded with fixedscaleoffset, which"):
+        open_store(str(store))
+    assert not marker.exists()

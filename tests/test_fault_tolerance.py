@@ -300,6 +300,7 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_and_never_runs(
     # The attacker also fixed the manifest's checksums: only the content check can catch it.
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     manifest["files"][".metadata"] = _sha256(checkpoint / ".metadata")
+    manifest["sizes"][".metadata"] = (checkpoint / ".metadata").stat().st_size
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointDamaged, match=r"(posix|os)\.system"):
         verify_checkpoint(checkpoint)

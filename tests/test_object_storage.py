@@ -249,6 +249,33 @@ def test_a_shard_cut_short_in_the_bucket_is_passed_over_by_its_size(s3, bucket, 
     assert latest_good_checkpoint(root, None, opts)[0] == older
 
 
+def test_a_byte_changed_in_a_shard_in_the_bucket_is_refused_with_a_key_and_without(
+    s3, bucket, signed_run, signing_key
+):
+    # Before, a checkpoint in a bucket was checked by its files' sizes only (without a key):
+    # one byte changed in place passed. Every file's hash is checked now, wherever it lives,
+    # whether the manifest is signed or not.
+    opts, fs = s3.storage_options, s3.filesystem()
+    root = _copy(s3, signed_run, f"{bucket}/flipped")
+    newest, older = list_checkpoints(root, opts)
+    manifest = _manifest(fs, newest)
+    # The manifest's hashes and sizes are those of the files in the bucket (hashed as written).
+    for name, digest in manifest["files"].items():
+        content = fs.cat_file(f"{newest}/{name}")
+        assert (hashlib.sha256(content).hexdigest(), len(content)) == (
+            digest,
+            manifest["sizes"][name],
+        )
+    shard = f"{newest}/__1_0.distcp"
+    content = bytearray(fs.cat_file(shard))
+    content[len(content) // 2] ^= 0x01  # the same size
+    fs.pipe_file(shard, bytes(content))
+    for key in (None, signing_key):
+        with pytest.raises(CheckpointDamaged, match=r"__1_0\.distcp: checksum differs from the"):
+            verify_checkpoint(newest, key, opts)
+        assert latest_good_checkpoint(root, key, opts)[0] == older
+
+
 def test_a_partial_upload_is_never_resumed_from_and_retention_deletes_it(
     four_workers, in_bucket, s3, bucket, signed_run, signing_key, caplog
 ):
@@ -267,9 +294,10 @@ def test_a_partial_upload_is_never_resumed_from_and_retention_deletes_it(
     assert list_checkpoints(directory, opts) == good
     assert latest_good_checkpoint(directory, signing_key, opts)[0] == good[0]
 
-    # Resumed with the key: the ranks check the signature too, reading through fsspec.
+    # Resumed with the key: the ranks check the signature too, reading through fsspec. The
+    # checkpoints were copied from the run "signed", which this run continues.
     steps: list[int] = []
-    checkpoint = SIGNED | {"signing_key_file": signing_key}
+    checkpoint = SIGNED | {"signing_key_file": signing_key, "run_id": "signed"}
     more = in_bucket("partial", max_steps=8, checkpoint=checkpoint, launch={"world_size": 2})
     with caplog.at_level(logging.WARNING, logger="workers.checkpoint"):
         train(more, cluster=four_workers, on_event=_steps_into(steps))

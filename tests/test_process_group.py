@@ -1,7 +1,10 @@
 """Process-group bootstrap over real worker processes with gloo."""
 
+import ipaddress
+import os
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +15,7 @@ from workers.process_group import (
     ProcessGroupSpec,
     current_membership,
 )
+from workflows import launch
 from workflows.cluster import start_cluster
 from workflows.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
 
@@ -234,3 +238,38 @@ def test_a_stop_lands_in_the_rank_never_in_a_thread_it_is_starting():
     done = run_python(STARTING_THREADS)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["200", "stops"]
+
+
+def _listening(pids: list[int]) -> set[tuple[int, str, int]]:
+    """The TCP sockets that ``pids`` listen on: (pid, address, port)."""
+    return {
+        (pid, c.laddr.ip, c.laddr.port)
+        for pid in pids
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def _listening_while_grouped(ctx, pids: list[int]) -> set[tuple[int, str, int]]:
+    """What ``pids`` listen on while every rank is in the group (its store served, gloo's
+    pairs connected)."""
+    dist.barrier()
+    found = _listening(pids)
+    dist.barrier()  # the store stays up until every rank has looked
+    return found
+
+
+def test_nothing_of_a_local_cluster_listens_beyond_loopback_during_a_launch(cluster):
+    # Before, rank 0's rendezvous store listened on every interface (":::PORT"): an
+    # unauthenticated key-value store, open to the network for each job's life.
+    workers = list(cluster.client.run(os.getpid).values())
+    ours = workers + [psutil.Process(pid).ppid() for pid in workers]  # and their nannies
+    before = _listening(ours)
+    result = launch(_listening_while_grouped, ours, cluster=cluster, world_size=2)
+    during = result.results[0]
+    opened = during - before
+    assert opened, "the launch opened no listening socket: nothing was looked at"
+    # Not on every interface (0.0.0.0, ::), nor on any but loopback's.
+    assert all(ipaddress.ip_address(address).is_loopback for _, address, _ in during), sorted(
+        during
+    )

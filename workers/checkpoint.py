@@ -9,12 +9,14 @@ any filesystem fsspec reaches (``s3://bucket/ckpt``, ``gs://``, ``abfs://``; its
                                     stage, an FSDP shard; replicated tensors once)
     manifest.json                  progress, history and the SHA-256 of every file, written last
 
-On local disk every rank writes into ``.step-<n>.partial``; once all have finished, rank 0
-writes the manifest and renames the folder, so a checkpoint is visible only when complete. An
-object store has no rename (S3's is a copy of every byte), so there every rank writes straight
-into ``step-<n>/`` and the manifest is the commit marker: rank 0 writes it last, once every
-rank's files have been read back from the store and hashed. A folder without one (a writer
-killed mid-upload) is never listed, and the next commit deletes it once a newer good one exists.
+Every rank hashes each file as it writes it (SHA-256 and size, from the bytes on their way
+out: nothing is read back). On local disk every rank writes into ``.step-<n>.partial``; once
+all have finished, rank 0 checks that the folder lists what the ranks wrote, at the sizes they
+wrote, writes the manifest and renames the folder, so a checkpoint is visible only when
+complete. An object store has no rename (S3's is a copy of every byte), so there every rank
+writes straight into ``step-<n>/`` and the manifest is the commit marker: rank 0 writes it last,
+after the same check of the store's listing. A folder without one (a writer killed mid-upload)
+is never listed, and the next commit deletes it once a newer good one exists.
 With ``checkpoint.async_save`` (:class:`AsyncCheckpoints`, the default) a save returns once each
 rank's part is copied into CPU buffers kept for the purpose; a thread serializes and writes it,
 and the manifest follows as soon as every rank's files are written. A job stopped
@@ -22,11 +24,21 @@ meanwhile (Ctrl-C, SIGTERM, the launcher's stop) waits for the write within
 ``launch.release_timeout_s`` and commits it, or abandons it without a manifest (at once where a
 peer was stopped before its own write began: the write cannot finish).
 
-A damaged checkpoint (missing manifest, a file whose hash differs) is skipped. DCP's
+Loading verifies every file against the manifest, on local disk and on an object store alike:
+its size, then its SHA-256 (each file is read whole once more for it: by the client choosing
+it, and by the ranks loading it, each a share). A damaged checkpoint
+(missing manifest, a file whose size or hash differs) is skipped. DCP's
 ``.metadata`` is a pickle, which ``torch.distributed.checkpoint`` would load with plain
 ``pickle.load``: here it is read (from disk or through fsspec alike) with an unpickler that
 admits only DCP's own metadata classes, so a planted payload never runs; and items that are not
 tensors, which DCP would unpickle freely, are refused.
+
+Each manifest names the run that wrote it (``run``: ``checkpoint.run_id``, else the run's name;
+see ``run_id`` below): a run resumes only from its own checkpoints and deletes only its own
+beyond ``keep``, and never replaces another run's checkpoint of the same step (where
+``step-<n>`` holds one, its own is ``step-<n>.<run>``), so runs that share a folder leave each
+other's alone. A checkpoint without a run (written before runs were
+recorded) is no run's: never resumed, never deleted.
 
 The hashes catch accidental damage only: whoever can write the folder can rewrite them. With
 ``checkpoint.signing_key_file`` the manifest also carries an HMAC-SHA256 of its content, and a
@@ -77,6 +89,8 @@ METADATA = ".metadata"
 
 # A checkpoint or a folder of them: a local path, or a URL as the user wrote it.
 Location = Path | str
+# What ranks wrote: each file's name -> (SHA-256, bytes), hashed as it was written.
+Written = dict[str, tuple[str, int]]
 StorageOptions = Mapping[str, Any] | None
 
 
@@ -166,6 +180,7 @@ def save_checkpoint(
     signing_key_file: str | None = None,
     storage_options: StorageOptions = None,
     writer: "AsyncCheckpoints | None" = None,
+    run_id: str | None = None,
 ) -> Location | None:
     """Write this rank's part of the built-in trainer's checkpoint; every rank of the default
     group must call it.
@@ -173,7 +188,7 @@ def save_checkpoint(
     Returns the committed folder on rank 0. ``commit=False`` stops after writing, the state a
     crash between write and commit leaves behind. With ``writer`` (``checkpoint.async_save``)
     it returns once the state is serialized, and the writer commits it later (``directory``,
-    ``keep`` and the key are the writer's then).
+    ``keep``, the key and the run are the writer's then). ``run_id``: see :func:`write_checkpoint`.
     """
     rank = dist.get_rank()
     state = _state(modules, optimizer, scaler)
@@ -194,6 +209,7 @@ def save_checkpoint(
         commit=commit,
         signing_key_file=signing_key_file,
         storage_options=storage_options,
+        run_id=run_id,
     )
 
 
@@ -207,14 +223,22 @@ def write_checkpoint(
     commit: bool = True,
     signing_key_file: str | None = None,
     storage_options: StorageOptions = None,
+    run_id: str | None = None,
 ) -> Location | None:
     """The one way a checkpoint is written (collective): each rank's ``tensors`` through DCP,
     then rank 0 adds the manifest (``fields`` plus the hash of every file, signed with the key
     in ``signing_key_file`` if given), so it is visible only when complete: on local disk by
     renaming ``.step-<n>.partial`` into place, on an object store by writing the manifest last
-    into ``step-<n>/``. ``storage_options``: the fsspec filesystem's, for a URL."""
+    into ``step-<n>/``. ``storage_options``: the fsspec filesystem's, for a URL.
+
+    ``run_id``: the run the checkpoint is of, in its manifest; retention deletes only that
+    run's checkpoints beyond ``keep``, and a committed checkpoint of this step by another run
+    is never replaced (this one is ``step-<n>.<run_id>`` then). None: every checkpoint in the
+    folder counts as this run's (as before runs were recorded)."""
     where = _where(directory, storage_options)
-    name = f"{PREFIX}{step:09d}"
+    # Rank 0 chooses the folder and clears what a write of it left; every rank writes there.
+    name = _decided(lambda: _prepared(where, step, run_id))
+    fields = {**fields, "run": run_id}
     if isinstance(where, _Remote):
         return _write_remote(
             where,
@@ -227,34 +251,101 @@ def write_checkpoint(
             signing_key_file=signing_key_file,
             storage_options=storage_options,
         )
-    rank = dist.get_rank()
     root = where
     partial = root / f".{name}.partial"
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, checkpoint_id=partial)
-    dist.barrier()  # every rank's files are on disk
-    final = None
-    if rank == 0 and commit:
-        files = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.name != MANIFEST}
-        manifest = _manifest(step, fields, files, signing_key_file, sizes=_sizes(partial))
-        final = _commit_local(root, name, manifest, keep)
-    dist.barrier()
-    return final
+    from workers.compat.torch_private import hash_as_written
+
+    writer = dcp.FileSystemWriter(partial)
+    written = hash_as_written(writer)
+    dcp.save(tensors, storage_writer=writer)
+    files = _gathered(written)  # every rank's files are on disk
+    if not commit:
+        dist.barrier()
+        return None
+    return _agreed(
+        lambda: _commit_local(
+            root,
+            name,
+            _manifest(step, fields, _checked(partial, files), signing_key_file),
+            keep,
+            run_id,
+        )
+    )
 
 
-def _commit_local(root: Path, name: str, manifest: bytes, keep: int) -> Path:
+def _gathered(written: Written) -> Written | None:
+    """What every rank wrote, on rank 0 (None on the others): collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(written, parts, dst=0)
+    if parts is None:
+        return None
+    return dict(sorted(item for part in parts for item in part.items()))
+
+
+def _folder_name(root: Path | _Remote, step: int, run_id: str | None) -> str:
+    """``step-<n>``, unless that holds another run's committed checkpoint: then
+    ``step-<n>.<run_id>``, so that two runs' checkpoints of one step never share a folder."""
+    name = f"{PREFIX}{step:09d}"
+    final = root.child(name) if isinstance(root, _Remote) else root / name
+    if run_id is None or MANIFEST not in _file_names_if_any(final) or _run_of(final) == run_id:
+        return name
+    return f"{name}.{run_id}"
+
+
+def _decided(decide: Callable[[], Any], *, failed: str = "not written") -> Any:
+    """What ``decide()`` returns on rank 0, on every rank (collective): where it failed, every
+    rank raises CheckpointDamaged (``failed``: what the message begins with), none waits for
+    the others' timeout."""
+    box: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box = [decide(), None]
+        except (CheckpointDamaged, OSError) as error:  # OSError: the store's, or the disk's
+            box = [None, str(error) if isinstance(error, CheckpointDamaged) else repr(error)]
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise CheckpointDamaged(f"{failed}: {box[1]}")
+    return box[0]
+
+
+def _agreed(commit: Callable[[], Location]) -> Location | None:
+    """Rank 0 commits, the others learn how it went (:func:`_decided`); the committed folder
+    on rank 0. No rank starts the next save (which may clear this folder) before it is."""
+    committed = _decided(commit, failed="not committed")
+    return committed if dist.get_rank() == 0 else None
+
+
+def _checked(where: Path | _Remote, files: Written | None) -> Written:
+    """``files``, once the folder lists exactly them at the sizes the ranks wrote, and DCP's
+    metadata refers to none other (one listing and the small .metadata: no file read back)."""
+    assert files is not None  # rank 0's
+    listed = _sizes(where)
+    wrote = {name: size for name, (_, size) in files.items()}
+    if listed != wrote:
+        differ = sorted(set(listed.items()) ^ set(wrote.items()))
+        raise CheckpointDamaged(
+            f"{_label(where)}: holds {sorted(listed.items())}, the ranks wrote "
+            f"{sorted(wrote.items())} (differing: {differ})"
+        )
+    referred = {i.relative_path for i in _metadata_of(where).storage_data.values()}
+    missing = sorted(referred - set(listed))
+    if missing:
+        raise CheckpointDamaged(f"{_label(where)}: DCP's metadata refers to absent {missing}")
+    return files
+
+
+def _commit_local(root: Path, name: str, manifest: bytes, keep: int, run_id: str | None) -> Path:
     """Rank 0: the manifest into ``.<name>.partial``, then the folder renamed into place."""
     partial = root / f".{name}.partial"
-    _write_durably(partial / MANIFEST, manifest)
     final = root / name
-    shutil.rmtree(final, ignore_errors=True)  # a stale one from before a restart
+    _refuse_another_runs(final, run_id)  # it may have come since the write began
+    _write_durably(partial / MANIFEST, manifest)
+    shutil.rmtree(final, ignore_errors=True)  # a stale one of this run, from before a restart
     os.rename(partial, final)
-    for old in list_checkpoints(root)[keep:]:
+    for old in _own(list_checkpoints(root), None, run_id)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     # What failed or abandoned writes of earlier steps left (one write is in flight at most,
     # and it is this one): never taken, and never finished now.
@@ -264,12 +355,14 @@ def _commit_local(root: Path, name: str, manifest: bytes, keep: int) -> Path:
     return final
 
 
-def _commit_remote(root: _Remote, folder: _Remote, manifest: bytes, keep: int) -> str:
+def _commit_remote(
+    root: _Remote, folder: _Remote, manifest: bytes, keep: int, run_id: str | None
+) -> str:
     """Rank 0: the manifest into ``folder`` (the commit), then the old and partial ones gone."""
     # One PUT, which a store makes visible whole or not at all: the commit.
     folder.fs.pipe_file(f"{folder.path}/{MANIFEST}", manifest)
     try:
-        _retain(root, keep)
+        _retain(root, keep, run_id)
     except OSError as error:
         # Housekeeping only: the checkpoint is committed, and the next commit tries again.
         logger.warning("%s: could not delete old checkpoints (%s)", root.url, error)
@@ -279,19 +372,18 @@ def _commit_remote(root: _Remote, folder: _Remote, manifest: bytes, keep: int) -
 def _manifest(
     step: int,
     fields: dict[str, Any],
-    files: dict[str, str],
+    files: Written,
     signing_key_file: str | None,
     world_size: int | None = None,
-    sizes: dict[str, int] | None = None,
 ) -> bytes:
     manifest = {
         "step": step,
         **fields,
         "world_size": dist.get_world_size() if world_size is None else world_size,
         "written_at": time.time(),
-        "files": files,
-        # Each file's bytes: what verify_checkpoint compares on an object store (no download).
-        "sizes": sizes or {},
+        # Each file's SHA-256 and bytes, as the ranks wrote them.
+        "files": {name: digest for name, (digest, _) in files.items()},
+        "sizes": {name: size for name, (_, size) in files.items()},
     }
     if signing_key_file is not None:
         manifest[SIGNATURE] = _signature(manifest, _read_key(signing_key_file))
@@ -311,55 +403,27 @@ def _write_remote(
     storage_options: StorageOptions,
 ) -> str | None:
     """:func:`write_checkpoint` on an object store: no rename, the manifest is the commit."""
-    rank = dist.get_rank()
-    folder = root.child(name)
-    if rank == 0:
-        # What a write of this step left before a restart (another world size's files among
-        # them) would mix with this one's: the manifest would not match the folder.
-        _remove(folder)
-    dist.barrier()
+    folder = root.child(name)  # emptied by _prepared
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, storage_writer=_fsspec_writer(folder.url, storage_options))
-    dist.barrier()  # every rank's upload returned
+    from workers.compat.torch_private import hash_as_written
+
+    writer = _fsspec_writer(folder.url, storage_options)
+    written = hash_as_written(writer)
+    dcp.save(tensors, storage_writer=writer)
+    files = _gathered(written)  # every rank's upload returned
     if not commit:
+        dist.barrier()
         return None
-    files = _confirmed_files(folder)
-    committed = None
-    if rank == 0:
-        assert files is not None
-        manifest = _manifest(step, fields, files, signing_key_file, sizes=_sizes(folder))
-        committed = _commit_remote(root, folder, manifest, keep)
-    dist.barrier()  # no rank starts the next save (which may remove this folder) before
-    return committed
-
-
-def _confirmed_files(folder: _Remote) -> dict[str, str] | None:
-    """Every file of ``folder`` read back from the store and hashed, a share on each rank
-    (collective): name -> SHA-256 on rank 0, None on the others.
-
-    Reading them back is the confirmation that the store holds them: a file DCP's metadata
-    refers to that the store does not list fails the commit, so no manifest is written."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            names = sorted(_file_names(folder) - {MANIFEST})
-            referred = {info.relative_path for info in _metadata_of(folder).storage_data.values()}
-            missing = sorted(referred - set(names))
-            box = [names if not missing else f"{folder.url}: the store has no {missing}"]
-        except (CheckpointDamaged, FileNotFoundError) as error:
-            box = [f"{folder.url}: {error}"]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], str):  # every rank raises, none waits for the others
-        raise CheckpointDamaged(f"not committed: {box[0]}")
-    names = box[0]
-    mine = {name: _digest(folder, name) for name in names[rank::world]}
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if gathered is None:
-        return None
-    return dict(sorted(item for part in gathered for item in part.items()))
+    return _agreed(
+        lambda: _commit_remote(
+            root,
+            folder,
+            _manifest(step, fields, _checked(folder, files), signing_key_file),
+            keep,
+            fields["run"],
+        )
+    )
 
 
 def _step_folders(root: _Remote) -> dict[str, set[str]]:
@@ -378,11 +442,12 @@ def _step_folders(root: _Remote) -> dict[str, set[str]]:
     return folders
 
 
-def _retain(root: _Remote, keep: int) -> None:
-    """Delete the good checkpoints beyond the newest ``keep``, and every partial one (no
-    manifest) older than the newest good one: the writes that were interrupted."""
+def _retain(root: _Remote, keep: int, run_id: str | None) -> None:
+    """Delete the run's good checkpoints beyond its newest ``keep``, and every partial one (no
+    manifest) older than its newest good one: the writes that were interrupted."""
     folders = _step_folders(root)
-    good = sorted((n for n, files in folders.items() if MANIFEST in files), reverse=True)
+    committed = sorted((n for n, files in folders.items() if MANIFEST in files), reverse=True)
+    good = _own(committed, root, run_id)
     doomed = good[keep:]
     if good:
         doomed += [n for n, files in folders.items() if MANIFEST not in files and n < good[0]]
@@ -416,7 +481,7 @@ STAGING = "memory://dask-train-staging"  # fsspec's memory filesystem: this proc
 # at most: the launcher's own wait for the rank to let go starts about when the stop lands,
 # and a rank still busy after it has its worker restarted.
 STOP_WAIT_SHARE = 0.8
-WRITTEN = ".written-rank"  # + <rank>: a rank's files are written (their hashes)
+WRITTEN = ".written-rank"  # + <rank>: a rank's files are written (their hashes and sizes)
 JOIN_POLL_S = 0.1  # waits in slices: the launcher's stop lands between them
 # A stopped rank waits this long for its write's exchange of plans, which takes milliseconds
 # once every rank's thread has begun: one still before it waits for a peer stopped before its
@@ -492,7 +557,7 @@ class _Write:
     rank: int
     world_size: int
     thread: threading.Thread | None = None
-    hashes: dict[str, str] = field(default_factory=dict)
+    written: Written = field(default_factory=dict)  # this rank's files, hashed as written
     error: str | None = None
     started: float = field(default_factory=time.monotonic)
     # How long this rank's own files took to write, once they are written.
@@ -582,8 +647,9 @@ class AsyncCheckpoints:
         signing_key_file: str | None = None,
         storage_options: StorageOptions = None,
         on_failure: Callable[[dict[str, Any]], None] | None = None,
+        run_id: str | None = None,
     ) -> None:
-        self.directory, self.keep = directory, keep
+        self.directory, self.keep, self.run_id = directory, keep, run_id
         self.signing_key_file, self.storage_options = signing_key_file, storage_options
         self.failures: list[dict[str, Any]] = []
         # Rank 0's record of each failed write (a CheckpointFailedRecord's event): the built-in
@@ -632,11 +698,8 @@ class AsyncCheckpoints:
         checkpoint of ``step`` and start writing them (collective)."""
         self.finish()
         where = _where(self.directory, self.storage_options)
-        name = f"{PREFIX}{step:09d}"
+        name = _decided(lambda: _prepared(where, step, self.run_id))
         target = where.child(name) if isinstance(where, _Remote) else where / f".{name}.partial"
-        if dist.get_rank() == 0:
-            _clear(target)  # what a write of this step left before a restart
-        dist.barrier()
         group, stager = self._writers()
         write = _Write(
             step=step,
@@ -693,12 +756,14 @@ class AsyncCheckpoints:
                 data = memory.cat_file(path)
                 name = path.rsplit("/", 1)[-1]
                 self._put(write.target, name, data)
-                write.hashes[name] = hashlib.sha256(data).hexdigest()
+                write.written[name] = (hashlib.sha256(data).hexdigest(), len(data))
             write.took_s = time.monotonic() - write.started
             # Committed as soon as every rank's files are written, not at the next save: a
             # worker lost in between must find this checkpoint (no collective from here).
             if write.rank != 0:
-                self._put(write.target, f"{WRITTEN}{write.rank}", json.dumps(write.hashes).encode())
+                self._put(
+                    write.target, f"{WRITTEN}{write.rank}", json.dumps(write.written).encode()
+                )
             else:
                 write.committed = self._commit_when_written(write)
         except Exception as error:  # the record says what; the ranks decide in finish
@@ -714,7 +779,7 @@ class AsyncCheckpoints:
         stopped."""
         now = time.monotonic()
         until = now + max(EAGER_WAIT_S, now - write.started)
-        files = dict(write.hashes)
+        files = dict(write.written)
         try:
             for rank in range(1, write.world_size):
                 files |= self._written_by(write, rank, until)
@@ -752,7 +817,7 @@ class AsyncCheckpoints:
             write.abandoned.set()
             outcome: dict[str, str] | str = f"still writing after {timeout_s:g} s"
         else:
-            outcome = write.error or write.hashes
+            outcome = write.error or write.written
         outcomes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(outcomes, outcome)
         failed = [f"rank {r}: {o}" for r, o in enumerate(outcomes) if isinstance(o, str)]
@@ -804,7 +869,7 @@ class AsyncCheckpoints:
                 return None  # its thread left the note: rank 0 commits
             if write.committed is not None:
                 return write.committed
-            files = dict(write.hashes)
+            files = dict(write.written)
             # As long again as its own write took, not since it started: a write that ended
             # long before the stop (its peer stopped meanwhile) gives the others a second.
             now = time.monotonic()
@@ -824,11 +889,12 @@ class AsyncCheckpoints:
             write.abandoned.set()  # whatever happened, the thread writes no more
         return committed
 
-    def _written_by(self, write: _Write, rank: int, until: float) -> dict[str, str]:
+    def _written_by(self, write: _Write, rank: int, until: float) -> Written:
         """The files ``rank`` says it wrote, once it says so (until ``until``)."""
         while True:
             try:
-                return json.loads(_read_bytes(write.target, f"{WRITTEN}{rank}"))
+                note = json.loads(_read_bytes(write.target, f"{WRITTEN}{rank}"))
+                return {name: (digest, size) for name, (digest, size) in note.items()}
             except _missing(write.target):
                 if time.monotonic() >= until:
                     raise _Abandoned(f"rank {rank}: its files were not written in time") from None
@@ -848,29 +914,23 @@ class AsyncCheckpoints:
             except Exception:  # the client may be gone (a stopped job): the warning stays
                 logger.exception("could not report the failed checkpoint of step %d", write.step)
 
-    def _commit(self, write: _Write, files: dict[str, str]) -> Location:
+    def _commit(self, write: _Write, files: Written) -> Location:
         for rank in range(1, write.world_size):  # the notes are not the checkpoint's
             _delete(write.target, f"{WRITTEN}{rank}")
-        # What the store lists is what the ranks wrote: nothing missing, nothing else.
-        present = _file_names(write.target) - {MANIFEST}
-        referred = {i.relative_path for i in _metadata_of(write.target).storage_data.values()}
-        if present != set(files) or not referred <= present:
-            raise CheckpointDamaged(
-                f"{_label(write.target)}: holds {sorted(present)}, the ranks wrote {sorted(files)}"
-            )
+        # What the store lists is what the ranks wrote, at the sizes they wrote: nothing
+        # missing, nothing else, nothing cut short.
         manifest = _manifest(
             write.step,
-            write.fields,
-            files,
+            {**write.fields, "run": self.run_id},
+            _checked(write.target, files),
             self.signing_key_file,
             world_size=write.world_size,
-            sizes=_sizes(write.target),
         )
         if isinstance(write.target, _Remote):
             root = _where(self.directory, self.storage_options)
             assert isinstance(root, _Remote)
-            return _commit_remote(root, write.target, manifest, self.keep)
-        return _commit_local(write.target.parent, write.name, manifest, self.keep)
+            return _commit_remote(root, write.target, manifest, self.keep, self.run_id)
+        return _commit_local(write.target.parent, write.name, manifest, self.keep, self.run_id)
 
 
 class _Abandoned(Exception):
@@ -885,13 +945,57 @@ def _delete(where: Path | _Remote, name: str) -> None:
             (where / name).unlink()
 
 
-def _clear(target: Path | _Remote) -> None:
-    """An empty folder for a checkpoint's files to be written into."""
-    if isinstance(target, _Remote):
-        _remove(target)
+def _prepared(root: Path | _Remote, step: int, run_id: str | None) -> str:
+    """Rank 0: the folder name of this step's checkpoint (:func:`_folder_name`), and an empty
+    folder to write its files into: ``.<name>.partial`` on local disk, ``<name>/`` itself on an
+    object store. What a write of it left before a restart goes (on a store, another world
+    size's files among them would mix with this one's, and the manifest would not match)."""
+    name = _folder_name(root, step, run_id)
+    if isinstance(root, _Remote):
+        _remove(root.child(name))
     else:
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
+        partial = root / f".{name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    return name
+
+
+def _run_of(where: Path | _Remote) -> Any:
+    """The run a committed checkpoint's manifest names; None where it names none, is
+    unreadable, or is not there."""
+    try:
+        manifest = json.loads(_read_bytes(where, MANIFEST))
+    except (ValueError, *_missing(where)):
+        return None
+    return manifest.get("run") if isinstance(manifest, dict) else None
+
+
+def _own(checkpoints: list[Any], root: _Remote | None, run_id: str | None) -> list[Any]:
+    """Those of ``checkpoints`` (paths, or folder names under ``root``) that are ``run_id``'s,
+    in order (one manifest read each); None: all of them."""
+    if run_id is None:
+        return list(checkpoints)
+    where = (lambda c: root.child(c)) if root is not None else (lambda c: c)
+    return [c for c in checkpoints if _run_of(where(c)) == run_id]
+
+
+def _refuse_another_runs(final: Path | _Remote, run_id: str | None) -> None:
+    """CheckpointDamaged where ``final`` is another run's committed checkpoint."""
+    if run_id is None or MANIFEST not in _file_names_if_any(final):
+        return
+    owner = _run_of(final)
+    if owner != run_id:
+        raise CheckpointDamaged(
+            f"{_label(final)} holds the checkpoint of run {owner!r} at this step, not of run "
+            f"{run_id!r}: left alone; give each run its own checkpoint.directory, or "
+            "checkpoint.run_id"
+        )
+
+
+def _file_names_if_any(where: Path | _Remote) -> set[str]:
+    if isinstance(where, Path) and not where.is_dir():
+        return set()
+    return _file_names(where)
 
 
 def list_checkpoints(
@@ -912,10 +1016,17 @@ def list_checkpoints(
 
 
 def verify_checkpoint(
-    path: str | Path, signing_key_file: str | None = None, storage_options: StorageOptions = None
+    path: str | Path,
+    signing_key_file: str | None = None,
+    storage_options: StorageOptions = None,
+    *,
+    run_id: str | None = None,
+    hashed: slice = slice(None),
 ) -> dict[str, Any]:
     """The manifest of an intact checkpoint (signed with the key in ``signing_key_file``, when
-    given); raises :class:`CheckpointDamaged` otherwise.
+    given; of run ``run_id``, when given); raises :class:`CheckpointDamaged` otherwise.
+    ``hashed``: which of its files (in the manifest's order) to hash, the others' sizes only
+    (:func:`verify_checkpoint_together` gives each rank a share).
 
     On an object store, a store that cannot be reached or refuses access raises its own error:
     that is no damage, and no reason to pass over the checkpoint."""
@@ -939,24 +1050,23 @@ def verify_checkpoint(
                 f"{path}: {MANIFEST}'s signature does not match the key in "
                 "checkpoint.signing_key_file"
             )
+    if run_id is not None and manifest.get("run") != run_id:
+        raise CheckpointDamaged(
+            f"{path}: the checkpoint of run {manifest.get('run')!r}, not {run_id!r}"
+        )
     present = _file_names(where) - {MANIFEST}
     if present != set(files):
         raise CheckpointDamaged(
             f"{path}: files {sorted(present ^ set(files))} differ from the manifest"
         )
     sizes = manifest.get("sizes")
-    if isinstance(where, _Remote) and signing_key_file is None and sizes:
-        # An object store checks each object's bytes as it takes them, and the commit read
-        # every file back and hashed it: here the sizes suffice, so that the client and every
-        # rank do not each download the whole checkpoint to hash it. A signing key asks for
-        # the hashes: whoever can write the bucket could change a file and keep its size.
+    if sizes:  # first, as it costs one listing: a file cut short is told as such
         found = _sizes(where)
         wrong = sorted(name for name in files if found.get(name) != sizes.get(name))
         if wrong:
             raise CheckpointDamaged(f"{path}: files {wrong} are not the size the manifest says")
-        read_metadata(path, storage_options)  # refuses foreign pickles before DCP would
-        return manifest
-    for name, digest in files.items():
+    # Then every byte, wherever the checkpoint lives: a file changed in place keeps its size.
+    for name, digest in list(files.items())[hashed]:
         try:
             found = _digest(where, name)
         except _missing(where) as error:  # removed since it was listed
@@ -967,15 +1077,43 @@ def verify_checkpoint(
     return manifest
 
 
+def verify_checkpoint_together(
+    path: str | Path, signing_key_file: str | None = None, storage_options: StorageOptions = None
+) -> dict[str, Any]:
+    """:func:`verify_checkpoint` by every rank of the default group (collective), each hashing
+    a share of the files: the checkpoint is read once for its hashes, not once a rank. Every
+    rank raises CheckpointDamaged where any rank found damage."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest, found = None, None
+    try:
+        manifest = verify_checkpoint(
+            path, signing_key_file, storage_options, hashed=slice(rank, None, world)
+        )
+    except CheckpointDamaged as error:
+        found = str(error)
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(verdicts, found)
+    damage = [verdict for verdict in verdicts if verdict is not None]
+    if damage:
+        raise CheckpointDamaged(damage[0])
+    assert manifest is not None
+    return manifest
+
+
 def latest_good_checkpoint(
     directory: str | Path,
     signing_key_file: str | None = None,
     storage_options: StorageOptions = None,
+    *,
+    run_id: str | None = None,
 ) -> tuple[Location, dict[str, Any]] | None:
-    """The newest intact checkpoint, warning about each damaged one passed over."""
+    """The newest intact checkpoint of run ``run_id`` (None: of any run), warning about each
+    damaged one passed over; other runs' are passed over unread (their manifests aside)."""
     for path in list_checkpoints(directory, storage_options):
+        if run_id is not None and _run_of(_where(path, storage_options)) != run_id:
+            continue
         try:
-            return path, verify_checkpoint(path, signing_key_file, storage_options)
+            return path, verify_checkpoint(path, signing_key_file, storage_options, run_id=run_id)
         except CheckpointDamaged as error:
             logger.warning("skipping damaged checkpoint: %s", error)
     return None
@@ -996,7 +1134,7 @@ def load_checkpoint(
     restored where this rank's was saved.
     """
     # Verified again where it is loaded: the folder may have changed since the client looked.
-    manifest = verify_checkpoint(path, signing_key_file, storage_options)
+    manifest = verify_checkpoint_together(path, signing_key_file, storage_options)
     metadata = read_metadata(path, storage_options)
     rank = dist.get_rank()
     state = _state(modules, optimizer, scaler)

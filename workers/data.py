@@ -166,6 +166,55 @@ _OPENED_LOCK = threading.Lock()
 _OPENED_STORES = 8  # the oldest goes beyond these: a worker rarely trains on many stores
 
 
+# What a store's arrays may be made of: numbers, and codecs that only move or compress bytes.
+# A store is data, and data may be planted (a data.store in someone else's bucket): zarr runs
+# whatever codec an array's metadata names, and numcodecs' pickle filter is pickle.loads
+# (numcodecs 0.16.6 refuses to decode it unless NUMCODECS_ALLOW_UNSAFE_PICKLE_DECODE is set
+# in the environment; earlier releases run it). Every store dask-train writes fits.
+STORE_DTYPE_KINDS = frozenset("biuf")  # bool, int, uint, float: never Python objects or str
+STORE_CODECS = frozenset(
+    {
+        *("bytes", "transpose", "crc32c"),  # zarr 3's serializer, layout and checksum
+        *("zstd", "blosc", "gzip", "zlib", "lz4", "bz2", "lzma"),  # compressors, both formats
+        *("delta", "shuffle"),  # numeric filters of zarr 2's format
+    }
+)
+
+
+class StoreRefused(ValueError):
+    """A store whose arrays are made of what no dataset store is: refused before any chunk of
+    it is read."""
+
+
+def checked_array(group: zarr.Group, path: str, *, store: str) -> zarr.Array:
+    """``group[path]``, an array of numbers whose codecs are all in ``STORE_CODECS``: a
+    StoreRefused naming ``store`` (the field and URL it came from) and the array otherwise,
+    before any chunk is decoded."""
+    array = group[path]
+    where = f"{store}/{path}"
+    if not isinstance(array, zarr.Array):
+        raise StoreRefused(f"{where} is not an array")
+    kind = getattr(array.dtype, "kind", None)  # zarr 3's StringDType and the like have none
+    if kind not in STORE_DTYPE_KINDS:
+        raise StoreRefused(f"{where} holds {array.dtype} values, not numbers: refused unread")
+    unknown = sorted(set(_codec_names(array)) - STORE_CODECS)
+    if unknown:
+        raise StoreRefused(
+            f"{where} is encoded with {', '.join(unknown)}, which no dataset store uses: "
+            "refused unread"
+        )
+    return array
+
+
+def _codec_names(array: zarr.Array) -> list[str]:
+    """The names of every codec ``array``'s metadata has its chunks decoded with."""
+    metadata = array.metadata
+    if metadata.zarr_format == 2:
+        codecs = [*(metadata.filters or ()), metadata.compressor]
+        return [codec.codec_id for codec in codecs if codec is not None]
+    return [codec.to_dict()["name"] for codec in metadata.codecs]
+
+
 def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> OpenedStore:
     group = zarr.open_group(url, mode="r", storage_options=storage_options or None)
     attrs = dict(group.attrs)
@@ -185,8 +234,10 @@ def open_store(url: str, *, storage_options: dict[str, Any] | None = None) -> Op
     tokens = attrs.get("kind") == "tokens"
 
     def split(name: str) -> StoreSplit:
-        images = group[f"{name}/{names['features']}"]
-        labels = as_targets(np.asarray(group[f"{name}/{names['targets']}"][:]))
+        store = f"data.store: {url}"
+        images = checked_array(group, f"{name}/{names['features']}", store=store)
+        targets = checked_array(group, f"{name}/{names['targets']}", store=store)
+        labels = as_targets(np.asarray(targets[:]))
         # Shared with the later jobs that open this store: never written in place (left
         # writable all the same: torch.from_numpy warns about read-only arrays).
         cache_key = None if key is None else (url, key[2], name)

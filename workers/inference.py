@@ -25,6 +25,7 @@ from distributed import Worker, WorkerPlugin, get_worker
 from torch import nn
 
 from workers.compat.distributed_private import executing_task_keys
+from workers.data import checked_array
 from workers.models import ModelConfig, build_model
 from workers.preprocessing import normalize_images
 from workers.sources import Decoding, Partition, get_source
@@ -234,8 +235,10 @@ def read_partition(partition: Partition, job: ScoreJob) -> tuple[np.ndarray, np.
         assert partition.rows is not None
         group = zarr.open_group(partition.url, mode="r", storage_options=options)
         lo, hi = partition.rows
-        images = np.asarray(group[f"{partition.split}/images"][lo:hi], dtype=np.float32)
-        labels = np.asarray(group[f"{partition.split}/labels"][lo:hi], dtype=np.int64)
+        store = f"--input: {partition.url}"
+        images = checked_array(group, f"{partition.split}/images", store=store)[lo:hi]
+        labels = checked_array(group, f"{partition.split}/labels", store=store)[lo:hi]
+        images, labels = np.asarray(images, np.float32), np.asarray(labels, np.int64)
         if job.input_mean is not None and job.input_std is not None:
             images = _renormalize(images, job)
     else:

@@ -273,6 +273,9 @@ class ProcessGroupPlugin(WorkerPlugin):
             is_master=rank == 0,
             timeout=timedelta(seconds=connect_s),
             wait_for_workers=False,
+            # torch's own server would listen on every interface: the store, which anyone who
+            # reaches it may read and write, listens only where the peers reach rank 0.
+            master_listen_fd=_listen_at(spec.master_addr, spec.master_port) if rank == 0 else None,
         )
 
     def _form_group(
@@ -399,6 +402,26 @@ def _leave(connections: frozenset[str]) -> None:
     _shut_down(connections)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _listen_at(host: str, port: int) -> int:
+    """A socket listening on ``host:port`` only (an interface's address, 127.0.0.1 on a local
+    cluster), for rank 0's store: its file descriptor, which the store owns from then on."""
+    family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, protocol)
+    try:
+        # As torch's own server: a port whose last store's connections are in TIME_WAIT binds.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as error:
+        listener.close()
+        raise RuntimeError(
+            f"rank 0 cannot listen for the rendezvous at {host}:{port} "
+            f"({error.strerror or error}); launch.master_addr must be an address of rank 0's "
+            "host"
+        ) from None
+    return listener.detach()
 
 
 def _wait_until_listening(host: str, port: int, timeout_s: float) -> float:

@@ -46,6 +46,8 @@ class RankJob:
     event_topic: str
     heartbeat_topic: str
     checkpoint_dir: str | None = None
+    # Whose checkpoints these are: resume and retention touch no other run's in the folder.
+    run_id: str | None = None
     keep_checkpoints: int = 3
     resume_from: str | None = None  # the newest good checkpoint when the attempt started
     signing_key_file: str | None = None  # checkpoints signed and verified with this key
@@ -93,6 +95,8 @@ class RankContext:
         job_name: The job's name.
         job_id: The job's id (``<name>-<8 hex>``), the same in every attempt.
         checkpoint_dir: `launch`'s ``checkpoint_dir``, or ``None``.
+        run_id: The run whose checkpoints ``save`` writes and ``restore`` continues from (the
+            job's name for `launch`): other runs' in ``checkpoint_dir`` are left alone.
         signing_key_file: The key that signs and checks checkpoints, or ``None``.
 
     Example:
@@ -115,6 +119,7 @@ class RankContext:
         self.attempt = job.attempt
         self.max_failures = job.max_failures
         self.job_name = job.name
+        self.run_id = job.run_id
         self.job_id = job.job_id
         self.checkpoint_dir = job.checkpoint_dir
         self.signing_key_file = job.signing_key_file
@@ -348,6 +353,7 @@ class RankContext:
             keep=self._job.keep_checkpoints,
             signing_key_file=self.signing_key_file,
             storage_options=self._job.storage_options,
+            run_id=self.run_id,
         )
         self.heartbeat()  # a long save is progress too
 

@@ -141,12 +141,14 @@ class Checkpoints:
         cls,
         config: CheckpointConfig,
         *,
+        run_id: str | None = None,
         report: Callable[[dict[str, Any]], None] | None = None,
         release_timeout_s: float = 15.0,
     ) -> "Checkpoints":
-        """DCP checkpoints under ``config.directory`` (``workers.checkpoint``); ``report``
-        gets rank 0's record of an asynchronous save that failed; a stopped rank waits for
-        its save in flight within ``release_timeout_s`` (``launch.release_timeout_s``)."""
+        """DCP checkpoints of run ``run_id`` under ``config.directory``
+        (``workers.checkpoint``); ``report`` gets rank 0's record of an asynchronous save that
+        failed; a stopped rank waits for its save in flight within ``release_timeout_s``
+        (``launch.release_timeout_s``)."""
         directory = config.directory
         assert directory is not None
         writer = None
@@ -157,6 +159,7 @@ class Checkpoints:
                 signing_key_file=config.signing_key_file,
                 storage_options=config.storage_options,
                 on_failure=report,
+                run_id=run_id,
             )
 
         def save(state: CheckpointState, progress: Progress) -> None:
@@ -170,6 +173,7 @@ class Checkpoints:
                 signing_key_file=config.signing_key_file,
                 storage_options=config.storage_options,
                 writer=writer,
+                run_id=run_id,
             )
 
         return cls(
@@ -319,7 +323,10 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
     checkpoints = None
     if job.checkpoint is not None and job.checkpoint.directory is not None:
         checkpoints = Checkpoints.in_directory(
-            job.checkpoint, report=ctx.emit, release_timeout_s=ctx.release_timeout_s
+            job.checkpoint,
+            run_id=ctx.run_id,
+            report=ctx.emit,
+            release_timeout_s=ctx.release_timeout_s,
         )
     if job.factory is None:
         # The model's library first (torchvision's code: 165 MiB resident in a process that

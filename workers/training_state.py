@@ -26,7 +26,7 @@ from workers.checkpoint import (
     read_metadata,
     safe_reader,
     tensors_only_planner,
-    verify_checkpoint,
+    verify_checkpoint_together,
     write_checkpoint,
 )
 
@@ -42,9 +42,11 @@ def save_state(
     keep: int,
     signing_key_file: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> None:
     """Write ``state`` as the checkpoint of ``step`` (collective: every rank calls it);
-    ``directory`` a local folder or an fsspec URL (``storage_options``: its filesystem's)."""
+    ``directory`` a local folder or an fsspec URL (``storage_options``: its filesystem's);
+    ``run_id``: the run it is of (``workers.checkpoint.write_checkpoint``)."""
     tensors, values = capture_state(state)
     tensors[RNG_KEY] = {f"rank{dist.get_rank()}": _rng_state()}
     write_checkpoint(
@@ -55,6 +57,7 @@ def save_state(
         fields={"values": values},
         signing_key_file=signing_key_file,
         storage_options=storage_options,
+        run_id=run_id,
     )
 
 
@@ -72,7 +75,7 @@ def load_state(
     """
     # Verified again here, on the rank that loads it: the folder may have changed since the
     # client chose it.
-    manifest = verify_checkpoint(path, signing_key_file, storage_options)
+    manifest = verify_checkpoint_together(path, signing_key_file, storage_options)
     saved = set(read_metadata(path, storage_options).state_dict_metadata)
     template, _ = capture_state(state)
     rank = f"rank{dist.get_rank()}"

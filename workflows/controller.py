@@ -296,7 +296,9 @@ class JobController:
         """Form one generation over the held workers, run every rank, and decide what next."""
         directory = self.checkpoint_dir
         resume = (
-            latest_good_checkpoint(directory, self.signing_key_file, self.storage_options)
+            latest_good_checkpoint(
+                directory, self.signing_key_file, self.storage_options, run_id=self.job.run_id
+            )
             if directory
             else None
         )

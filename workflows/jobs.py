@@ -305,6 +305,7 @@ def launch_on(
     hold: JobHold | None = None,
     step_boundaries: bool = True,
     storage_options: dict[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> LaunchResult:
     """The generations of one launch on a connected client (``launch`` and ``train`` use
     it): the job's `workflows.controller.JobController` runs them.
@@ -315,6 +316,9 @@ def launch_on(
     ``hold``: the job's place in the queue, when the caller took it first (``JobHold``).
     ``step_boundaries``: whether ``fn`` passes step boundaries (``ctx.step_done``), where an
     elastic job resizes; scripts have none and restart instead, as under torchrun.
+    ``run_id``: whose checkpoints in ``checkpoint_dir`` the job resumes from, writes and
+    deletes (its manifests name it); None: the job's ``name``, so a launch of the same name
+    continues, and one of another name leaves them alone.
     """
     # Workers may run elsewhere: they get the checkpoint folder as an absolute path (a URL as
     # it is: storage_options are its filesystem's).
@@ -337,6 +341,7 @@ def launch_on(
         event_topic=spec.event_topic,
         heartbeat_topic=spec.heartbeat_topic,
         checkpoint_dir=directory,
+        run_id=run_id or name,
         keep_checkpoints=keep_checkpoints,
         signing_key_file=signing_key_file,
         storage_options=dict(storage_options or {}),

@@ -14,17 +14,25 @@ for that, or on first use.
   docs announce ``torch.foreach.copy_`` for it, not in 2.14.
 - DCP's fsspec writer and reader (checkpoints on object stores), public classes in a private
   module: :data:`FSSPEC_WRITER`, :data:`FSSPEC_READER`.
+- DCP's file writers' ``fs`` (their ``FileSystemBase``, which opens every file they write), set
+  in the constructor and not documented: :func:`hash_as_written` wraps it to hash each file's
+  bytes as they are written (checkpoints' manifests, ``workers/checkpoint.py``).
 - ``DTensor.__create_chunk_list__``: where a rank's piece of a DTensor lies in the whole
   (:func:`local_offsets`: the model handed to the client in pieces, workers/model_pieces.py).
 - The private names DCP's ``.metadata`` pickle refers to, which the restricted unpickler of
   ``workers/checkpoint.py`` must admit by name: :data:`DCP_PRIVATE_CLASSES`, :data:`GET_LAYOUT`.
 """
 
+import contextlib
+import hashlib
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from workers.compat import constructor_sets
 
 RUN_WITH = "torch 2.13.0 and 2.14.1 have it"
 
@@ -90,6 +98,78 @@ def foreach_copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor])
 # torch.distributed.checkpoint does not re-export them (2.14); the module imports fsspec.
 FSSPEC_WRITER: type = _needed("torch.distributed.checkpoint._fsspec_filesystem:FsspecWriter")
 FSSPEC_READER: type = _needed("torch.distributed.checkpoint._fsspec_filesystem:FsspecReader")
+
+
+# -- DCP's writers' filesystem -------------------------------------------------------------
+
+_FILE_SYSTEM_WRITER = _needed("torch.distributed.checkpoint.filesystem:_FileSystemWriter")
+for _writer in (_FILE_SYSTEM_WRITER, FSSPEC_WRITER):
+    if not constructor_sets(_writer.__init__, "fs"):
+        raise ImportError(
+            f"dask-train needs {_writer.__module__}.{_writer.__qualname__}().fs ({RUN_WITH}; "
+            f"this is torch {torch.__version__})"
+        )
+del _writer
+_needed("torch.distributed.checkpoint.filesystem:FileSystemBase.create_stream")
+_needed("torch.distributed.checkpoint.filesystem:FileSystemBase.rename")
+
+
+class _HashedStream:
+    """A stream that hashes and counts what is written through it, the rest its own."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw, self._digest, self.size = raw, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> Any:
+        written = self._raw.write(data)
+        view = memoryview(data).cast("B")  # a buffered file takes every byte it is given
+        self._digest.update(view)
+        self.size += view.nbytes
+        return written
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        return getattr(self._raw, name)
+
+
+class _HashingFileSystem:
+    """A DCP writer's filesystem whose every written file is hashed on its way out: name ->
+    (SHA-256, bytes) in ``written``, under the name it has once renamed into place."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.written: dict[str, tuple[str, int]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self._inner.create_stream(path, mode) as raw:
+            if "r" in mode:
+                yield raw
+                return
+            stream = _HashedStream(raw)
+            yield stream
+        self.written[_file_name(path)] = (stream.hexdigest(), stream.size)
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self._inner.rename(path, new_path)  # DCP's .metadata.tmp -> .metadata
+        self.written[_file_name(new_path)] = self.written.pop(_file_name(path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _file_name(path: Any) -> str:
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def hash_as_written(writer: Any) -> dict[str, tuple[str, int]]:
+    """Make DCP's file or fsspec ``writer`` hash every file it writes as it writes it; returns
+    the dict that then holds name -> (SHA-256, bytes) of each (this process's files only)."""
+    hashing = _HashingFileSystem(writer.fs)
+    writer.fs = hashing
+    return hashing.written
 
 
 # -- the names DCP's metadata pickle refers to ---------------------------------------------

@@ -107,11 +107,9 @@ class Cifar10(Source):
         for url in records:
             try:
                 with fsspec.open(url, "rb", **how.storage_options) as f:
-                    batch = read_batch(f)
-                data = np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-                batch_labels = [int(v) for v in batch["labels"]]
-                if len(batch_labels) != len(data):
-                    raise ValueError(f"{len(data)} images but {len(batch_labels)} labels")
+                    batch = read_batch(f)  # rows of uint8 images, one int label each
+                data = batch["data"].reshape(-1, 3, 32, 32)
+                batch_labels = batch["labels"]
             except UNREADABLE as error:
                 why = _why(error)
                 if how.on_bad == "fail":
@@ -171,10 +169,7 @@ def _batch_size(fs: Any, batch: str) -> int:
     """How many images the batch file holds, checked against its labels."""
     try:
         with fs.open(batch, "rb") as f:
-            content = read_batch(f)
-        count = len(content["labels"])
-        if len(content["data"]) != count or np.asarray(content["data"]).shape[1:] != (3072,):
-            raise ValueError("images and labels do not match, or images are not 3x32x32")
+            count = len(read_batch(f)["labels"])  # as many as its images (read_batch checks)
     except UNREADABLE as error:
         raise SourceError(
             f"--input: {fs.unstrip_protocol(batch)}: not a readable CIFAR-10 batch ({_why(error)})"
@@ -192,8 +187,11 @@ def _batch_size(fs: Any, batch: str) -> int:
 # written by Python 3 carry bytes where Python 2's carry str). As for checkpoints' metadata
 # (workers/checkpoint.py), Python's pure-Python unpickler runs each opcode through a table: this
 # one holds only the opcodes of such values, every global is one of those three by an exact
-# (module, name) pair, REDUCE calls only those two with arguments of that shape, BUILD sets
-# the state of an ndarray or a dtype instance only, and neither may hold Python objects.
+# (module, name) pair, and REDUCE and BUILD admit values, not layouts: a dtype only as plain
+# uint8 (its state exactly a uint8's: a state may also give a dtype fields, at any offset, and
+# decoding would then read past the array's buffer), an array only as the rows of 3,072 such
+# bytes that a batch's images are, its buffer exactly that long. What comes out is checked
+# too: "data" such an array, "labels" a list of ints, one a row.
 
 
 class BatchRefused(pickle.UnpicklingError):
@@ -217,6 +215,7 @@ _GLOBALS = {
 }
 # Protocols 0 to 5: the structure, memo and value opcodes of dicts, lists, tuples, str,
 # bytes, ints, bools and None, and the globals, REDUCE and BUILD that numpy's arrays need.
+# Never INST, OBJ, NEWOBJ or NEWOBJ_EX, which call or create what a global names unchecked.
 _OPCODES = (
     *(pickle.PROTO, pickle.FRAME, pickle.STOP, pickle.MARK, pickle.POP, pickle.POP_MARK),
     *(pickle.DUP, pickle.EMPTY_DICT, pickle.DICT, pickle.SETITEM, pickle.SETITEMS),
@@ -231,12 +230,37 @@ _OPCODES = (
     *(pickle.BINBYTES, pickle.SHORT_BINBYTES, pickle.BINBYTES8),
     *(pickle.GLOBAL, pickle.STACK_GLOBAL, pickle.REDUCE, pickle.BUILD),
 )
+IMAGE_BYTES = 3 * 32 * 32  # one image: a row of a batch's data
+# What numpy pickles for a uint8 dtype: dtype("u1", False, True), then this state (version 3,
+# no byte order, no subarray, no names, no fields, and the -1s of a type of fixed size).
+_UINT8 = np.dtype(np.uint8)
+_UINT8_STATE = _UINT8.__reduce__()[2]
+# An array: _reconstruct(ndarray, (0,), "b"), then (version, shape, dtype, Fortran?, bytes).
+_ARRAY_STATE_VERSION = 1
 
 
-def _plain_dtype(value: Any) -> bool:
-    # An instance: numpy 2's dtypes are of np.dtype's subclasses (np.dtypes.UInt8DType), and
-    # a dtype class itself, which BUILD would set attributes of, is never one.
-    return isinstance(value, np.dtype) and not value.hasobject
+def _same_values(given: Any, expected: tuple[Any, ...]) -> bool:
+    """Whether ``given`` is ``expected``, a tuple of plain values, value for value and type for
+    type (a bool is no int here, nor a str bytes)."""
+    return (
+        type(given) is tuple
+        and len(given) == len(expected)
+        and all(type(a) is type(b) and a == b for a, b in zip(given, expected, strict=True))
+    )
+
+
+def _plain_uint8(value: Any) -> bool:
+    """A dtype instance that is uint8 and nothing more. Not ``==``: a uint8 that a state gave
+    fields still compares equal to uint8."""
+    return (
+        type(value) is type(_UINT8)
+        and value == _UINT8
+        and value.names is None
+        and value.fields is None
+        and value.subdtype is None
+        and value.itemsize == 1
+        and not value.hasobject
+    )
 
 
 def _refusal(code: int) -> Any:
@@ -273,16 +297,18 @@ class _BatchUnpickler(PurePythonUnpickler):
                 type(args) is tuple
                 and len(args) == 3
                 and args[0] is np.ndarray
-                and type(args[1]) is tuple
-                and all(type(n) is int for n in args[1])
-                and type(args[2]) in (str, bytes)
+                and _same_values(args[1], (0,))
+                and (_same_values(args[2:], ("b",)) or _same_values(args[2:], (b"b",)))
             )
         elif func is np.dtype:
+            # dtype("u1", 0, 1): numpy 1 under Python 2 wrote ints, numpy 2 writes bools.
             fits = (
                 type(args) is tuple
                 and len(args) == 3
                 and type(args[0]) is str
+                and args[0] == "u1"
                 and all(type(flag) in (int, bool) for flag in args[1:])
+                and tuple(args[1:]) == (0, 1)
             )
         else:
             fits = False
@@ -292,26 +318,49 @@ class _BatchUnpickler(PurePythonUnpickler):
                 f"its pickle calls {called} in a way no CIFAR-10 batch does: refused"
             )
         super().load_reduce()
-        made = self.stack[-1]
-        if not _plain_dtype(made.dtype if type(made) is np.ndarray else made):
-            raise BatchRefused("its pickle makes a dtype of Python objects, refused")
 
     def load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
         # type(), not isinstance: a class itself (whose attributes BUILD would set) never
-        # passes. An array's state names its dtype, which must hold no Python objects.
+        # passes, nor does a subclass.
         if type(inst) is np.ndarray:
-            fits = type(state) is tuple and len(state) == 5 and _plain_dtype(state[2])
+            fits = _image_rows(state)
+        elif type(inst) is type(_UINT8):
+            fits = _plain_uint8(inst) and _same_values(state, _UINT8_STATE)
         else:
-            fits = isinstance(inst, np.dtype) and type(state) is tuple
+            fits = False
         if not fits:
-            raise BatchRefused(f"its pickle sets the state of {type(inst)!r}, refused")
+            what = "dtype" if isinstance(inst, np.dtype) else repr(type(inst))
+            raise BatchRefused(
+                f"its pickle sets the state of {what} other than to a CIFAR-10 batch's "
+                "uint8 images: refused"
+            )
         super().load_build()
-        if not _plain_dtype(inst.dtype if type(inst) is np.ndarray else inst):
-            raise BatchRefused("its pickle makes a dtype of Python objects, refused")
 
     dispatch[pickle.REDUCE[0]] = load_reduce
     dispatch[pickle.BUILD[0]] = load_build
+
+
+def _image_rows(state: Any) -> bool:
+    """Whether ``state`` makes an array a batch's images: rows of 3,072 plain uint8 values,
+    C order, from a buffer exactly that long (an 8-bit str under Python 2's pickles)."""
+    if type(state) is not tuple or len(state) != 5:
+        return False
+    version, shape, dtype, fortran, buffer = state
+    return (
+        type(version) is int
+        and version == _ARRAY_STATE_VERSION
+        and type(shape) is tuple
+        and len(shape) == 2
+        and all(type(n) is int for n in shape)
+        and shape[0] >= 0
+        and shape[1] == IMAGE_BYTES
+        and _plain_uint8(dtype)
+        and type(fortran) in (bool, int)
+        and not fortran
+        and type(buffer) in (bytes, str)
+        and len(buffer) == shape[0] * IMAGE_BYTES
+    )
 
 
 def read_batch(file: IO[bytes]) -> dict[str, Any]:
@@ -326,7 +375,21 @@ def read_batch(file: IO[bytes]) -> dict[str, Any]:
         raise pickle.UnpicklingError(f"{type(error).__name__}: {error}") from None
     if type(batch) is not dict:
         raise BatchRefused(f"its pickle holds a {type(batch).__name__}, not a batch's dict")
+    _check_values(batch)
     return batch
+
+
+def _check_values(batch: dict[str, Any]) -> None:
+    """A batch's images and labels as the format has them: BatchRefused otherwise."""
+    data, labels = batch.get("data"), batch.get("labels")
+    # Every array that got through BUILD is rows of images; one REDUCE made without its BUILD
+    # (an empty int8 array) is not.
+    if type(data) is not np.ndarray or data.ndim != 2 or not _plain_uint8(data.dtype):
+        raise BatchRefused("its data is not rows of 3,072 uint8 values (3x32x32 images)")
+    if type(labels) is not list or any(type(label) is not int for label in labels):
+        raise BatchRefused("its labels are not a list of ints")
+    if len(labels) != len(data):
+        raise BatchRefused(f"it holds {len(data)} images but {len(labels)} labels")
 
 
 def _why(error: Exception) -> str:

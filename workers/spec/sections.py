@@ -121,7 +121,15 @@ class CheckpointConfig(Redacted):
     )
     keep: int = Field(default=3, ge=1, description="newest checkpoints kept")
     resume: Literal["auto", "never"] = Field(
-        default="auto", description="auto: continue from the newest good checkpoint"
+        default="auto", description="auto: continue from the newest good checkpoint of this run"
+    )
+    run_id: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="whose checkpoints these are: each manifest names its run, and a run "
+        "resumes from, deletes and replaces only its own, so runs sharing a directory leave "
+        "each other's alone; none: the run's name (a run started again under the same name "
+        "continues from its checkpoints)",
     )
     signing_key_file: str | None = Field(
         default=None,
