@@ -26,6 +26,7 @@ from workers.checkpoint import (
     verify_checkpoint,
 )
 from workflows.driver import train
+from workflows.run_directory import RunDirectory
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "epochs": 1}
 
@@ -373,6 +374,8 @@ def test_another_runs_checkpoints_in_the_folder_are_never_resumed_from_nor_delet
         {"name": "new", "checkpoint": {"directory": str(directory), "keep": 1}},
         **(BASE | {"max_steps": 12, "log_every_steps": 1}),
     )
+    # What the CLI says it continues from ("training starts from step N") is the same choice.
+    assert RunDirectory(tmp_path / "run", more).resumes_from == 10
     train(more, cluster=cluster, on_event=events.append)
     assert [e["step"] for e in events if e["kind"] == "step"] == [11, 12]
     assert latest_good_checkpoint(directory, run_id="new")[0] == directory / "step-000000012"

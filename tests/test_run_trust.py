@@ -270,6 +270,7 @@ def test_our_own_errors_compute_failed_blocks_stay_off_the_terminal_and_in_the_w
 def test_every_user_error_name_is_one_of_our_error_types_with_its_subclasses():
     from workers.activation_checkpointing import ActivationCheckpointingError
     from workers.checkpoint import CheckpointDamaged
+    from workers.data import StoreRefused
     from workers.in_place_init import InPlaceInitError
     from workers.inference import CheckpointError
     from workers.model_sources import ModelError
@@ -283,6 +284,7 @@ def test_every_user_error_name_is_one_of_our_error_types_with_its_subclasses():
     roots = [ActivationCheckpointingError, BatchRefused, CheckpointDamaged, CheckpointError]
     roots += [ConfigError, DataError, ModelError, OptimizerError, SourceError]
     roots += [InPlaceInitError, WeightsError]  # imported: subclasses of ModelError
+    roots += [StoreRefused]
 
     def with_subclasses(kind: type) -> set[str]:
         return {kind.__name__}.union(*(with_subclasses(k) for k in kind.__subclasses__()))

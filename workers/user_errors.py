@@ -27,6 +27,7 @@ USER_ERRORS = (
     "ModelError",  # workers/model_sources/base.py
     "OptimizerError",  # workers/optimizers.py
     "SourceError",  # workers/sources/base.py
+    "StoreRefused",  # workers/data.py
     "WeightsError",  # workers/weight_files.py
 )
 

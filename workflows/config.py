@@ -166,6 +166,12 @@ class RunConfig(Redacted):
         )
 
     @property
+    def checkpoint_owner(self) -> str:
+        """Whose checkpoints this run resumes from, writes and retains: ``checkpoint.run_id``,
+        else the run's name (each manifest names it; workers/checkpoint.py)."""
+        return self.checkpoint.run_id or self.name
+
+    @property
     def strategy_plan(self) -> StrategyPlan:
         """The plan of ``training.strategy``: its settings, checks and degrees."""
         return get_plan(self.training.strategy)

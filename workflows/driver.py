@@ -385,7 +385,7 @@ def _train_prepared(
         task_prefix="train",
         signing_key_file=config.checkpoint.signing_key_file,
         storage_options=config.checkpoint.storage_options,
-        run_id=config.checkpoint.run_id,
+        run_id=config.checkpoint_owner,
         stop=stop,
         hold=hold,
     )

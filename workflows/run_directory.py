@@ -242,7 +242,10 @@ class RunDirectory:
         if not settings.directory or settings.resume != "auto":
             return None
         found = latest_good_checkpoint(
-            settings.directory, settings.signing_key_file, settings.storage_options
+            settings.directory,
+            settings.signing_key_file,
+            settings.storage_options,
+            run_id=self.config.checkpoint_owner,
         )
         return found[1]["step"] if found else None
 
