@@ -786,7 +786,13 @@ def _trial_line(metric: str) -> Callable[[dict[str, Any]], None]:
 @click.option(
     "--output",
     type=click.Path(path_type=Path, file_okay=False),
-    help="a folder for the run's output.log, metrics.jsonl and summary.json",
+    help="a folder for the run's output.log, metrics.jsonl and summary.json (and a "
+    "function's checkpoints/); must not hold a run already",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="continue the run in --output DIR (a function from its newest checkpoint)",
 )
 @click.option("-m", "module", is_flag=True, help="SCRIPT is a module name (python -m)")
 @click.argument("script")
@@ -797,6 +803,7 @@ def launch(
     scheduler_file: str | None,
     max_restarts: int,
     output: Path | None,
+    resume: bool,
     module: bool,
     script: str,
     script_args: tuple[str, ...],
@@ -819,12 +826,33 @@ def launch(
     # The workers' imports go on beside ours (torch, and the target's); a target refused below
     # stops the fork server at exit.
     start_fork_server_early(cluster)
-    from workflows.script_launch import ScriptNotFound, launch_script, resolve_target
+    from workflows.script_launch import (
+        ScriptNotFound,
+        check_output,
+        launch_script,
+        resolve_target,
+    )
 
+    # The current folder's modules are importable, as under `python -m` and torchrun (the
+    # console script's own folder is the one Python put first); workers that cannot import
+    # them get them shipped (workflows/code_shipping.py).
+    if not {"", os.getcwd()} & set(sys.path):
+        sys.path.insert(0, os.getcwd())
     try:
         resolve_target(script, module=module)  # a missing script fails before a cluster starts
+        if resume and output is None:
+            raise ConfigError("--resume: name the run's folder to continue with --output DIR")
+        finished = None
+        if output is not None:
+            finished = check_output(output, resume=resume, target=script, args=script_args)
     except (ValueError, ScriptNotFound) as error:
         _fail(EXIT_INVALID, str(error).splitlines()[0])
+    if finished is not None:
+        click.echo(
+            f"{output} finished already ({finished.get('world_size')} ranks, "
+            f"{finished.get('wall_s') or 0:.1f} s): nothing to resume"
+        )
+        return
     with _exit_codes("launch", LaunchError, interrupted="interrupted; every rank was stopped"):
         result = launch_script(
             script,
