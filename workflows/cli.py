@@ -642,7 +642,11 @@ def _parse_params(ctx: click.Context, param: click.Parameter, values: tuple[str,
 )
 @click.option("--metric", default="val_loss", show_default=True, help="an epoch figure")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True)
-@click.option("--trial-world-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--trial-world-size",
+    type=click.IntRange(min=1),
+    help="ranks per trial (default: the config's launch.world_size, else 1)",
+)
 @click.option(
     "--max-concurrent",
     type=click.IntRange(min=1),
@@ -677,7 +681,7 @@ def sweep(
     n_trials: int,
     metric: str,
     mode: str,
-    trial_world_size: int,
+    trial_world_size: int | None,
     max_concurrent: int | None,
     sampler: str,
     pruner: str | None,
@@ -700,16 +704,17 @@ def sweep(
         _fail(EXIT_INVALID, str(error))
     _start_worker_imports(resolved)
     from workflows.cluster import start_cluster
-    from workflows.sweeps import run_sweep, sweep_spec
+    from workflows.sweeps import finished_study, run_sweep, sweep_spec
 
     checkpoints = None if resolved.checkpoint.directory else directory.checkpoints
     settings = {"n_trials": n_trials, "metric": metric, "mode": mode}
     choices = {"trial_world_size": trial_world_size, "sampler": sampler, "pruner": pruner}
+    request = {"config": resolved.model_dump(mode="json"), "space": space, **settings, **choices}
+    _quiet_optuna()
+    finished = None
     try:
-        # Written first: a journal storage is a file in the directory.
-        directory.write_request(
-            {"config": resolved.model_dump(mode="json"), "space": space, **settings, **choices}
-        )
+        if storage is None:  # written first: the study is a journal file in the directory
+            directory.write_request(request)
         spec = sweep_spec(
             resolved,
             space,
@@ -720,10 +725,27 @@ def sweep(
             study_name=directory.study_name,
             checkpoint_dir=checkpoints,
         )
+        if storage is not None:  # a study of its own storage may be done already
+            finished = finished_study(spec)
+            if finished is None:
+                directory.write_request(request)
     except (ValueError, ImportError, OSError) as error:
         directory.release()
         _fail(EXIT_INVALID, str(error))
-    _quiet_optuna()
+    if finished is not None:
+        # The same command again: no cluster, no sweep directory, nothing run.
+        best = finished.best_trial
+        outcome = (
+            f"best trial {best.number}, {metric} {best.value:.4f}, {_described(best.params)}"
+            if best is not None
+            else "no trial completed"
+        )
+        click.echo(
+            f"study {directory.study_name} in {storage} finished already ({len(finished.trials)} "
+            f"trials; {outcome}): nothing to run; more --trials continue it, another "
+            "--study-name starts a fresh one"
+        )
+        return
     interrupted = f"interrupted; continue the sweep with --output {directory.path}"
     with (
         _exit_codes("sweep", interrupted=interrupted),
