@@ -124,7 +124,8 @@ def test_launch_runs_a_function_of_the_current_folder_and_its_output_holds_one_r
     (tmp_path / package).mkdir()
     (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / package / "experiments.py").write_text(STEPS_LOOP)
-    console = _script(tmp_path, "dask-train", CONSOLE_SCRIPT)
+    (tmp_path / "bin").mkdir()  # the venv's bin: not the folder it runs from
+    console = _script(tmp_path / "bin", "dask-train", CONSOLE_SCRIPT)
     output = tmp_path / "runs" / "mine"
     address = cluster.cluster.scheduler_address
     target = f"{package}.experiments:train_loop"

@@ -18,6 +18,7 @@ which refuses, with :class:`MalformedRecord`, a dict that matches no model.
 | `admitted`          | the client: `workflows/controller.py`                     | job       |
 | `world`             | the client: `workflows/controller.py`                     | job       |
 | `resized`           | the client: `workflows/controller.py`                     | job       |
+| `resumed`           | the client: `workflows/controller.py`                     | job       |
 | `recovery`          | the client: `workflows/controller.py`                     | job       |
 | `trial`             | the client: `workflows/sweeps.py`                         | sweep     |
 
