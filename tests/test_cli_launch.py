@@ -6,12 +6,15 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.commands import dask_train, session_leftovers
 from tests.test_elastic import no_restart
@@ -87,6 +90,75 @@ def test_an_unmodified_torchrun_script_gets_torchruns_environment(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["attempts"] == 1
     assert "[rank 1] hello from rank 1 of 2" in (tmp_path / "run" / "output.log").read_text()
+
+
+# The console script as pip writes it: Python puts its own folder (the venv's bin) first on
+# sys.path, not the current folder, as `python -m` and `python -c` do.
+CONSOLE_SCRIPT = """import sys
+from workflows.cli import main
+if __name__ == '__main__':
+    sys.exit(main())
+"""
+
+# A function in a package of the folder the command runs from, checkpointing as it goes.
+STEPS_LOOP = """
+def train_loop(ctx, steps):
+    state = {"steps_done": 0}
+    start = ctx.restore(state) or 0
+    for step in range(start, int(steps)):
+        state["steps_done"] += 1
+        ctx.step_done(step + 1)
+        if (step + 1) % 2 == 0:
+            ctx.save(state, step=step + 1)
+    ctx.report(steps_done=state["steps_done"])
+"""
+
+
+@pytest.mark.slow
+def test_launch_runs_a_function_of_the_current_folder_and_its_output_holds_one_run(
+    tmp_path, cluster
+):
+    # Refused before: "no function 'train_loop' (No module named ...)" from the package's
+    # folder; and a second launch into --output appended to the first one's files.
+    package = f"mypkg_{uuid.uuid4().hex[:8]}"  # the shared workers keep what is shipped
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "experiments.py").write_text(STEPS_LOOP)
+    (tmp_path / "bin").mkdir()  # the venv's bin: not the folder it runs from
+    console = _script(tmp_path / "bin", "dask-train", CONSOLE_SCRIPT)
+    output = tmp_path / "runs" / "mine"
+    address = cluster.cluster.scheduler_address
+    target = f"{package}.experiments:train_loop"
+
+    def launch(*extra: str, steps: int = 4) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(console), "launch", "--world-size", "2"]
+        command += ["--scheduler", address, "--output", str(output), *extra, target, str(steps)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    def reported() -> list[tuple[int, int]]:
+        lines = (output / "metrics.jsonl").read_text().splitlines()
+        return sorted((r["rank"], r["steps_done"]) for r in map(json.loads, lines))
+
+    first = launch()
+    assert first.returncode == 0, first.stderr
+    assert reported() == [(0, 4), (1, 4)]
+    log = (output / "output.log").read_text()
+    again = launch()
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.strip() == (
+        f"dask-train: --output: {output} already holds a run; choose a new directory, or add "
+        "--resume to continue it"
+    )
+    assert (output / "output.log").read_text() == log  # left as it was
+    finished = launch("--resume")
+    assert finished.returncode == 0 and "finished already" in finished.stdout, finished.stderr
+    assert "nothing to resume" in finished.stdout
+    longer = launch("--resume", steps=6)
+    assert longer.returncode == 0, longer.stderr
+    saved = output.absolute() / "checkpoints" / "step-000000004"
+    assert f"resuming from step 4 at {saved}\n" in longer.stdout
+    assert reported() == [(0, 4), (0, 6), (1, 4), (1, 6)]
+    assert json.loads((output / "summary.json").read_text())["args"] == ["6"]
 
 
 # The exit-code and restart cases run on the shared cluster (--scheduler): what they test is the

@@ -78,6 +78,17 @@ def test_overrides_are_typed_and_checked():
         load_config({}, ["epochs"])
 
 
+def test_a_name_that_says_its_strategy_follows_a_strategy_set_by_an_override():
+    # `--set training.strategy='fsdp'` ran as digits-ddp-<time>.
+    demo = CONFIGS / "digits_ddp.toml"
+    assert load_config(demo, ["training.strategy='fsdp'"]).name == "digits-fsdp"
+    assert load_config(demo, ["training.strategy='ddp'"]).name == "digits-ddp"
+    named = load_config(demo, ["training.strategy='fsdp'", "name='mine-ddp'"])
+    assert named.name == "mine-ddp"  # a name given with it is the caller's
+    raw = {"name": "ddpish-run", "training": {"strategy": "ddp"}}
+    assert load_config(raw, ["training.strategy='fsdp'"]).name == "ddpish-run"  # words only
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_example_configs_are_valid(path):
     assert load_config(path).name

@@ -1,10 +1,15 @@
 """Device choice rules, without a GPU: which GPU a rank takes, which GPUs a worker owns, and
 which NVML failures mean "no GPU here"."""
 
+import re
+from pathlib import Path
+
 import pynvml
 import pytest
+import torch
 
 from workers.devices import owned_device_indices, rank_device_index
+from workers.precision import slow_precision
 from workflows.cluster import NvmlError, no_gpus_or_raise
 
 
@@ -70,3 +75,18 @@ def test_any_other_nvml_failure_is_an_error_naming_it(code):
         no_gpus_or_raise(error)
     assert str(error) in str(info.value)
     assert info.value.__cause__ is error
+
+
+def test_bf16_on_a_cpu_without_bfloat16_instructions_is_said_to_be_slow():
+    # --set training.precision=bf16 on such a CPU cluster ran the demo 8x slower, unsaid.
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    without = re.sub(r"\b(avx512_bf16|amx_bf16)\b", "", cpuinfo)
+    said = slow_precision("bf16", cpu, without)
+    assert said is not None and said.startswith("training.precision = 'bf16' on a CPU without")
+    native = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+    arm = "Features\t: fp asimd sve bf16\n"
+    assert slow_precision("bf16", cpu, native) is None and slow_precision("bf16", cpu, arm) is None
+    assert slow_precision("fp32", cpu, without) is None
+    assert slow_precision("bf16", gpu, without) is None
+    assert slow_precision("bf16", cpu, "") is None  # nothing known: nothing said

@@ -8,6 +8,7 @@ config key fails here.
 """
 
 import ast
+import builtins
 import importlib
 import importlib.util
 import inspect
@@ -15,6 +16,7 @@ import itertools
 import json
 import re
 import shlex
+import symtable
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ PROGRAMS = {
     "test_the_readmes_sharing_example_runs_as_pasted",
     "def fit(ctx, params)": "tests/test_sweep.py::test_the_readmes_sweep_example_runs_as_pasted",
     QUICK_START: "tests/test_docs.py::test_the_train_quick_start_prints_the_demos_figures",
+    "GLOBAL_BATCH = 64  # rows a step": "tests/test_elastic.py::"
+    "test_the_elastic_guides_program_trains_on_any_world_of_its_range",
 }
 
 
@@ -118,9 +122,73 @@ def test_every_whole_program_is_run_by_a_test():
     programs = [b for b in _blocks("python") if WHOLE_PROGRAM in b.text]
     assert programs
     for block in programs:
+        if block.page.parent == GUIDES and block.page.name not in RUN_GUIDES:
+            continue  # a guide's program that trains: checked whole, not run (below)
         runs = [test for marker, test in PROGRAMS.items() if marker in block.text]
         assert len(runs) == 1, f"{block}: a whole program no test runs; add it to PROGRAMS"
         assert _test_exists(runs[0]), f"{block}: no test {runs[0]}"
+
+
+# A guide's Python block is a whole program, that runs as pasted, or starts with this line and
+# adds to the nearest whole program above it on its page (pasted under that one's main guard).
+FRAGMENT = "# a fragment of the program above"
+GUIDES = REPO / "docs" / "guides"
+# Guides whose whole programs a test runs (PROGRAMS); the others' programs start a cluster and
+# train for tens of seconds each, more than the suite's budget allows: each is checked whole
+# (every name bound, the project's names and keywords as the code has them). The elastic
+# guide's program runs on the suite's cluster (test_elastic.py), not a cluster of its own.
+RUN_GUIDES = {"own-loop.md", "sharing.md", "sweeps.md", "elastic.md"}
+GUIDE_BLOCKS = [b for b in _blocks("python") if b.page.parent == GUIDES]
+
+
+def unbound_names(source: str, bound: set[str] = frozenset()) -> set[str]:
+    """The names ``source`` reads at module level, or as globals of its functions and classes,
+    that neither it, ``bound`` nor Python's builtins define: what a paste of it alone raises
+    NameError for."""
+    top = symtable.symtable(source, "<block>", "exec")
+    read: set[str] = set()
+    tables = [top]
+    while tables:
+        table = tables.pop()
+        read |= {
+            symbol.get_name()
+            for symbol in table.get_symbols()
+            if symbol.is_referenced() and (table is top or symbol.is_global())
+        }
+        tables += table.get_children()
+    return read - bound_names(source) - set(bound) - set(dir(builtins))
+
+
+def _program_above(block: Block) -> Block | None:
+    above = [
+        b
+        for b in GUIDE_BLOCKS
+        if b.page == block.page and b.line < block.line and not b.text.startswith(FRAGMENT)
+    ]
+    return above[-1] if above else None
+
+
+@pytest.mark.parametrize("block", GUIDE_BLOCKS, ids=_ids(GUIDE_BLOCKS))
+def test_a_guides_block_runs_as_pasted_or_is_a_fragment_of_the_program_above(block):
+    # As pasted, five guides' blocks raised NameError (cluster, config, build_model, ...).
+    compile(block.text, str(block), "exec")
+    if not block.text.startswith(FRAGMENT):
+        missing = unbound_names(block.text)
+        assert not missing, (
+            f"{block}: {sorted(missing)} undefined as pasted; make it a whole program, or start "
+            f"it with {FRAGMENT!r} under the program that defines them"
+        )
+        return
+    program = _program_above(block)
+    assert program is not None, f"{block}: a fragment with no program above it on its page"
+    missing = unbound_names(block.text, bound_names(program.text))
+    assert not missing, f"{block}: {sorted(missing)} defined neither here nor in {program}"
+
+
+def bound_names(source: str) -> set[str]:
+    """The names a whole program binds at module level (its main guard's included)."""
+    top = symtable.symtable(source, "<program>", "exec")
+    return {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
 
 
 @pytest.mark.parametrize("block", _blocks("python"), ids=_ids(_blocks("python")))
@@ -305,7 +373,7 @@ def dask_train_commands(text: str) -> list[list[str]]:
     for line in text.replace("\\\n", " ").splitlines():
         words = shlex.split(line.removeprefix("$ "), comments=True)
         for i, word in enumerate(words):
-            starts = i == 0 or words[i - 1] in ("&&", ";", "|")
+            starts = i == 0 or words[i - 1] in ("&&", "||", ";", "|", "then", "else")
             if starts and (word == "dask-train" or word.endswith("/dask-train")):
                 args = []
                 for arg in words[i + 1 :]:

@@ -642,3 +642,18 @@ def test_the_trainer_keeping_each_ranks_batch_resized_2_3_2_equals_one_process_o
             )
         },
     )
+
+
+def test_the_elastic_guides_program_trains_on_any_world_of_its_range(cluster):
+    # The guide's loop read build_model, GLOBAL_BATCH and global_batch that no block defined.
+    # Its program, as the page shows it, run on the suite's workers (its own cluster would
+    # cost seconds more): a fixed world of 1 and the range, each to the asked step.
+    from tests.test_docs import GUIDE_BLOCKS
+
+    (block,) = [b for b in GUIDE_BLOCKS if b.page.name == "elastic.md" and "def loop(" in b.text]
+    program: dict = {"__name__": "elastic_guide"}  # not __main__: its guard stays shut
+    exec(compile(block.text, str(block), "exec"), program)
+    alone = launch(program["loop"], 4, cluster=cluster, world_size=1)
+    ranged = launch(program["loop"], 4, cluster=cluster, world_size=(1, 2))
+    assert alone.results == [4] and ranged.results == [4] * ranged.world_size
+    assert [r["step"] for r in ranged.metrics[0]] == [1, 2, 3, 4]

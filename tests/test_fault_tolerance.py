@@ -349,7 +349,13 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
             *extra,  # last, so its --set wins
         )
 
-    process = subprocess.Popen(command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own, its workers in it, as a terminal's job
+    )
     try:
         deadline = time.monotonic() + 300  # the first run may build the store
         while len(list_checkpoints(output / "checkpoints")) < 2:  # two epoch ends
@@ -357,7 +363,7 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
             assert time.monotonic() < deadline, "no checkpoint in 300 s"
             time.sleep(0.2)
         workers = psutil.Process(process.pid).children(recursive=True)
-        process.send_signal(signal.SIGINT)  # Ctrl-C
+        os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
         _, stderr = process.communicate(timeout=60)
         # The checkpoints are final once the workers are gone too.
         _, alive = psutil.wait_procs(workers, timeout=30)
@@ -367,7 +373,13 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
             process.kill()
             process.wait(timeout=30)
     assert process.returncode == 130, stderr
-    assert f"continue with --output {output} --resume" in stderr.splitlines()[-1]
+    # One line (after MLflow's as it made its database): no worker's KeyboardInterrupt
+    # traceback, no Dask warning about the tasks it cancelled.
+    assert "Traceback" not in stderr and "WARNING" not in stderr, stderr
+    assert stderr.splitlines()[-1] == (
+        f"dask-train: interrupted; partial results in {output}; continue with --output "
+        f"{output} --resume"
+    ), stderr
     saved = json.loads((list_checkpoints(output / "checkpoints")[0] / MANIFEST).read_text())
     # The interrupted attempt is on record: its seconds, and its samples up to the last step
     # that reached the client (the first epoch's end at least: a whole epoch came after it).
@@ -389,6 +401,10 @@ def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_d
         timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr
+    step = f"step-{saved['step']:09d}"
+    assert f"resuming from step {saved['step']} at {output / 'checkpoints' / step}\n" in (
+        resumed.stdout
+    )
     summary = json.loads((output / "summary.json").read_text())
     assert summary["epochs"] == saved["epoch"] + 1  # the saved epochs plus one more
     # The figures are the run's, both attempts', not the last attempt's alone.

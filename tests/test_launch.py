@@ -6,6 +6,7 @@ user's own checkpoints, never retry the user's bugs, and leave a warm cluster as
 
 import _thread
 import gc
+import logging
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.reference import Reference, assert_equivalent
 from workers.compat.distributed_private import sampling_profiler_running
 from workers.malloc import release_free_memory
+from workers.records import parse_record
 from workflows import LaunchError, launch, start_cluster
 from workflows.admission import WorkerSelection
 from workflows.cluster import live_workers
@@ -145,6 +147,30 @@ def test_a_users_ddp_loop_matches_one_process_and_every_rank_returns(cluster):
     assert sorted(reports) == sorted((rank, s) for rank in (0, 1) for s in range(1, 6))
     assert 0 < result.first_step_s < result.wall_s
     assert result.recoveries == [] and result.attempts == 1
+
+
+def test_a_launch_into_an_earlier_runs_checkpoints_says_so_and_one_that_finished_warns(
+    cluster, tmp_path, caplog
+):
+    checkpoints = tmp_path / "checkpoints"
+    options = {"cluster": cluster, "world_size": 2, "checkpoint_dir": checkpoints}
+    launch(ddp_loop, 4, 0.1, save_every=2, **options)
+    seen: list[dict] = []
+    with caplog.at_level(logging.WARNING, logger="workflows.jobs"):
+        longer = launch(ddp_loop, 6, 0.1, save_every=2, on_event=seen.append, **options)
+        assert "trained no step" not in caplog.text
+        assert [r["step"] for r in longer.metrics[0]] == [5, 6]
+        (resumed,) = [r for r in seen if r["kind"] == "resumed"]
+        assert parse_record(resumed).line() == (
+            f"resuming from step 4 at {checkpoints.absolute() / 'step-000000004'}"
+        )
+        # Its checkpoint is at the end of the asked steps: nothing to train, and said so.
+        again = launch(ddp_loop, 6, 0.1, save_every=2, **options)
+    assert again.metrics == [[], []]
+    assert (
+        f"trained no step: it resumed at step 6 from {checkpoints.absolute() / 'step-000000006'}"
+        in caplog.text
+    )
 
 
 def profiler_state(ctx) -> bool:

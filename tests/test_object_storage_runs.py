@@ -5,12 +5,15 @@ shared folder."""
 
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pandas as pd
 import pytest
 import torch
 
-from tests.commands import digits_run, run_dask_train
+from tests.commands import dask_train, digits_run, run_dask_train
 from workers.models import build_model
 from workflows import predict
 from workflows.benchmarks.local_s3 import SECRET
@@ -85,6 +88,54 @@ def test_a_run_kept_in_a_bucket_holds_its_whole_directory_and_refuses_to_overwri
     fs.invalidate_cache()
     assert json.loads(fs.cat_file(f"{scored.removeprefix('s3://')}/metrics.json"))["accuracy"]
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_of_a_run_kept_in_a_bucket_says_to_resume_it_there(s3, store_dir, tmp_path):
+    # Told "interrupted before the run started; nothing was written" while the bucket held
+    # its checkpoints, config and metrics: the local mirror, gone by then, was asked.
+    url = f"{s3.bucket('runs-interrupted')}/team/digits"
+    env = os.environ | s3.environment
+    arguments = digits_run(store_dir, url, epochs=40)
+    process = subprocess.Popen(
+        dask_train(*arguments),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,  # a group of its own, its workers in it, as a terminal's job
+    )
+    fs, root = s3.filesystem(), url.removeprefix("s3://")
+
+    def saved() -> list[str]:  # the checkpoints committed in the bucket, oldest first
+        fs.invalidate_cache()
+        return sorted(fs.glob(f"{root}/checkpoints/step-*/manifest.json"))
+
+    try:
+        deadline = time.monotonic() + 300  # a bound on the first epoch, not a measurement
+        while not saved():
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+        stderr = process.communicate(timeout=120)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    assert process.returncode == 130, stderr
+    assert stderr.splitlines() == [
+        f"dask-train: interrupted; partial results in {url}; continue with --output {url} --resume"
+    ], stderr
+    newest = saved()[-1].removesuffix("/manifest.json")
+    step = int(newest.rsplit("step-", 1)[1])
+    resumed = run_dask_train(
+        *arguments, "--resume", "--set", f"training.max_steps={step + 1}", env=env, cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step {step} at s3://{newest}\n" in resumed.stdout
+    assert json.loads(fs.cat_file(f"{root}/summary.json"))["steps"] == step + 1
 
 
 def test_a_sweeps_journal_in_a_bucket_continues_its_study_and_refuses_a_second_writer(

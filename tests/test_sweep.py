@@ -331,7 +331,8 @@ def test_the_cli_sweeps_a_config_and_writes_trials_and_best(cluster, store_dir, 
     assert best["value"] == trials["value"].max() and best["metric"] == "val_accuracy"
     assert set(best["params"]) == {"training.lr", "training.momentum"}
     assert best["config"]["training"]["lr"] == best["params"]["training.lr"]
-    assert best["config"]["launch"]["world_size"] == 1
+    # The config's own world size (2 ranks) unless --trial-world-size says otherwise.
+    assert best["config"]["launch"]["world_size"] == 2 and (trials["ranks"] == 2).all()
     assert Path(best["checkpoint_dir"]).is_dir()
 
     bad = run_dask_train(*arguments[:2], "--param", "training.lr=log:1e-3", "--trials", "1")
@@ -342,8 +343,8 @@ def test_the_cli_sweep_with_a_storage_continues_the_configs_study(
     cluster, store_dir, make_config, tmp_path
 ):
     # sweep() of the config first, then `dask-train sweep` of the same config with the same
-    # storage and no --study-name: one study, <name>-sweep, which the command finds finished
-    # and in which it runs nothing.
+    # storage and no --study-name: one study, <name>-sweep, which the command finds finished:
+    # it says so, and starts no cluster and makes no sweep directory (it made an empty one).
     storage = f"sqlite:///{tmp_path / 'sweep.db'}"
     space = {"training.lr": ("log", 1e-3, 1e-1)}
     config = make_config({"name": "digits-ddp"}, epochs=1, max_steps=2)
@@ -357,11 +358,14 @@ def test_the_cli_sweep_with_a_storage_continues_the_configs_study(
         *("--scheduler", cluster.client.scheduler.address),
     )
     assert done.returncode == 0, done.stderr
-    assert not [line for line in done.stdout.splitlines() if line.startswith("trial ")]
-    assert done.stdout.splitlines()[-1].startswith("done: best trial 0,")
+    best = result.best_trial
+    assert done.stdout.splitlines() == [
+        f"study digits-ddp-sweep in {storage} finished already (1 trials; best trial 0, "
+        f"val_loss {best.value:.4f}, training.lr={best.params['training.lr']:.4g}): nothing to "
+        "run; more --trials continue it, another --study-name starts a fresh one"
+    ]
     assert optuna.get_all_study_names(storage) == ["digits-ddp-sweep"]
-    (request,) = (tmp_path / "runs").glob("digits-ddp-sweep-*/sweep.json")
-    assert json.loads(request.read_text())["study_name"] == "digits-ddp-sweep"
+    assert not (tmp_path / "runs").exists()
 
 
 def _fails_far_out(ctx, params: dict) -> float:

@@ -18,6 +18,7 @@ which refuses, with :class:`MalformedRecord`, a dict that matches no model.
 | `admitted`          | the client: `workflows/controller.py`                     | job       |
 | `world`             | the client: `workflows/controller.py`                     | job       |
 | `resized`           | the client: `workflows/controller.py`                     | job       |
+| `resumed`           | the client: `workflows/controller.py`                     | job       |
 | `recovery`          | the client: `workflows/controller.py`                     | job       |
 | `trial`             | the client: `workflows/sweeps.py`                         | sweep     |
 
@@ -220,6 +221,19 @@ class ResizedRecord(BaseRecord):
     at: float  # when it was detected (epoch seconds)
 
 
+class ResumedRecord(BaseRecord):
+    """The job's first attempt continues from a checkpoint an earlier run left."""
+
+    kind: Literal["resumed"] = "resumed"
+    job_id: str
+    step: int
+    checkpoint: str  # its folder, or URL
+
+    def line(self) -> str:
+        """What ``run``, ``launch`` and ``train`` print for it."""
+        return f"resuming from step {self.step} at {self.checkpoint}"
+
+
 class RecoveryRecord(BaseRecord):
     """A restart after a failure: what failed, what the next attempt continued from, and the
     seconds lost (each entry of ``LaunchResult.recoveries`` without ``kind`` and count)."""
@@ -264,6 +278,7 @@ Record = Annotated[
         AdmittedRecord,
         WorldRecord,
         ResizedRecord,
+        ResumedRecord,
         RecoveryRecord,
         TrialRecord,
     ],
@@ -316,6 +331,7 @@ __all__ = [
     "RecoveryRecord",
     "ReportRecord",
     "ResizedRecord",
+    "ResumedRecord",
     "StartRecord",
     "StepRecord",
     "TrialRecord",

@@ -53,7 +53,7 @@ from workers.optimizers import (
     build_schedule,
 )
 from workers.peak_memory import PeakMemory
-from workers.precision import Precision
+from workers.precision import Precision, warn_if_slow
 from workers.process_group import Membership
 from workers.rank_context import RankContext
 from workers.records import EpochRecord, StartRecord, StepRecord
@@ -489,6 +489,8 @@ def build(
     rank, device = membership.rank, membership.device
     torch.manual_seed(config.seed + rank)
     precision = Precision(config.precision, device)
+    if rank == 0:
+        warn_if_slow(config.precision, device)
     criterion = Criterion.of(config)
     if collections is None:
         store = open_store(data_config.store_url, storage_options=data_config.storage_options)

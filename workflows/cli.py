@@ -673,7 +673,11 @@ def _parse_params(ctx: click.Context, param: click.Parameter, values: tuple[str,
 )
 @click.option("--metric", default="val_loss", show_default=True, help="an epoch figure")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True)
-@click.option("--trial-world-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--trial-world-size",
+    type=click.IntRange(min=1),
+    help="ranks per trial (default: the config's launch.world_size, else 1)",
+)
 @click.option(
     "--max-concurrent",
     type=click.IntRange(min=1),
@@ -708,7 +712,7 @@ def sweep(
     n_trials: int,
     metric: str,
     mode: str,
-    trial_world_size: int,
+    trial_world_size: int | None,
     max_concurrent: int | None,
     sampler: str,
     pruner: str | None,
@@ -733,16 +737,17 @@ def sweep(
     except ConfigError as error:
         _fail(EXIT_INVALID, str(error))
     _start_worker_imports(resolved)
-    from workflows.sweeps import run_sweep, sweep_spec
+    from workflows.sweeps import finished_study, run_sweep, sweep_spec
 
     checkpoints = None if resolved.checkpoint.directory else directory.checkpoints
     settings = {"n_trials": n_trials, "metric": metric, "mode": mode}
     choices = {"trial_world_size": trial_world_size, "sampler": sampler, "pruner": pruner}
+    request = {"config": resolved.model_dump(mode="json"), "space": space, **settings, **choices}
+    _quiet_optuna()
+    finished = None
     try:
-        # Written first: a journal storage is a file in the directory.
-        directory.write_request(
-            {"config": resolved.model_dump(mode="json"), "space": space, **settings, **choices}
-        )
+        if storage is None:  # written first: the study is a journal file in the directory
+            directory.write_request(request)
         spec = sweep_spec(
             resolved,
             space,
@@ -753,10 +758,27 @@ def sweep(
             study_name=directory.study_name,
             checkpoint_dir=checkpoints,
         )
+        if storage is not None:  # a study of its own storage may be done already
+            finished = finished_study(spec)
+            if finished is None:
+                directory.write_request(request)
     except (ValueError, ImportError, OSError) as error:
         directory.release()
         _fail(EXIT_INVALID, str(error))
-    _quiet_optuna()
+    if finished is not None:
+        # The same command again: no cluster, no sweep directory, nothing run.
+        best = finished.best_trial
+        outcome = (
+            f"best trial {best.number}, {metric} {best.value:.4f}, {_described(best.params)}"
+            if best is not None
+            else "no trial completed"
+        )
+        _echo(
+            f"study {directory.study_name} in {storage} finished already ({len(finished.trials)} "
+            f"trials; {outcome}): nothing to run; more --trials continue it, another "
+            "--study-name starts a fresh one"
+        )
+        return
     interrupted = f"interrupted; continue the sweep with --output {directory.path}"
     with (
         _exit_codes("sweep", interrupted=interrupted),
@@ -819,7 +841,13 @@ def _trial_line(metric: str) -> Callable[[dict[str, Any]], None]:
 @click.option(
     "--output",
     type=click.Path(path_type=Path, file_okay=False),
-    help="a folder for the run's output.log, metrics.jsonl and summary.json",
+    help="a folder for the run's output.log, metrics.jsonl and summary.json (and a "
+    "function's checkpoints/); must not hold a run already",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="continue the run in --output DIR (a function from its newest checkpoint)",
 )
 @click.option("-m", "module", is_flag=True, help="SCRIPT is a module name (python -m)")
 @click.argument("script")
@@ -830,6 +858,7 @@ def launch(
     scheduler_file: str | None,
     max_restarts: int,
     output: Path | None,
+    resume: bool,
     module: bool,
     script: str,
     script_args: tuple[str, ...],
@@ -853,14 +882,34 @@ def launch(
     # stops the fork server at exit.
     start_fork_server_early(cluster)
     from workflows.run_storage import checked_url
-    from workflows.script_launch import ScriptNotFound, launch_script, resolve_target
+    from workflows.script_launch import (
+        ScriptNotFound,
+        check_output,
+        launch_script,
+        resolve_target,
+    )
 
+    # The current folder's modules are importable, as under `python -m` and torchrun (the
+    # console script's own folder is the one Python put first); workers that cannot import
+    # them get them shipped (workflows/code_shipping.py).
+    if not {"", os.getcwd()} & set(sys.path):
+        sys.path.insert(0, os.getcwd())
     try:
         resolve_target(script, module=module)  # a missing script fails before a cluster starts
+        if resume and output is None:
+            raise ConfigError("--resume: name the run's folder to continue with --output DIR")
+        finished = None
         if output is not None:  # a folder: a URL there is a typo (Path made s3:// s3:/)
             output = Path(checked_url("--output", str(output)))
+            finished = check_output(output, resume=resume, target=script, args=script_args)
     except (ValueError, ScriptNotFound) as error:
         _fail(EXIT_INVALID, str(error).splitlines()[0])
+    if finished is not None:
+        _echo(
+            f"{output} finished already ({finished.get('world_size')} ranks, "
+            f"{finished.get('wall_s') or 0:.1f} s): nothing to resume"
+        )
+        return
     with _exit_codes("launch", LaunchError, interrupted="interrupted; every rank was stopped"):
         result = launch_script(
             script,

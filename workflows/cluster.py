@@ -45,6 +45,9 @@ T = TypeVar("T")
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 256 * 2**20}
 # The worker preload that applies them in a forked worker.
 MALLOC = "workers.malloc"
+# The worker preload that leaves a terminal's Ctrl-C to the process that started the workers.
+QUIET_INTERRUPTS = "workers.quiet_interrupts"
+ALL_OURS = (MALLOC, QUIET_INTERRUPTS)
 
 # A local cluster closes the nanny of a worker that has been gone this long
 # (distributed.deploy.lost-worker-timeout, 15 s by default), and nothing starts it again. A
@@ -89,16 +92,17 @@ def worker_process_config(
     # Set either way: another cluster's settings may still be in Dask's config.
     config["distributed.worker.multiprocessing-method"] = "forkserver" if fork else "spawn"
     # A forked worker's glibc was set up in the fork server: the malloc variables reach its
-    # environment, and this preload applies them with mallopt. The user's own preloads are
-    # kept (they were dropped); ours is taken out first, as an earlier cluster may have put it
-    # in Dask's config.
+    # environment, and this preload applies them with mallopt. Every worker we start leaves
+    # Ctrl-C to us. The user's own preloads are kept (they were dropped); ours are taken out
+    # first, as an earlier cluster may have put them in Dask's config.
+    ours = [MALLOC, QUIET_INTERRUPTS] if fork else [QUIET_INTERRUPTS]
     preload = dask.config.get("distributed.worker.preload", None) or []
-    preload = [p for p in ([preload] if isinstance(preload, str) else preload) if p != MALLOC]
-    config["distributed.worker.preload"] = [*preload, MALLOC] if fork else preload
+    preload = [p for p in ([preload] if isinstance(preload, str) else preload) if p not in ALL_OURS]
+    config["distributed.worker.preload"] = [*preload, *ours]
     argv = dask.config.get("distributed.worker.preload-argv", None) or []
     if argv and not isinstance(argv[0], str):  # one argument list per preload; none for ours
         argv = argv[: len(preload)]
-        config["distributed.worker.preload-argv"] = [*argv, []] if fork else argv
+        config["distributed.worker.preload-argv"] = [*argv, *([] for _ in ours)]
     return config
 
 

@@ -6,6 +6,7 @@ components' (cluster, launch, tracking), and each strategy's checks are its plan
 pydantic's errors into one line that names the field.
 """
 
+import re
 import tomllib
 from collections.abc import Callable
 from functools import partial
@@ -413,7 +414,23 @@ def _apply_overrides(
             if not isinstance(target, dict):
                 raise ConfigError(f"{named} {item!r}: {part} is not a section")
         target[parts[-1]] = value
-    return merged
+    named_anew = any(item.partition("=")[0].strip() == "name" for item in overrides)
+    return merged if named_anew else _named_after_strategy(raw, merged)
+
+
+def _named_after_strategy(raw: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
+    """A name that says its strategy (``digits-ddp``) says the one an override set
+    (``training.strategy='fsdp'``: ``digits-fsdp``), so its run directory is not named for
+    what it does not run."""
+    before, after = (
+        section.get("strategy") if isinstance(section, dict) else None
+        for section in (raw.get("training"), merged.get("training"))
+    )
+    name = merged.get("name")
+    if not (isinstance(before, str) and isinstance(after, str) and isinstance(name, str)):
+        return merged
+    word = rf"(?<![A-Za-z0-9]){re.escape(before)}(?![A-Za-z0-9])"
+    return merged | {"name": re.sub(word, after, name)}
 
 
 # Keys an earlier release took, and what they are called now: told as such, not as unknown.

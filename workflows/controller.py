@@ -42,7 +42,13 @@ from workers import elastic, live_recovery
 from workers.checkpoint import latest_good_checkpoint
 from workers.live_recovery import LiveSource
 from workers.rank_context import RankJob, RankOutcome, forget_job, run_pickled
-from workers.records import AdmittedRecord, RecoveryRecord, ResizedRecord, WorldRecord
+from workers.records import (
+    AdmittedRecord,
+    RecoveryRecord,
+    ResizedRecord,
+    ResumedRecord,
+    WorldRecord,
+)
 from workers.remote_traceback import rebuilt_traceback
 from workflows.admission import Admission
 from workflows.code_shipping import ship_code
@@ -203,6 +209,7 @@ class Finished:
     attempts: int
     first_step_at: float
     transitions: list[Transition] = field(default_factory=list)
+    resumed: ResumedRecord | None = None  # the earlier run's checkpoint it continued from
 
 
 class JobController:
@@ -253,6 +260,7 @@ class JobController:
         self.unreported: Resize | None = None  # completed, waiting for its first step
         self.workers: list[str] = []  # the latest generation's, in rank order
         self.outcomes: list[RankOutcome] = []
+        self.resumed: ResumedRecord | None = None
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -282,6 +290,7 @@ class JobController:
             attempts=self.attempt,
             first_step_at=first_step_at,
             transitions=self.transitions,
+            resumed=self.resumed,
         )
 
     def move(self, state: State, reason: str = "") -> None:
@@ -332,6 +341,11 @@ class JobController:
                     self.events.emit(
                         WorldRecord(job_id=self.spec.job_id, world_size=len(group.workers))
                     )
+                if self.attempt == 0 and resume:  # an earlier run's checkpoint
+                    self.resumed = ResumedRecord(
+                        job_id=self.spec.job_id, step=resume[1]["step"], checkpoint=str(resume[0])
+                    )
+                    self.events.emit(self.resumed)
                 source = self._continue_from(resume, recovery)
                 job = self._rank_job(group.spec.generation, resume, source)
                 payload = cloudpickle.dumps(job)

@@ -18,6 +18,7 @@ from distributed import Client
 
 from workers.collection_shard import CollectionPlan
 from workers.optimizers import OptimizerFactory, ScheduleFactory
+from workers.records import ResumedRecord
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
 from workers.spec.names import model_source
 from workers.spec.sections import LOSSES, DataConfig
@@ -103,6 +104,8 @@ def print_progress(record: dict[str, Any]) -> None:
     """The seed article's epoch line, plus validation and the job's throughput (all ranks)."""
     if record.get("kind") == "epoch":
         print(format_epoch(record), flush=True)
+    elif record.get("kind") == "resumed":
+        print(ResumedRecord.model_validate(record).line(), flush=True)
 
 
 # The figures an epoch line shows, where the task reports them: classification reports

@@ -19,6 +19,7 @@ built-in trainer (``workflows.train``) runs on this same path.
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -369,6 +370,15 @@ def launch_on(
             step_boundaries=step_boundaries,
         ).run()
     wall_s = time.time() - called_at
+    if finished.resumed is not None and math.isnan(finished.first_step_at):
+        # The ranks found the checkpoint at the end of their work: a run that had finished.
+        logger.warning(
+            "%s trained no step: it resumed at step %d from %s, where the run had already "
+            "finished; give launch a new checkpoint folder to train again",
+            name,
+            finished.resumed.step,
+            finished.resumed.checkpoint,
+        )
     outcomes = finished.outcomes
     reports = [o.reports for o in outcomes]
     missed = [record for rank_reports in reports for record in rank_reports]

@@ -13,7 +13,14 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
-from workers.records import EpochRecord, RecoveryRecord, StartRecord, StepRecord, parse_record
+from workers.records import (
+    EpochRecord,
+    RecoveryRecord,
+    ResumedRecord,
+    StartRecord,
+    StepRecord,
+    parse_record,
+)
 from workflows.driver import format_epoch
 
 # How the CLI's recovery line names what the run continued from.
@@ -52,6 +59,9 @@ class EpochProgress:
             case EpochRecord():
                 self.close()
                 self._write(format_epoch(record))
+            case ResumedRecord() as resumed:
+                self.close()
+                self._write(resumed.line())
             case RecoveryRecord() as recovery:
                 self.close()
                 self._write(

@@ -72,6 +72,7 @@ class RunDirectory:
         self._log_handler: logging.Handler | None = None
         self._created = False  # this process made the directory (release() may remove it)
         self._remote_held = False  # the URL held a run before this process came
+        self._sent = False  # this process's config.json reached the URL
         self._attempt: dict[str, Any] | None = None
         self._reached = 0
 
@@ -225,7 +226,10 @@ class RunDirectory:
 
     @property
     def claimed(self) -> bool:
-        """The directory holds this run: ``--resume`` can continue it."""
+        """The directory holds this run: ``--resume`` can continue it. At a URL, asked once the
+        run is stopped: its local mirror is gone by then, the URL holds it."""
+        if self.mirror is not None:
+            return self._remote_held or self._sent
         return (self.path / CONFIG).exists()
 
     @functools.cached_property
@@ -262,6 +266,7 @@ class RunDirectory:
             write_atomically(self.path / CONFIG_SIGNATURE, signature + "\n")
         if self.mirror is not None:
             self.mirror.copy()  # config.json: the URL holds this run from now on
+            self._sent = True
             self.mirror.start()
         self._metrics = (self.path / "metrics.jsonl").open("a", buffering=1)
         self._log_handler = logging.FileHandler(self.path / "run.log")
@@ -333,6 +338,7 @@ class RunDirectory:
         command may run again without --resume. Only a directory this process made is
         removed; one that held a run before is left as it was."""
         self._close()
+        self._sent = False
         if self._created:
             shutil.rmtree(self.path, ignore_errors=True)
             self._created = False

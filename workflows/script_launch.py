@@ -15,16 +15,50 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workers.records import OutputRecord, ReportRecord, parse_record
+from workers.records import OutputRecord, ReportRecord, ResumedRecord, parse_record
 from workers.script_runner import ScriptResult, ScriptSpec, run_script
 from workflows.cluster import ClusterConfig, start_cluster
 from workflows.code_shipping import ship_modules
+from workflows.config import ConfigError
 from workflows.jobs import LaunchResult, launch_on
 from workflows.launcher import LaunchConfig
 
 
 class ScriptNotFound(ValueError):
     """The script, module or function to launch does not exist here."""
+
+
+# What a launch writes into its --output folder; any of them there means the folder holds a run.
+RUN_FILES = ("output.log", "metrics.jsonl", "summary.json")
+SUMMARY = "summary.json"
+
+
+def check_output(
+    output: Path, *, resume: bool, target: str, args: tuple[str, ...]
+) -> dict[str, Any] | None:
+    """Whether ``--output`` may take this launch, as ``run`` decides for its directory: one
+    that holds a run is refused unless ``resume`` continues it, and one that holds none has
+    nothing to resume. Returns the summary of the same launch (target and arguments) that
+    finished there: nothing is left to do then. Other arguments (more steps) continue it.
+
+    Raises:
+        ConfigError: The folder may not take it; the message says why and what to do.
+    """
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output: {output} exists and is not a directory")
+    held = output.is_dir() and any((output / name).exists() for name in RUN_FILES)
+    if held and not resume:
+        raise ConfigError(
+            f"--output: {output} already holds a run; choose a new directory, or add --resume "
+            "to continue it"
+        )
+    if resume and not held:
+        raise ConfigError(f"--resume: {output} holds no run to continue")
+    if resume and (output / SUMMARY).exists():
+        summary = json.loads((output / SUMMARY).read_text())
+        if summary.get("target") == target and summary.get("args") == list(args):
+            return summary
+    return None
 
 
 def resolve_target(target: str, *, module: bool) -> tuple[ScriptSpec | None, Callable | None]:
@@ -86,6 +120,8 @@ def launch_script(
                     log.write(text)
             case ReportRecord() if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")  # as it travelled
+            case ResumedRecord() as resumed:
+                echo(resumed.line())
 
     try:
         with start_cluster(cluster) as training_cluster:
@@ -101,7 +137,8 @@ def launch_script(
                 {},
                 settings=launch_config,
                 name=run_id,
-                checkpoint_dir=None,
+                # A function's ctx.save: a folder of the run's own, that --resume continues.
+                checkpoint_dir=output / "checkpoints" if output and spec is None else None,
                 keep_checkpoints=1,
                 on_event=on_event,
                 called_at=called_at,

@@ -333,7 +333,7 @@ def sweep(
     space: Mapping[str, Any],
     *,
     n_trials: int,
-    trial_world_size: int = 1,
+    trial_world_size: int | None = None,
     max_concurrent: int | None = None,
     metric: str,
     mode: str = "min",
@@ -363,7 +363,8 @@ def sweep(
             ``(0.0, 0.5)`` (uniform), ``(1, 4)`` or ``("int", 1, 4)`` (integers, both ends
             included), ``[32, 64, 128]`` (choices).
         n_trials: How many trials the study ends with.
-        trial_world_size: Ranks per trial.
+        trial_world_size: Ranks per trial; default a config's ``launch.world_size`` (a
+            number), else 1.
         max_concurrent: Trials at once; default the eligible workers over
             ``trial_world_size``.
         metric: The figure to optimize: the last one rank 0 reported under this name (its
@@ -440,6 +441,19 @@ def run_sweep(
             cluster.close()
 
 
+def finished_study(spec: SweepSpec) -> SweepResult | None:
+    """The result of ``spec``'s study when its storage holds it finished (``n_trials`` trials,
+    none running or waiting): a sweep of it would run nothing, so none need start."""
+    optuna = _optuna()
+    if spec.study_name not in optuna.get_all_study_names(spec.storage):
+        return None
+    study = optuna.load_study(study_name=spec.study_name, storage=spec.storage)
+    trials = study.get_trials(deepcopy=False)
+    if len(trials) < spec.n_trials or not all(t.state.is_finished() for t in trials):
+        return None
+    return sweep_result(study, spec)
+
+
 def _optuna() -> ModuleType:
     try:
         import optuna
@@ -457,7 +471,7 @@ def sweep_spec(
     space: Mapping[str, Any],
     *,
     n_trials: int,
-    trial_world_size: int = 1,
+    trial_world_size: int | None = None,
     max_concurrent: int | None = None,
     metric: str,
     mode: str = "min",
@@ -472,7 +486,8 @@ def sweep_spec(
     field, or an ``ImportError`` without Optuna."""
     optuna = _optuna()
     _count("n_trials", n_trials)
-    _count("trial_world_size", trial_world_size)
+    if trial_world_size is not None:
+        _count("trial_world_size", trial_world_size)
     if max_concurrent is not None:
         _count("max_concurrent", max_concurrent)
     if not isinstance(metric, str) or not metric:
@@ -497,7 +512,7 @@ def sweep_spec(
         trials=trials,
         space=distributions,
         n_trials=n_trials,
-        trial_world_size=trial_world_size,
+        trial_world_size=trials.world_size,
         max_concurrent=max_concurrent,
         metric=metric,
         direction="minimize" if mode == "min" else "maximize",
@@ -536,7 +551,7 @@ def _count(name: str, value: Any) -> None:
 def _trials(
     target: Any,
     space: dict[str, "BaseDistribution"],
-    world_size: int,
+    world_size: int | None,
     metric: str,
     checkpoint_dir: str | None,
     kwargs: dict[str, Any],
@@ -555,6 +570,9 @@ def _trials(
             base = load_config(base).model_dump(mode="json", **keep)
         except ConfigError as error:
             raise ValueError(f"config: {error}") from None
+        if world_size is None:  # the config's own, as a trainer's scaling config under Tune
+            configured = base["launch"]["world_size"]
+            world_size = configured if isinstance(configured, int) else 1
         trials = ConfigTrials(base, world_size, metric, checkpoint_dir)
         trials.check(space)
         _check_data_root(trials.base_config)
@@ -567,7 +585,7 @@ def _trials(
     clashes = [key for key in RESERVED if key in kwargs]
     if clashes:
         raise ValueError(f"sweep: {clashes[0]}: set by the sweep for every trial; leave it out")
-    return FunctionTrials(target, kwargs, world_size, metric, checkpoint_dir)
+    return FunctionTrials(target, kwargs, world_size or 1, metric, checkpoint_dir)
 
 
 def _check_data_root(config: RunConfig) -> None:

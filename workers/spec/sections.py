@@ -533,7 +533,10 @@ class TrainingConfig(BaseModel):
         default=0.1, gt=0, description="step: the factor each decay multiplies the rate by"
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32", description="bf16 autocast (CPU or GPU), or fp16 with loss scaling (GPU)"
+        default="fp32",
+        description="bf16 autocast (CPU or GPU; a CPU without bfloat16 instructions, AVX512-BF16 "
+        "or AMX, emulates it several times slower, and rank 0 warns), or fp16 with loss "
+        "scaling (GPU)",
     )
     max_grad_norm: float | None = Field(
         default=None,
