@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import Reference, assert_equivalent, train_in_one_process
 from tests.test_launch import _data, _model
+from workers import elastic
 from workers.data import (
     as_features,
     epoch_blocks,
@@ -324,6 +325,64 @@ def test_the_queue_asks_elastic_jobs_above_their_minimum_never_fixed_ones_by_pri
     )
     assert [q["job_id"] for q in queued] == ["high", "low"]
     client.run_on_scheduler(_ask, [])  # leave the queue empty for the next test
+
+
+def _downscaling(requests: list[Request], dask_scheduler) -> int:
+    """How many of the cluster's workers ``cluster.adapt()`` may retire with ``requests``
+    held (the queue's answer to the scheduler)."""
+    _ask(requests, dask_scheduler)
+    queue = dask_scheduler.plugins["dask-train-queue"]
+    allowed = queue.valid_workers_downscaling(dask_scheduler, list(dask_scheduler.workers.values()))
+    queue.entries.clear()
+    return len(allowed)
+
+
+def test_an_adaptive_cluster_retires_an_elastic_jobs_workers_above_its_minimum_only(cluster):
+    run = cluster.client.run_on_scheduler  # 2 workers, both held by the elastic job
+    assert run(_downscaling, [_request("at-min", 2, 3)]) == 0
+    assert run(_downscaling, [_request("one-above", 1, 2)]) == 1
+
+
+ASKED_AT, SAVED_AT, STEPS = 4, 2, 8
+
+
+def _asked_by_rank_0(ctx) -> int:
+    """Rank 0 alone asks for a resize during step ``ASKED_AT`` (as a worker that is leaving
+    does); each rank reports the step it stopped at. A state no replica can stand in for
+    (``replicated=False``): the next world continues from the checkpoint of ``SAVED_AT``."""
+    model = nn.Linear(1, 1, bias=False)
+    step = ctx.restore({"model": model}, replicated=False) or 0
+    while step < STEPS:
+        step += 1
+        with torch.no_grad():
+            model.weight.fill_(step)
+        if step == SAVED_AT:
+            ctx.save({"model": model}, step=step)
+        if step == ASKED_AT and ctx.rank == 0 and ctx.attempt == 0:
+            elastic.request_resize(ctx.boundary.generation, "joined")
+        ctx.report(step=step)
+        try:
+            ctx.step_done(step)
+        except elastic.ResizeBoundary:
+            ctx.report(stopped_at=step)
+            raise
+    return int(model.weight.item())
+
+
+# The vote taken without the peers' (each rank stopping where it was asked) left the rank
+# nobody asked waiting for its peer until the hang bound: this bound fails it sooner.
+@pytest.mark.timeout(120)
+def test_one_rank_asked_stops_every_rank_one_step_later_and_a_checkpoint_counts_redone_steps(
+    cluster, tmp_path
+):
+    result = launch(_asked_by_rank_0, cluster=cluster, world_size="1:2", checkpoint_dir=tmp_path)
+    stopped = {r["rank"]: r["stopped_at"] for m in result.metrics for r in m if "stopped_at" in r}
+    # The votes are summed: the rank nobody asked stops with the one asked, a step later.
+    assert stopped == {0: ASKED_AT + 1, 1: ASKED_AT + 1}, stopped
+    (resize,) = result.resizes
+    # The next world continued from the checkpoint of SAVED_AT: the steps after it, redone.
+    assert (resize["step"], resize["redone_steps"]) == (SAVED_AT, ASKED_AT + 1 - SAVED_AT)
+    assert result.results == [STEPS, STEPS]
 
 
 @pytest.mark.parametrize(
