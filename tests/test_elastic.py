@@ -807,6 +807,9 @@ def test_the_trainer_keeping_each_ranks_batch_resized_2_3_2_equals_one_process_o
     causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
     assert causes == [(2, 3, "joined"), (3, 2, "retired")], causes
     worlds = _worlds(result)
+    # Every step once in what on_event saw (metrics.jsonl), the steps the ranks stopped at too.
+    logged = [r["step"] for r in watch.records if r["kind"] == "step"]
+    assert logged == list(range(1, len(worlds) + 1))
     assert worlds.count(3) > 0 and worlds[0] == worlds[-1] == 2, worlds
     # Each rank kept its 25 rows: the epochs took fewer steps while 3 ranks trained.
     blocks = epoch_blocks(len(_digits_train(config)), block=25, drop_last=True)
