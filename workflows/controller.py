@@ -57,6 +57,7 @@ from workflows.launcher import (
     LaunchError,
     ProcessGroup,
     RankFailed,
+    RankHung,
     WorkerLost,
     run_bounded,
 )
@@ -258,6 +259,7 @@ class JobController:
         self.outcomes: list[RankOutcome] = []
         # Whether the queue knows that this elastic job resizes when asked (admission.resizes).
         self.queue_told_it_resizes = False
+        self.rank_0_lost = False  # the last attempt's rank 0, and its records in flight
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -421,6 +423,7 @@ class JobController:
 
     def _failed(self, error: RankFailed | GroupFormationError, started: float) -> None:
         """A failure: another attempt (``recovering``), or the exception that ends the job."""
+        self.rank_0_lost = isinstance(error, WorkerLost | RankHung) and error.rank == 0
         # An elastic job that loses a worker shrinks (or takes a replacement): a resize of
         # its world, not one of the failures launch.max_failures bounds.
         if self.settings.elastic and isinstance(error, WorkerLost):
@@ -455,7 +458,8 @@ class JobController:
         if wanted and self.attempt > 0:
             # Each step once in the ranks' reports, rank 0's whatever worker was lost.
             continued = source.step if source is not None else resume[1]["step"] if resume else 0
-            self.events.continued_from(self.attempt - 1, continued)
+            self.events.continued_from(self.attempt - 1, continued, rank_0_lost=self.rank_0_lost)
+            self.rank_0_lost = False
         resize, self.resize = self.resize, None
         if resize is not None:
             resize.after = len(self.workers)

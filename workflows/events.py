@@ -30,7 +30,7 @@ EventHandler = Callable[[dict[str, Any]], None]
 logger = logging.getLogger(__name__)
 # How long a mended history waits for a surviving rank's record of a step rank 0 never sent:
 # it left that rank before the loss was even seen, and is normally here already.
-STAND_IN_WAIT_S = 2.0
+STAND_IN_WAIT_S = 1.0
 
 
 class EventRelay:
@@ -145,20 +145,23 @@ class EventRelay:
                 for rank in range(ranks)
             ]
 
-    def continued_from(self, attempt: int, step: int) -> None:
+    def continued_from(self, attempt: int, step: int, *, rank_0_lost: bool) -> None:
         """The attempt after ``attempt`` continues from ``step``: ``attempt``'s reports of
-        later steps are redone, and the steps up to it that rank 0 never reported get a
-        surviving rank's record of the step (``reported_by_rank`` says whose), to
-        ``on_event`` too. Only for a rank 0 that reports its steps (``ctx.report(step=...)``)."""
+        later steps are redone. When ``attempt``'s rank 0 was lost (its worker gone or
+        stopped, with what it had not sent yet), the steps up to ``step`` it never reported get
+        a surviving rank's record of the step (``reported_by_rank`` says whose), to
+        ``on_event`` too; only for a rank 0 that reports its steps (``ctx.report(step=...)``),
+        and waited for only where it reported each one."""
         with self._lock:
             self._redone_after[attempt] = step
             reported = {
                 _step(r) for a in range(attempt + 1) for r in self.reports.get((a, 0), [])
             } - {None}
-            if not reported:
+            if not rank_0_lost or not reported:
                 return
             missing = set(range(max(reported) + 1, step + 1))
-            deadline = time.monotonic() + STAND_IN_WAIT_S
+            each = max(reported) - 1 in reported  # step by step: the peers' are on their way
+            deadline = time.monotonic() + (STAND_IN_WAIT_S if each else 0.0)
             while missing - set(self._stand_ins(attempt, missing)):
                 left = deadline - time.monotonic()
                 if left <= 0:
