@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.reference import Reference, assert_equivalent, train_in_one_process
 from tests.test_launch import _data, _model
+from workers import elastic
 from workers.data import (
     as_features,
     epoch_blocks,
@@ -241,6 +242,50 @@ def test_a_job_grows_on_join_and_shrinks_by_sigkill_sigterm_and_retire_redoing_n
         assert_equivalent(rank_parameters, reference, planted=planted)
 
 
+DIES_AT, LAST_STEP = 4, 10
+
+
+def _rank_0_lost_after_its_step(ctx) -> int:
+    """A user's DDP loop that reports before ``step_done``; in the first world, rank 0's
+    worker process is SIGKILLed at step ``DIES_AT`` after the step's all-reduce, before its
+    report: its peer finished the step and kept its state there."""
+    x, y = _data()
+    model = DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = ctx.restore({"model": model, "optimizer": optimizer}) or 0
+    share = GLOBAL_BATCH // ctx.world_size
+    while step < LAST_STEP:
+        index = _batch(step, len(y))[ctx.rank * share : (ctx.rank + 1) * share]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[index]), y[index])
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step == DIES_AT and ctx.rank == 0 and ctx.attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ctx.report(step=step, loss=loss.item())
+        ctx.step_done(step)
+    return step
+
+
+@pytest.mark.timeout(120)
+def test_rank_0s_history_holds_every_step_once_after_its_worker_is_sigkilled(own_cluster):
+    events: list[dict] = []
+    result = launch(
+        _rank_0_lost_after_its_step, cluster=own_cluster, world_size="1:2", on_event=events.append
+    )
+    assert result.results[0] == LAST_STEP
+    assert result.recoveries[0]["resumed_from_step"] == DIES_AT  # the peer's state
+    steps = list(range(1, LAST_STEP + 1))
+    assert [r["step"] for r in result.metrics[0]] == steps
+    # What on_event saw (what `dask-train launch` writes to metrics.jsonl): the same, once.
+    reported = [r for r in events if r["kind"] == "report" and r["rank"] == 0]
+    assert sorted(r["step"] for r in reported) == steps
+    # The step rank 0 never reported is its peer's record of it, saying so.
+    (stood_in,) = [r for r in result.metrics[0] if "reported_by_rank" in r]
+    assert (stood_in["step"], stood_in["reported_by_rank"]) == (DIES_AT, 1)
+
+
 def _fixed_job(ctx) -> int:
     ctx.report(world=ctx.world_size)
     return ctx.world_size
@@ -274,6 +319,84 @@ def test_a_queued_job_then_an_adaptive_cluster_take_workers_from_an_elastic_job(
     assert {r["redone_steps"] for r in job.result.resizes} == {0}
 
 
+def _until_exists(ctx, path: str) -> int:
+    """Runs until ``path`` exists, never passing a step boundary (no ``step_done``)."""
+    ctx.report(world=ctx.world_size)
+    while not os.path.exists(path):
+        ctx.heartbeat()
+        time.sleep(0.05)
+    return ctx.world_size
+
+
+def _holding(cluster, release, world_size) -> Background:
+    return Background(
+        lambda watch: launch(
+            _until_exists, str(release), cluster=cluster, world_size=world_size, on_event=watch
+        ),
+        release,
+    )
+
+
+def _started(records: list[dict]) -> bool:
+    return any(r["kind"] == "report" for r in records)
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_job_without_step_boundaries_is_not_given_a_worker_a_queued_job_needs(
+    cluster, tmp_path
+):
+    first = _holding(cluster, tmp_path / "first", 1)
+    job = _holding(cluster, tmp_path / "elastic", "1:2")
+    with first as first_watch:
+        first_watch.until("the first job on one worker", _started)
+        with job as watch:
+            watch.until("the elastic job on the other", _started)
+            first.__exit__(None, None, None)  # its worker is free now
+            # The elastic job could only use it by stopping at a step boundary, which it
+            # never reaches: the worker stays free, for the job that needs it.
+            queued = launch(
+                _fixed_job, cluster=cluster, world_size=1, config={"queue_timeout_s": 20.0}
+            )
+            assert queued.results == [1]
+    assert job.result.results == [1] and job.result.resizes == []
+
+
+def _refuse_the_next_resize_request() -> None:
+    """On a worker (``Client.run``): its next resize request fails, as on a worker too busy to
+    take it, then requests are taken again."""
+    taking = elastic.request_resize
+
+    def refusing(*args, **kwargs):
+        elastic.request_resize = taking
+        raise RuntimeError("a worker too busy to take the request")
+
+    refusing.taking = taking
+    elastic.request_resize = refusing
+
+
+def _take_resize_requests() -> None:
+    elastic.request_resize = getattr(elastic.request_resize, "taking", elastic.request_resize)
+
+
+@pytest.mark.timeout(120)
+def test_a_resize_request_that_failed_is_sent_again(cluster, tmp_path):
+    stop_file = tmp_path / "stop"
+    client = cluster.client
+    try:
+        with elastic_job(cluster, stop_file, "1:2") as watch:
+            watch.until("2 ranks training", watch.world(2))
+            client.run(_refuse_the_next_resize_request)  # on both ranks' workers
+            # The queued job needs a worker back: the first request reaches no rank.
+            queued = launch(
+                _fixed_job, cluster=cluster, world_size=1, config={"queue_timeout_s": 20.0}
+            )
+            assert queued.results == [1]
+    finally:
+        client.run(_take_resize_requests)
+    causes = [(r["from"], r["to"], r["cause"]) for r in watch.records if r["kind"] == "resized"]
+    assert causes[0] == (2, 1, "yielded"), causes
+
+
 # -- the queue's decisions, on a real scheduler ------------------------------------------------
 
 
@@ -287,6 +410,8 @@ def _ask(requests: list[Request], dask_scheduler) -> dict:
     statuses = {}
     for request in requests:
         statuses[request.job_id] = queue.request(request)
+        if request.elastic:  # its ranks passed a step boundary: it resizes when asked
+            queue.resizes(request.job_id)
     return {job_id: queue.status(job_id) for job_id in statuses}
 
 
@@ -324,6 +449,64 @@ def test_the_queue_asks_elastic_jobs_above_their_minimum_never_fixed_ones_by_pri
     )
     assert [q["job_id"] for q in queued] == ["high", "low"]
     client.run_on_scheduler(_ask, [])  # leave the queue empty for the next test
+
+
+def _downscaling(requests: list[Request], dask_scheduler) -> int:
+    """How many of the cluster's workers ``cluster.adapt()`` may retire with ``requests``
+    held (the queue's answer to the scheduler)."""
+    _ask(requests, dask_scheduler)
+    queue = dask_scheduler.plugins["dask-train-queue"]
+    allowed = queue.valid_workers_downscaling(dask_scheduler, list(dask_scheduler.workers.values()))
+    queue.entries.clear()
+    return len(allowed)
+
+
+def test_an_adaptive_cluster_retires_an_elastic_jobs_workers_above_its_minimum_only(cluster):
+    run = cluster.client.run_on_scheduler  # 2 workers, both held by the elastic job
+    assert run(_downscaling, [_request("at-min", 2, 3)]) == 0
+    assert run(_downscaling, [_request("one-above", 1, 2)]) == 1
+
+
+ASKED_AT, SAVED_AT, STEPS = 4, 2, 8
+
+
+def _asked_by_rank_0(ctx) -> int:
+    """Rank 0 alone asks for a resize during step ``ASKED_AT`` (as a worker that is leaving
+    does); each rank reports the step it stopped at. A state no replica can stand in for
+    (``replicated=False``): the next world continues from the checkpoint of ``SAVED_AT``."""
+    model = nn.Linear(1, 1, bias=False)
+    step = ctx.restore({"model": model}, replicated=False) or 0
+    while step < STEPS:
+        step += 1
+        with torch.no_grad():
+            model.weight.fill_(step)
+        if step == SAVED_AT:
+            ctx.save({"model": model}, step=step)
+        if step == ASKED_AT and ctx.rank == 0 and ctx.attempt == 0:
+            elastic.request_resize(ctx.boundary.generation, "joined")
+        ctx.report(step=step)
+        try:
+            ctx.step_done(step)
+        except elastic.ResizeBoundary:
+            ctx.report(stopped_at=step)
+            raise
+    return int(model.weight.item())
+
+
+# The vote taken without the peers' (each rank stopping where it was asked) left the rank
+# nobody asked waiting for its peer until the hang bound: this bound fails it sooner.
+@pytest.mark.timeout(120)
+def test_one_rank_asked_stops_every_rank_one_step_later_and_a_checkpoint_counts_redone_steps(
+    cluster, tmp_path
+):
+    result = launch(_asked_by_rank_0, cluster=cluster, world_size="1:2", checkpoint_dir=tmp_path)
+    stopped = {r["rank"]: r["stopped_at"] for m in result.metrics for r in m if "stopped_at" in r}
+    # The votes are summed: the rank nobody asked stops with the one asked, a step later.
+    assert stopped == {0: ASKED_AT + 1, 1: ASKED_AT + 1}, stopped
+    (resize,) = result.resizes
+    # The next world continued from the checkpoint of SAVED_AT: the steps after it, redone.
+    assert (resize["step"], resize["redone_steps"]) == (SAVED_AT, ASKED_AT + 1 - SAVED_AT)
+    assert result.results == [STEPS, STEPS]
 
 
 @pytest.mark.parametrize(
@@ -624,6 +807,9 @@ def test_the_trainer_keeping_each_ranks_batch_resized_2_3_2_equals_one_process_o
     causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
     assert causes == [(2, 3, "joined"), (3, 2, "retired")], causes
     worlds = _worlds(result)
+    # Every step once in what on_event saw (metrics.jsonl), the steps the ranks stopped at too.
+    logged = [r["step"] for r in watch.records if r["kind"] == "step"]
+    assert logged == list(range(1, len(worlds) + 1))
     assert worlds.count(3) > 0 and worlds[0] == worlds[-1] == 2, worlds
     # Each rank kept its 25 rows: the epochs took fewer steps while 3 ranks trained.
     blocks = epoch_blocks(len(_digits_train(config)), block=25, drop_last=True)

@@ -6,6 +6,7 @@ import uuid
 
 from workers.records import HeartbeatRecord, parse_record
 from workflows.driver import train
+from workflows.jobs import launch
 from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, keep_training_metrics
 
 
@@ -178,3 +179,15 @@ def test_a_jobs_name_never_carries_its_records_into_another_kind_of_topic(cluste
         return list(dask_scheduler.plugins[PLUGIN_NAME].sweeps)
 
     assert not [s for s in cluster.client.run_on_scheduler(studies) if s.endswith("topics")]
+
+
+def reports_named_like_the_jobs_own_series(ctx) -> None:
+    ctx.report(step=1, loss=0.5, world=ctx.world_size, ranks=2, history=3, memory=4)
+
+
+def test_a_rank_metric_named_like_a_jobs_series_leaves_metrics_readable(cluster):
+    result = launch(reports_named_like_the_jobs_own_series, cluster=cluster, world_size=2)
+    # /metrics answers (a 500 for every job on the scheduler when "world" replaced the job's
+    # world-size series), with the job's own figures.
+    gauges = _training_gauges(cluster.dashboard_link, f'job="{result.job_id}"')
+    assert gauges["dask_train_loss"] == 0.5 and gauges["dask_train_world_size"] == 2

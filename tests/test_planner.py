@@ -17,6 +17,7 @@ from workflows.planner import (
     StagePlan,
     _recommend,
     balanced_split,
+    checkpoint_copies,
     estimate_memory,
     optimizer_buffers,
     plan,
@@ -156,8 +157,43 @@ def test_the_plan_suggests_sharding_when_a_replica_does_not_fit(make_config, wor
     assert not plan.fits_one_device
     assert plan.recommendation.startswith(f"{advice} with parallel.dp_shard = 2: a DDP replica")
     rendered = plan.render().splitlines()
-    assert "  ddp                      246.0 MiB  (60.0 + 120.0 + 60.0 + 6.0)" in rendered
-    assert "  fsdp, dp_shard=2         216.0 MiB  (90.0 + 90.0 + 30.0 + 6.0)" in rendered
+    assert "  ddp                      246.0 MiB  (60.0 + 120.0 + 60.0 + 6.0 + 0.0)" in rendered
+    assert "  fsdp, dp_shard=2         216.0 MiB  (90.0 + 90.0 + 30.0 + 6.0 + 0.0)" in rendered
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "copies", "advice"),
+    [
+        ({"directory": "ckpt"}, 2, "fsdp"),  # asynchronous, the default
+        ({"directory": "ckpt", "async_save": False}, 0, "ddp"),
+        ({}, 0, "ddp"),  # no checkpoints
+    ],
+)
+def test_an_asynchronous_checkpoints_copies_count_against_the_workers_memory(
+    make_config, checkpoint, copies, advice
+):
+    # 60 MiB of parameters and as much momentum: a replica needs 246 MiB without checkpoints,
+    # and 2 x 120 more with asynchronous ones (the staged copy and its serialized files).
+    layers = _layers([1, 1, 1], param_mib=[10, 30, 20])
+    profile = DeviceProfile("cpu", memory_bytes=340 * MIB, micro_batch=8, layers=tuple(layers))
+    config = make_config({"checkpoint": checkpoint}, batch_size=32, momentum=0.9)
+    assert checkpoint_copies(config) == copies
+    plan = _recommend(
+        config,
+        checkpoint_copies=checkpoint_copies(config),
+        profile=profile,
+        stages=(StagePlan(layers=("l0", "l1", "l2"), seconds=3.0, memory_bytes=0),),
+        points=[],
+        world_size=2,
+        n_microbatches=1,
+        dp=2,
+    )
+    assert plan.memory[1].checkpoint == copies * 120 * MIB
+    assert plan.memory[2].checkpoint == copies * 60 * MIB  # a shard's: half
+    assert plan.recommendation.startswith(advice)
+    if copies:
+        line = "  ddp                      486.0 MiB  (60.0 + 120.0 + 60.0 + 6.0 + 240.0)"
+        assert line in plan.render().splitlines()
 
 
 def test_plan_command_prints_profile_split_bubble_and_recommendation(store_dir, cluster):

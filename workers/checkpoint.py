@@ -753,10 +753,13 @@ class AsyncCheckpoints:
                 if write.abandoned.is_set():
                     write.error = "abandoned: the job stopped"
                     return
-                data = memory.cat_file(path)
                 name = path.rsplit("/", 1)[-1]
-                self._put(write.target, name, data)
-                write.written[name] = (hashlib.sha256(data).hexdigest(), len(data))
+                # The file's own buffer, not a copy (cat_file's): at the write's peak a rank
+                # held its state a third time for it (the plan counts the staged copy and the
+                # serialized one).
+                with memory.store[path].getbuffer() as data:
+                    self._put(write.target, name, data)
+                    write.written[name] = (hashlib.sha256(data).hexdigest(), data.nbytes)
             write.took_s = time.monotonic() - write.started
             # Committed as soon as every rank's files are written, not at the next save: a
             # worker lost in between must find this checkpoint (no collective from here).
@@ -793,9 +796,10 @@ class AsyncCheckpoints:
             logger.warning("checkpoint of step %d: commit left to finish: %s", write.step, error)
             return None
 
-    def _put(self, target: Path | _Remote, name: str, data: bytes) -> None:
+    def _put(self, target: Path | _Remote, name: str, data: bytes | memoryview) -> None:
         if isinstance(target, _Remote):
-            target.fs.pipe_file(f"{target.path}/{name}", data)  # one PUT: whole or absent
+            # One PUT: whole or absent (bytes: what every fsspec filesystem takes).
+            target.fs.pipe_file(f"{target.path}/{name}", bytes(data))
         else:
             # Whole or absent on local disk too: a file appears by its rename.
             part = target / f".{name}.{uuid.uuid4().hex[:8]}.part"
@@ -1511,7 +1515,7 @@ def _sha256_of(file: IO[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def _write_durably(path: Path, data: bytes | memoryview) -> None:
     with path.open("wb") as file:
         file.write(data)
         file.flush()

@@ -688,6 +688,12 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
     for i, (x, y) in enumerate(batches):
         batch, after = start_batch + i * stride, start_batch + (i + 1) * stride
         loss = train_step(trainer, x, y, sums=sums)
+        # Before the boundary: an elastic job's ranks may stop there, and the step's record
+        # must go out all the same (metrics.jsonl had a hole at every resize).
+        if hooks.report and config.log_every_steps and trainer.step % config.log_every_steps == 0:
+            assert loss is not None  # the reporting rank holds the last stage
+            at_step = StepRecord(epoch=epoch + 1, step=trainer.step, loss=loss.item())
+            hooks.report(at_step.to_event())
         if hooks.step_done:
             _step_done(
                 trainer,
@@ -697,10 +703,6 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         if hooks.heartbeat:
             hooks.heartbeat(trainer.step)
         trainer.throughput.step_done(trainer.batches.job_rows(batch), epoch_started=epoch_started)
-        if hooks.report and config.log_every_steps and trainer.step % config.log_every_steps == 0:
-            assert loss is not None  # the reporting rank holds the last stage
-            at_step = StepRecord(epoch=epoch + 1, step=trainer.step, loss=loss.item())
-            hooks.report(at_step.to_event())
         last_of_epoch = i == steps_left - 1
         if trainer.step >= trainer.total_steps:
             if not last_of_epoch:

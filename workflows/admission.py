@@ -159,6 +159,10 @@ class _Entry:
     retiring: set[str] = field(default_factory=set)
     retired: set[str] = field(default_factory=set)  # left while retiring: not failures
     version: int = 0  # raised at every change its holder must act on
+    # An elastic job can use a worker beyond its world only by resizing: its holder says so
+    # (``resizes``) once its ranks passed a step boundary, or at once for a script, which
+    # restarts. Until then it is neither given free workers nor asked for its own.
+    resizes: bool = False
 
     def changed_now(self) -> None:
         self.version += 1
@@ -226,6 +230,14 @@ class WorkerQueue(SchedulerPlugin):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(entry.changed.wait(), timeout_s)
         return self.status(job_id)
+
+    def resizes(self, job_id: str) -> None:
+        """The job's ranks resize when asked (they passed a step boundary): from now on it may
+        grow into free workers, and give back those above its minimum."""
+        entry = self.entries.get(job_id)
+        if entry is not None and not entry.resizes:
+            entry.resizes = True
+            self._grant()
 
     def renew(self, job_id: str) -> bool:
         entry = self.entries.get(job_id)
@@ -347,10 +359,12 @@ class WorkerQueue(SchedulerPlugin):
             if wanted != entry.yielding:
                 entry.yielding = wanted
                 entry.changed_now()
-        # What nobody waits for goes to running elastic jobs below their maximum.
+        # What nobody waits for goes to running elastic jobs below their maximum that resize.
         for entry in serving:
             request = entry.request
             if entry.waiting or entry.draining or not request.elastic or entry.yielding:
+                continue
+            if not entry.resizes:  # it would hold the worker idle, never stopping to take it
                 continue
             room = request.maximum - len(entry.granted)
             taken = [w.address for w in free if request.eligible(w)][: max(room, 0)]
@@ -371,6 +385,7 @@ class WorkerQueue(SchedulerPlugin):
                 or holder.draining
                 or holder.waiting
                 or not request.elastic
+                or not holder.resizes  # it would never stop to give one back
                 or request.priority > waiting.request.priority
             ):
                 continue
@@ -394,12 +409,13 @@ class WorkerQueue(SchedulerPlugin):
         self, scheduler: Scheduler, workers: list["WorkerState"]
     ) -> list["WorkerState"]:
         """The workers ``cluster.adapt()`` may retire: free ones, and an elastic job's above
-        its minimum (it hands their ranks off at its next step boundary as they close)."""
+        its minimum, if it resizes (it hands their ranks off at its next step boundary as they
+        close)."""
         allowed = []
         spare = {
             job_id: len(e.granted) - len(e.retiring) - e.request.minimum
             for job_id, e in self.entries.items()
-            if e.request.elastic and not e.waiting and not e.draining
+            if e.request.elastic and e.resizes and not e.waiting and not e.draining
         }
         holder = {w: job_id for job_id, e in self.entries.items() for w in e.granted}
         for ws in workers:
@@ -510,6 +526,10 @@ async def _wait(job_id: str, timeout_s: float, dask_scheduler: Scheduler) -> dic
     queue = _queue(dask_scheduler)
     queue.renew(job_id)
     return await queue.wait(job_id, timeout_s)
+
+
+def _resizes(job_id: str, dask_scheduler: Scheduler) -> None:
+    _queue(dask_scheduler).resizes(job_id)
 
 
 def _renew(job_id: str, dask_scheduler: Scheduler) -> bool:
@@ -652,6 +672,12 @@ class Admission:
     def status(self) -> dict[str, Any]:
         """The job's entry as the queue sees it now (granted, yielding, retiring, retired)."""
         return self._ask(_status, self.request.job_id)
+
+    def resizes(self) -> None:
+        """Tell the queue that the job's ranks resize when asked (an elastic job's ranks
+        passed a step boundary): only then may it grow into free workers or be asked for its
+        own."""
+        self._ask(_resizes, self.request.job_id)
 
     def watch(self, version: int, timeout_s: float) -> dict[str, Any]:
         """The job's status once something its holder must act on changed since ``version``

@@ -437,7 +437,8 @@ def plan(
     # A ValueError here is the planner's: the model does not fit the stages it is given.
     with _exit_codes("planning", ValueError), _start_cluster(resolved.cluster) as cluster:
         run = resolve_run(cluster.client, resolved)
-        result = plan_stages(cluster.client, run, num_classes=num_classes)
+        # A run writes checkpoints (dask-train run: into its run directory): their copies count.
+        result = plan_stages(cluster.client, run, num_classes=num_classes, checkpointed=True)
     _echo(
         f"{resolved.model.name} on {run.layout.world_size} workers, global batch "
         f"{resolved.training.batch_size}"

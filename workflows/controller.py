@@ -63,6 +63,7 @@ from workflows.launcher import (
     LaunchError,
     ProcessGroup,
     RankFailed,
+    RankHung,
     WorkerLost,
     run_bounded,
 )
@@ -71,6 +72,9 @@ logger = logging.getLogger(__name__)
 DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for code that travels by value
 WATCH_POLL_S = 1.0  # one long poll of the queue by an elastic job's watcher
 JOIN_SETTLE_S = 0.5  # after a worker joins, how long to wait for the rest of a scale-up
+# One try of a resize request: a few bytes to each rank's worker, answered at once by a live
+# one. Tries that none took are made again within launch.init_timeout_s.
+RESIZE_TRY_S = 5.0
 
 
 class TrainingFailed(RuntimeError):
@@ -261,6 +265,9 @@ class JobController:
         self.workers: list[str] = []  # the latest generation's, in rank order
         self.outcomes: list[RankOutcome] = []
         self.resumed: ResumedRecord | None = None
+        # Whether the queue knows that this elastic job resizes when asked (admission.resizes).
+        self.queue_told_it_resizes = False
+        self.rank_0_lost = False  # the last attempt's rank 0, and its records in flight
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -353,7 +360,13 @@ class JobController:
                     ship_code(self.client, payload)  # what the workers cannot import
                 self.move(State.RUNNING, f"{len(group.workers)} ranks")
                 if self.settings.elastic:
-                    watcher = _Watcher(self, group.spec.generation, group.workers, restart)
+                    watcher = _Watcher(
+                        self,
+                        group.spec.generation,
+                        group.workers,
+                        restart,
+                        stepped=lambda: heartbeats.first_step_at is not None,
+                    )
                 outcomes = group.run(
                     run_pickled,
                     payload,
@@ -426,6 +439,7 @@ class JobController:
 
     def _failed(self, error: RankFailed | GroupFormationError, started: float) -> None:
         """A failure: another attempt (``recovering``), or the exception that ends the job."""
+        self.rank_0_lost = isinstance(error, WorkerLost | RankHung) and error.rank == 0
         # An elastic job that loses a worker shrinks (or takes a replacement): a resize of
         # its world, not one of the failures launch.max_failures bounds.
         if self.settings.elastic and isinstance(error, WorkerLost):
@@ -457,6 +471,11 @@ class JobController:
             logger.warning("recovery %d: %s", len(self.recoveries), recovery.describe())
             # The dashboard counts them; on_event handlers see a "recovery" record.
             self.events.emit(RecoveryRecord(recoveries=len(self.recoveries), **recovery.summary()))
+        if wanted and self.attempt > 0:
+            # Each step once in the ranks' reports, rank 0's whatever worker was lost.
+            continued = source.step if source is not None else resume[1]["step"] if resume else 0
+            self.events.continued_from(self.attempt - 1, continued, rank_0_lost=self.rank_0_lost)
+            self.rank_0_lost = False
         resize, self.resize = self.resize, None
         if resize is not None:
             resize.after = len(self.workers)
@@ -528,9 +547,12 @@ class _Watcher:
         generation: str,
         workers: list[str],
         restart: threading.Event,
+        *,
+        stepped: Callable[[], bool],
     ) -> None:
         self.controller, self.generation, self.workers = controller, generation, workers
         self.restart = restart
+        self.stepped = stepped  # whether a rank of this generation passed a step boundary
         self.cause: str | None = None
         self.asked_at = math.nan
         self.retired: set[str] = set()
@@ -561,6 +583,7 @@ class _Watcher:
         admission = self.controller.admission
         while not self._done.is_set():
             try:
+                self._tell_the_queue_it_resizes()
                 status = admission.watch(version, WATCH_POLL_S)
                 version = status["version"] if status.get("known") else version
                 cause = self._cause(status)
@@ -577,6 +600,18 @@ class _Watcher:
                 return
             if cause is not None:
                 self._ask(cause)
+
+    def _tell_the_queue_it_resizes(self) -> None:
+        """Once a rank passed a step boundary (a script at once: it restarts to resize), the
+        queue may grow the job into free workers and ask it for its own; a job whose code never
+        calls ``step_done`` would hold them idle, and keep a queued job waiting for them."""
+        controller = self.controller
+        if controller.queue_told_it_resizes:
+            return
+        if controller.step_boundaries and not self.stepped():
+            return
+        controller.admission.resizes()
+        controller.queue_told_it_resizes = True
 
     def _cause(self, status: dict[str, Any]) -> str | None:
         """Why the queue's view of the job calls for a resize now, if it does."""
@@ -602,15 +637,44 @@ class _Watcher:
         if not self.controller.step_boundaries:
             self.restart.set()  # torchrun's way: every rank stops, and starts again
             return
-        with contextlib.suppress(Exception):  # a rank gone meanwhile: the others still stop
-            run_bounded(
-                self.controller.client,
-                elastic.request_resize,
-                self.generation,
-                cause,
-                workers=self.workers,
-                timeout_s=self.controller.settings.init_timeout_s,
-            )
+        self._request_resize(cause)
+
+    def _request_resize(self, cause: str) -> None:
+        """Ask the ranks' workers to stop at the next boundary. One that takes it is enough
+        (the ranks' votes are summed: all stop together); a try that none took (their workers
+        busy, a connection failing) is made again, until ``launch.init_timeout_s`` has passed.
+        Unasked, the job would never give back what a queued job waits for."""
+        controller = self.controller
+        deadline = time.monotonic() + controller.settings.init_timeout_s
+        pause = 0.1
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                answers = run_bounded(
+                    controller.client,
+                    elastic.request_resize,
+                    self.generation,
+                    cause,
+                    workers=self.workers,
+                    timeout_s=max(min(RESIZE_TRY_S, left), 0.1),
+                )
+                if not answers or True in answers.values():
+                    return  # taken, or every rank's worker is gone: nobody left to ask
+                why = "; ".join(f"{w}: {a!r}" for w, a in answers.items())
+            except Exception as error:  # no answer in time, a connection failing
+                why = f"{type(error).__name__}: {error}"
+            left = deadline - time.monotonic()
+            if left <= 0 or self._done.is_set():
+                logger.warning(
+                    "job %s: no rank took the resize request within %g s (%s)",
+                    controller.spec.job_id,
+                    controller.settings.init_timeout_s,
+                    why,
+                )
+                return
+            logger.info("job %s: resize request not taken (%s); again", controller.spec.job_id, why)
+            self._done.wait(min(pause, left))
+            pause = min(2 * pause, 1.0)
 
 
 def _live_source(

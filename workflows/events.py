@@ -28,6 +28,9 @@ from workers.records import (
 # Called with each record's dict (workers/records.py has the typed models).
 EventHandler = Callable[[dict[str, Any]], None]
 logger = logging.getLogger(__name__)
+# How long a mended history waits for a surviving rank's record of a step rank 0 never sent:
+# it left that rank before the loss was even seen, and is normally here already.
+STAND_IN_WAIT_S = 1.0
 
 
 class EventRelay:
@@ -43,6 +46,11 @@ class EventRelay:
     Report records (``ctx.report``) of every rank are also kept, per attempt, so that the
     reports of an attempt that failed (whose results never came back) are not lost. A record
     of no known shape (``workers.records.parse_record`` refuses it) is logged and dropped.
+
+    Every step the job finished appears once in each rank's reports (``continued_from``): an
+    attempt's records of steps the next attempt does again are left out of
+    ``reports_before``, and a step rank 0 never reported (its worker lost after its peers had
+    finished the step, or its last records lost with it) gets a surviving rank's record of it.
     """
 
     _STOP = object()
@@ -50,8 +58,10 @@ class EventRelay:
     def __init__(self, client: Client, topic: str, on_event: EventHandler | None) -> None:
         self.client, self.topic, self.on_event = client, topic, on_event
         self.reports: dict[tuple[int, int], list[dict[str, Any]]] = {}  # (attempt, rank) ->
+        self._redone_after: dict[int, int] = {}  # attempt -> the step the next one continued from
         self._seen: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
+        self._reported = threading.Condition(self._lock)
         # SimpleQueue, not Queue: Queue.put takes a lock in Python code, and the Ctrl-C or
         # SIGTERM of a CLI job (a KeyboardInterrupt, raised wherever the main thread is)
         # landing just after it was taken left it taken for good. The main thread then hung
@@ -69,6 +79,7 @@ class EventRelay:
         if isinstance(record, ReportRecord):
             with self._lock:
                 self.reports.setdefault((record.attempt, record.rank), []).append(data)
+                self._reported.notify_all()
         if self.on_event is not None:
             self._queue.put((record, data))
 
@@ -120,16 +131,70 @@ class EventRelay:
             self._seen.update(keys)
 
     def reports_before(self, attempt: int, ranks: int) -> list[list[dict[str, Any]]]:
-        """Per rank, the reports that arrived from attempts before ``attempt``, in order."""
+        """Per rank, the reports that arrived from attempts before ``attempt``, in order,
+        less those of steps a later attempt did again."""
         with self._lock:
             return [
                 [
                     record
                     for earlier in range(attempt)
                     for record in sorted(self.reports.get((earlier, rank), []), key=_seq)
+                    if (step := _step(record)) is None
+                    or step <= self._redone_after.get(earlier, step)
                 ]
                 for rank in range(ranks)
             ]
+
+    def continued_from(self, attempt: int, step: int, *, rank_0_lost: bool) -> None:
+        """The attempt after ``attempt`` continues from ``step``: ``attempt``'s reports of
+        later steps are redone. When ``attempt``'s rank 0 was lost (its worker gone or
+        stopped, with what it had not sent yet), the steps up to ``step`` it never reported get
+        a surviving rank's record of the step (``reported_by_rank`` says whose), to
+        ``on_event`` too; only for a rank 0 that reports its steps (``ctx.report(step=...)``),
+        and waited for only where it reported each one."""
+        with self._lock:
+            self._redone_after[attempt] = step
+            reported = {
+                _step(r) for a in range(attempt + 1) for r in self.reports.get((a, 0), [])
+            } - {None}
+            if not rank_0_lost or not reported:
+                return
+            missing = set(range(max(reported) + 1, step + 1))
+            each = max(reported) - 1 in reported  # step by step: the peers' are on their way
+            deadline = time.monotonic() + (STAND_IN_WAIT_S if each else 0.0)
+            while missing - set(self._stand_ins(attempt, missing)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._reported.wait(left)
+            stand_ins = self._stand_ins(attempt, missing)
+            own = self.reports.get((attempt, 0), [])
+            seq = max((_seq(r) for r in own), default=-1) + 1
+            mended = []
+            for offset, found in enumerate(sorted(stand_ins.items())):
+                record = found[1] | {"rank": 0, "seq": seq + offset}
+                mended.append(record | {"reported_by_rank": found[1]["rank"]})
+            self.reports.setdefault((attempt, 0), []).extend(mended)
+        for data in mended:
+            logger.warning(
+                "rank 0's record of step %s was lost with its worker; rank %s's stands in",
+                data["step"],
+                data["reported_by_rank"],
+            )
+            record = self._read(data)
+            if record is not None and self.on_event is not None:
+                self._queue.put((record, data))
+
+    def _stand_ins(self, attempt: int, steps: set[int]) -> dict[int, dict[str, Any]]:
+        """Of ``steps``, the record each has from the lowest surviving rank of ``attempt``."""
+        found: dict[int, dict[str, Any]] = {}
+        for (a, rank), records in sorted(self.reports.items()):
+            if a != attempt or rank == 0:
+                continue
+            for record in records:
+                if _step(record) in steps:
+                    found.setdefault(int(record["step"]), record)
+        return found
 
     def deliver_missed(self, records: list[dict[str, Any]]) -> None:
         """Call after leaving the context. If the handler is still busy after the bounded wait,
@@ -169,3 +234,9 @@ def _key(record: Record) -> tuple[Any, ...]:
 
 def _seq(record: dict[str, Any]) -> int:
     return int(record["seq"])
+
+
+def _step(record: dict[str, Any]) -> int | None:
+    """The step a report is of (``ctx.report(step=...)``); None for one without."""
+    step = record.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

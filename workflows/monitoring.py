@@ -205,7 +205,8 @@ class TrainingMetrics(SchedulerPlugin):
                         reports = state.setdefault("reports", [])
                         reports.append(_numbers(record.to_event()))
                         del reports[:-KEEP_EPOCHS]
-                    state.update(_numbers(record.metrics))
+                    metrics = _numbers(record.metrics)
+                    state.update({k: v for k, v in metrics.items() if k not in _KEPT})
                     state.setdefault("strategy", "launch")
                 case WorldRecord() | ResizedRecord():
                     _record_world(state, record)
@@ -261,6 +262,12 @@ class TrainingMetrics(SchedulerPlugin):
                 }
                 for job, state in self.jobs.items()
             }
+
+
+# What a job's state keeps beside its latest figures: a rank's metric of the same name
+# (ctx.report(world=ctx.world_size)) replaced the world-size series, and /metrics failed for
+# every job on the scheduler.
+_KEPT = frozenset({"ranks", "memory", "history", "reports", "world", "last_seen"})
 
 
 def _numbers(fields: dict[str, Any]) -> dict[str, Any]:

@@ -58,10 +58,15 @@ class MemoryEstimate:
     gradients: int  # DDP's: the gradients and its all-reduce buckets, a copy each
     optimizer: int  # the optimizer's state: training.optimizer's buffers per parameter
     activations: int  # saved for backward, for the rank's rows of one step
+    # checkpoint.async_save's copies of the rank's part of the state (parameters and optimizer
+    # state): the staged one, kept for the run, and its serialized files while they are written
+    checkpoint: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return (
+            self.parameters + self.gradients + self.optimizer + self.activations + self.checkpoint
+        )
 
 
 # Buffers the size of the parameters that each torch.optim class keeps (its state per parameter,
@@ -93,22 +98,41 @@ def estimate_memory(
     optimizer_buffers: int,
     shard: int = 1,
     unit_bytes: int = 0,
+    checkpoint_copies: int = 0,
 ) -> MemoryEstimate:
     """A rank's memory for ``rows`` rows a step of the profiled model: a DDP replica when
     ``shard`` is 1; under FSDP2 over ``shard`` ranks, its shards plus two units gathered whole
     (the largest unit's parameters as it runs and the next one's, prefetched) and two more of
     gradients (the unit's whole gradient and the copy FSDP2 reduce-scatters from). A unit is
-    ``unit_bytes`` (0: the largest layer's).
+    ``unit_bytes`` (0: the largest layer's). Asynchronous checkpoints hold
+    ``checkpoint_copies`` of the rank's own parameters and optimizer state (`checkpoint_copies`).
 
     Measured against it (``make bench-fsdp``, which prints both): within 15% on the linear
     stack, the GPT and vit_b_16, under DDP and FSDP, at 2 and 4 ranks on the CPU."""
     params = sum(layer.param_bytes for layer in layers)
     activations = sum(layer.activation_bytes for layer in layers) * rows // max(micro_batch, 1)
+    own = params if shard == 1 else -(-params // shard)
+    checkpoint = checkpoint_copies * (1 + optimizer_buffers) * own
     if shard == 1:
-        return MemoryEstimate(params, 2 * params, optimizer_buffers * params, activations)
-    own = -(-params // shard)
+        return MemoryEstimate(
+            params, 2 * params, optimizer_buffers * params, activations, checkpoint
+        )
     unit = unit_bytes or max(layer.param_bytes for layer in layers)
-    return MemoryEstimate(own + 2 * unit, own + 2 * unit, optimizer_buffers * own, activations)
+    return MemoryEstimate(
+        own + 2 * unit, own + 2 * unit, optimizer_buffers * own, activations, checkpoint
+    )
+
+
+def checkpoint_copies(config: RunConfig, *, checkpointed: bool | None = None) -> int:
+    """How many copies of a rank's part of the state its checkpoints hold at their peak:
+    with ``checkpoint.async_save`` (the default) two, the CPU copy the rank keeps for the whole
+    run (``workers.checkpoint.AsyncCheckpoints``) and its serialized files while they are
+    written (measured: ``make bench-fsdp`` with ``--checkpoints``); none for a synchronous save
+    or a run without checkpoints (``checkpointed``; None: whether ``checkpoint.directory`` is
+    set)."""
+    if checkpointed is None:
+        checkpointed = config.checkpoint.directory is not None
+    return 2 if checkpointed and config.checkpoint.async_save else 0
 
 
 def suggested_shard(estimates: dict[int, MemoryEstimate], memory_bytes: int) -> int | None:
@@ -174,14 +198,21 @@ class Plan:
             lines.append(f"  {strategy:<15}{seconds * 1e3:>10.2f} ms")
         lines.append(
             f"Memory per rank at {self.world_size} ranks (parameters + gradients + optimizer "
-            f"state + activations; device {self.profile.memory_bytes / mib:,.0f} MiB):"
+            f"state + activations + asynchronous checkpoints' copies; device "
+            f"{self.profile.memory_bytes / mib:,.0f} MiB):"
         )
         for shard, estimate in self.memory.items():
             label = "ddp" if shard == 1 else f"fsdp, dp_shard={shard}"
-            parts = (estimate.parameters, estimate.gradients, estimate.optimizer)
+            parts = (
+                estimate.parameters,
+                estimate.gradients,
+                estimate.optimizer,
+                estimate.activations,
+                estimate.checkpoint,
+            )
             lines.append(
                 f"  {label:<20}{estimate.total / mib:>10,.1f} MiB  ("
-                + " + ".join(f"{part / mib:,.1f}" for part in (*parts, estimate.activations))
+                + " + ".join(f"{part / mib:,.1f}" for part in parts)
                 + ")"
             )
         lines.append(f"Recommendation: {self.recommendation}")
@@ -241,11 +272,14 @@ def plan(
     *,
     num_classes: int,
     build: Callable[[], nn.Module] | None = None,
+    checkpointed: bool | None = None,
 ) -> Plan:
     """Profile the model on the first worker and plan its stages for the run's ranks.
 
     ``build`` (run on the worker) gives the model instead of ``config.model``. The layers of a
     model that is not an ``nn.Sequential`` are the pieces between its cut points, traced.
+    ``checkpointed``: whether the run writes checkpoints (``dask-train run`` always does, into
+    its run directory); None: whether ``checkpoint.directory`` is set.
     """
     config, world_size = run.config, run.layout.world_size
     p = config.pipeline
@@ -282,6 +316,7 @@ def plan(
     )
     return _recommend(
         config,
+        checkpoint_copies=checkpoint_copies(config, checkpointed=checkpointed),
         profile=profile,
         stages=stages,
         points=points,
@@ -366,6 +401,7 @@ def _staged_plan(config: RunConfig) -> PipelinePlan:
 def _recommend(
     config: RunConfig,
     *,
+    checkpoint_copies: int = 0,
     profile: DeviceProfile,
     stages: tuple[StagePlan, ...],
     points: list[str],
@@ -385,6 +421,7 @@ def _recommend(
             optimizer_buffers=optimizer_buffers(config.training),
             shard=shard,
             unit_bytes=profile.largest_unit_bytes,
+            checkpoint_copies=checkpoint_copies,
         )
         for shard in range(1, world_size + 1)
         if world_size % shard == 0
@@ -519,6 +556,7 @@ __all__ = [
     "MemoryEstimate",
     "Plan",
     "balanced_split",
+    "checkpoint_copies",
     "estimate_memory",
     "optimizer_buffers",
     "plan",

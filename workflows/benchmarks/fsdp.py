@@ -3,7 +3,7 @@
 
     python -m workflows.benchmarks.fsdp [--model mlp|gpt|vit] [--width 4096] [--layers 6]
         [--steps 4] [--activation-checkpointing none full selective] [--no-estimate]
-        [--keep-freed-memory]
+        [--keep-freed-memory] [--checkpoints]
 
 On one machine, for each world size (2, then 4 workers), in one run: the same model, data and
 steps under ``ddp`` and ``fsdp``. The model is a stack of ``--layers`` square linear layers
@@ -34,6 +34,10 @@ memory under that strategy and world size is printed beside the measured peak.
 ``--keep-freed-memory`` runs FSDP with ``fsdp.return_freed_memory = false``: on a CPU, glibc
 keeps what FSDP frees (each unit's gathered parameters and gradients) for reuse, faster, and
 resident: the peak this costs against the default.
+
+``--checkpoints`` writes checkpoints as ``dask-train run`` does (``checkpoint.async_save``, the
+default: each rank keeps a CPU copy of its part of the state, and its serialized files while
+they are written), at the last step: the peak with them, which the plan counts.
 
 ``--activation-checkpointing`` runs each strategy under each mode given
 (``training.activation_checkpointing``): the peak with and without the blocks' activations
@@ -92,6 +96,11 @@ def main() -> None:
         help="fsdp.return_freed_memory = false: malloc keeps what FSDP frees, for speed",
     )
     parser.add_argument(
+        "--checkpoints",
+        action="store_true",
+        help="checkpoint as dask-train run does (asynchronously, at the last step)",
+    )
+    parser.add_argument(
         "--activation-checkpointing",
         nargs="+",
         default=["none"],
@@ -131,11 +140,15 @@ def main() -> None:
         }
 
     def config(store: str, strategy: str, checkpointing: str) -> RunConfig:
+        checkpoints = (
+            {"directory": f"{tmp.name}/checkpoints-{strategy}"} if args.checkpoints else {}
+        )
         return load_config(
             {
                 "name": f"fsdp-bench-{strategy}",
                 "data": data | {"store": store},
                 "model": model,
+                "checkpoint": checkpoints,
                 "training": {
                     "strategy": strategy,
                     "epochs": 1,
@@ -192,7 +205,8 @@ def main() -> None:
                             f"{estimate.parameters / 2**20:,.0f}, gradients "
                             f"{estimate.gradients / 2**20:,.0f}, optimizer "
                             f"{estimate.optimizer / 2**20:,.0f}, activations "
-                            f"{estimate.activations / 2**20:,.0f}); measured / estimate "
+                            f"{estimate.activations / 2**20:,.0f}, checkpoint "
+                            f"{estimate.checkpoint / 2**20:,.0f}); measured / estimate "
                             f"{measured / (estimate.total / 2**20):.2f}",
                             flush=True,
                         )
