@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test test-large docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
+.PHONY: install demo test test-large test-python docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -56,6 +56,32 @@ test: lint browser docs
 # on workers whose nanny kills them past their limit; 6-8 minutes and ~18 GB of host memory.
 test-large: $(STAMP)
 	$(BIN)/pytest -m large --durations=5
+
+# The suite's subset on another Python: `make test-python PY=3.13.0` (a pyenv version; or
+# PY_INTERPRETER=/path/to/python3.13). Its own venv, .venv-<PY> (ignored), installed as a user
+# installs: `pip install -e '.[test,sweep]'`, under constraints.txt's pins, the top of each range
+# in pyproject.toml. FLOORS=1 installs the bottom of each range instead (constraints-floors.txt,
+# which tests/test_dependencies.py holds to pyproject.toml), into .venv-<PY>-floors. The subset
+# has a module of each kind: the compat modules' checks, equivalence against one process, elastic
+# jobs, object storage, the CLI, CIFAR-10's batches (PYTHON_SUBSET).
+PY ?= 3.12.1
+PYENV_ROOT ?= $(HOME)/.pyenv
+PY_INTERPRETER ?= $(or $(wildcard $(PYENV_ROOT)/versions/$(PY)/bin/python),python$(basename $(PY)))
+FLOORS ?=
+PY_VENV ?= .venv-$(PY)$(if $(FLOORS),-floors)
+PY_EXTRAS ?= test,sweep
+PY_CONSTRAINTS := $(if $(FLOORS),constraints-floors.txt,constraints.txt)
+PYTHON_SUBSET ?= tests/test_compat.py tests/test_ddp.py tests/test_elastic.py \
+	tests/test_object_storage.py tests/test_cli.py tests/test_cifar_batches.py
+
+test-python:
+	test -x $(PY_VENV)/bin/python || $(PY_INTERPRETER) -m venv $(PY_VENV)
+	$(PY_VENV)/bin/python -m pip install -q -c constraints.txt pip 2>&1 | $(QUIET_PIP)
+	$(PY_VENV)/bin/python -m pip install -q --no-compile -c $(PY_CONSTRAINTS) -e '.[$(PY_EXTRAS)]' 2>&1 | $(QUIET_PIP)
+	$(PY_VENV)/bin/python -m compileall -q -j 0 -x '/(tests?|testing/_internal)/' "$$($(PY_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+	$(PY_VENV)/bin/python -m pip list --format=freeze 2>/dev/null > $(PY_VENV)/installed.txt
+	$(PY_VENV)/bin/python -c "import sys, dask, pandas, torch; print('Python', sys.version.split()[0], '/ torch', torch.__version__, '/ dask', dask.__version__, '/ pandas', pandas.__version__)"
+	$(PY_VENV)/bin/pytest $(PYTHON_SUBSET) --durations=10
 
 # The suite in a shuffled order (modules shuffled, and tests within each): no test may depend on
 # another having run before it. SEED=N replays an order; the seed is printed at the top.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.commands import digits_run, run_dask_train
+from tests.extras import needs_extra
 from workers.models import build_model
 from workflows import predict
 from workflows.benchmarks.local_s3 import SECRET
@@ -87,6 +88,7 @@ def test_a_run_kept_in_a_bucket_holds_its_whole_directory_and_refuses_to_overwri
     assert not list(tmp_path.iterdir())
 
 
+@needs_extra("optuna")
 def test_a_sweeps_journal_in_a_bucket_continues_its_study_and_refuses_a_second_writer(
     s3, monkeypatch
 ):
