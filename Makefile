@@ -58,21 +58,28 @@ test-large: $(STAMP)
 	$(BIN)/pytest -m large --durations=5
 
 # The suite's subset on another Python: `make test-python PY=3.13.0` (a pyenv version; or
-# PY_INTERPRETER=/path/to/python3.13). Its own venv, .venv-<PY> (ignored), installed as a user
-# installs: `pip install -e '.[test,sweep]'`, under constraints.txt's pins, the top of each range
-# in pyproject.toml. FLOORS=1 installs the bottom of each range instead (constraints-floors.txt,
-# which tests/test_dependencies.py holds to pyproject.toml), into .venv-<PY>-floors. The subset
-# has a module of each kind: the compat modules' checks, equivalence against one process, elastic
-# jobs, object storage, the CLI, CIFAR-10's batches (PYTHON_SUBSET).
+# PY_INTERPRETER=/path/to/python3.13). It installs as a user does, `pip install -e
+# '.[$(PY_EXTRAS)]'` (test and sweep unless given), under constraints.txt's pins (the top of each
+# range in pyproject.toml), into a venv of its own: .venv-<PY>-<extras>, ignored. FLOORS=1
+# installs the bottom of each range instead (constraints-floors.txt, which
+# tests/test_dependencies.py holds to pyproject.toml), with the extras whose floors the added
+# tests run (FLOORS_SUBSET), into .venv-<PY>-<extras>-floors. The subset has a module of each
+# kind: the compat modules' checks, equivalence against one process, elastic jobs, object
+# storage, the CLI, CIFAR-10's batches.
 PY ?= 3.12.1
 PYENV_ROOT ?= $(HOME)/.pyenv
 PY_INTERPRETER ?= $(or $(wildcard $(PYENV_ROOT)/versions/$(PY)/bin/python),python$(basename $(PY)))
 FLOORS ?=
-PY_VENV ?= .venv-$(PY)$(if $(FLOORS),-floors)
-PY_EXTRAS ?= test,sweep
+PY_EXTRAS ?= $(if $(FLOORS),test$(COMMA)sweep$(COMMA)mlflow$(COMMA)timm,test$(COMMA)sweep)
+COMMA := ,
+PY_VENV ?= .venv-$(PY)-$(subst $(COMMA),-,$(PY_EXTRAS))$(if $(FLOORS),-floors)
 PY_CONSTRAINTS := $(if $(FLOORS),constraints-floors.txt,constraints.txt)
-PYTHON_SUBSET ?= tests/test_compat.py tests/test_ddp.py tests/test_elastic.py \
+PYTHON_SUBSET := tests/test_compat.py tests/test_ddp.py tests/test_elastic.py \
 	tests/test_object_storage.py tests/test_cli.py tests/test_cifar_batches.py
+# What the floors of pandas and pyarrow (predictions as Parquet), MLflow, TensorBoard and timm
+# are run with, beside the subset.
+FLOORS_SUBSET := tests/test_dependencies.py tests/test_cli_predict.py tests/test_tracking.py \
+	tests/test_models.py::test_a_timm_model_under_ddp_equals_one_process
 
 test-python:
 	test -x $(PY_VENV)/bin/python || $(PY_INTERPRETER) -m venv $(PY_VENV)
@@ -81,7 +88,7 @@ test-python:
 	$(PY_VENV)/bin/python -m compileall -q -j 0 -x '/(tests?|testing/_internal)/' "$$($(PY_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
 	$(PY_VENV)/bin/python -m pip list --format=freeze 2>/dev/null > $(PY_VENV)/installed.txt
 	$(PY_VENV)/bin/python -c "import sys, dask, pandas, torch; print('Python', sys.version.split()[0], '/ torch', torch.__version__, '/ dask', dask.__version__, '/ pandas', pandas.__version__)"
-	$(PY_VENV)/bin/pytest $(PYTHON_SUBSET) --durations=10
+	$(PY_VENV)/bin/python -m pytest $(PYTHON_SUBSET) $(if $(FLOORS),$(FLOORS_SUBSET)) --durations=10
 
 # The suite in a shuffled order (modules shuffled, and tests within each): no test may depend on
 # another having run before it. SEED=N replays an order; the seed is printed at the top.

@@ -38,22 +38,29 @@ def pyproject_floors() -> dict[str, str]:
     return floors
 
 
-def pinned(path: Path) -> dict[str, str]:
-    """``name==version`` lines of a constraints file, comments aside."""
-    pins = {}
+def pinned(path: Path) -> tuple[dict[str, str], set[str]]:
+    """``name==version`` lines of a constraints file; and the names whose line says ``# not
+    ours``: a package none of our requirements names, pinned only to spare pip's resolver."""
+    pins, not_ours = {}, set()
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        text = line.partition("#")[0].strip()
-        if not text:
+        text, _, comment = line.partition("#")
+        if not text.strip():
             continue
         requirement = Requirement(text)
         specifiers = list(requirement.specifier)
         assert [s.operator for s in specifiers] == ["=="], f"{path.name}:{number}: not name==x"
-        pins[canonicalize_name(requirement.name)] = specifiers[0].version
-    return pins
+        name = canonicalize_name(requirement.name)
+        pins[name] = specifiers[0].version
+        if comment.strip().startswith("not ours"):
+            not_ours.add(name)
+    return pins, not_ours
 
 
 def test_the_floors_file_pins_each_floor_of_pyproject_and_nothing_else():
-    assert pinned(FLOORS) == pyproject_floors()
+    pins, not_ours = pinned(FLOORS)
+    floors = pyproject_floors()
+    assert {name: pins[name] for name in pins.keys() - not_ours} == floors
+    assert not_ours.isdisjoint(floors)
 
 
 def _imports_of_extras(tree: ast.Module) -> list[tuple[ast.stmt, str]]:
