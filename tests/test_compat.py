@@ -118,7 +118,7 @@ def test_a_python_without_the_fork_servers_pid_fails_the_import_with_one_line():
     version = ".".join(map(str, sys.version_info[:3]))
     assert done.stderr.splitlines()[-1] == (
         "ImportError: dask-train needs multiprocessing.forkserver._forkserver._forkserver_pid "
-        f"(CPython 3.11 has it; this is CPython {version})"
+        f"(CPython 3.11, 3.12 and 3.13 have it; this is CPython {version})"
     )
 
 
