@@ -2,12 +2,12 @@
 [project.optional-dependencies]). A test that needs one skips where it is missing, naming the
 extra that installs it; it never fails with an ImportError.
 
-At module level, ``optuna = import_extra("optuna")``; on one test, ``@needs_extra("mlflow")``
-and the import inside the test. tests/test_dependencies.py holds every test module to it.
+At module level, ``optuna = pytest.importorskip("optuna", reason=missing_reason("optuna"))``;
+on one test, ``@needs_extra("mlflow")`` and the import inside the test.
+tests/test_dependencies.py holds every test module to it.
 """
 
 import importlib.util
-from types import ModuleType
 
 import pytest
 
@@ -38,8 +38,3 @@ def needs_extra(*modules: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(
         bool(missing), reason=missing_reason(missing[0]) if missing else "all installed"
     )
-
-
-def import_extra(module: str) -> ModuleType:
-    """``module``, or the whole test module skipped, naming the extra that installs it."""
-    return pytest.importorskip(module, reason=missing_reason(module))

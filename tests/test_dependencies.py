@@ -77,18 +77,21 @@ def _imports_of_extras(tree: ast.Module) -> list[tuple[ast.stmt, str]]:
 
 
 def _string_arguments(call: ast.expr, function: str) -> set[str]:
-    """The string arguments of ``function(...)`` when ``call`` is such a call."""
-    if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == function):
+    """The string arguments of ``function(...)`` (or ``x.function(...)``) when ``call`` is one."""
+    if not isinstance(call, ast.Call):
+        return set()
+    if function not in (getattr(call.func, "id", None), getattr(call.func, "attr", None)):
         return set()
     return {arg.value.split(".")[0] for arg in call.args if isinstance(arg, ast.Constant)}
 
 
 def unguarded_imports(tree: ast.Module) -> list[str]:
     """Imports of an extra's module that run where it may be missing: not under a module-level
-    ``import_extra``, not in a test marked ``needs_extra`` with it, not for type checkers only."""
+    ``pytest.importorskip``, not in a test marked ``needs_extra`` with it, not for type checkers
+    only."""
     skipped_module = set().union(
         *(
-            _string_arguments(node.value, "import_extra")
+            _string_arguments(node.value, "importorskip")
             for node in tree.body
             if isinstance(node, ast.Assign | ast.Expr)
         )
@@ -119,7 +122,7 @@ def test_every_test_module_imports_an_extra_only_where_it_skips_without_it():
 
 
 def test_the_import_check_finds_an_unguarded_import_and_passes_a_guarded_one():
-    skipped_module = "optuna = import_extra('optuna')\nimport optuna.trial"
+    skipped_module = "optuna = pytest.importorskip('optuna')\nimport optuna.trial"
     assert unguarded_imports(ast.parse("from mlflow.tracking import MlflowClient")) != []
     assert unguarded_imports(ast.parse("def test_a():\n    import optuna")) != []
     assert unguarded_imports(ast.parse("@needs_extra('mlflow')\ndef f():\n    import optuna")) != []

@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.commands import CONFIGS, run_dask_train
-from tests.extras import import_extra
+from tests.extras import missing_reason
 from workflows import sweep
 from workflows.dashboard import training_page_url
 from workflows.monitoring import SWEEP_PREFIX
 
-optuna = import_extra("optuna")  # the sweep extra; without it, tests/test_dependencies.py
+optuna = pytest.importorskip("optuna", reason=missing_reason("optuna"))  # the sweep extra
 
 OPTIMUM = 0.3
 STEPS = 5
