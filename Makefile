@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test test-large docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
+.PHONY: install demo test test-large test-python docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -56,6 +56,39 @@ test: lint browser docs
 # on workers whose nanny kills them past their limit; 6-8 minutes and ~18 GB of host memory.
 test-large: $(STAMP)
 	$(BIN)/pytest -m large --durations=5
+
+# The suite's subset on another Python: `make test-python PY=3.13.0` (a pyenv version; or
+# PY_INTERPRETER=/path/to/python3.13). It installs as a user does, `pip install -e
+# '.[$(PY_EXTRAS)]'` (test and sweep unless given), under constraints.txt's pins (the top of each
+# range in pyproject.toml), into a venv of its own: .venv-<PY>-<extras>, ignored. FLOORS=1
+# installs the bottom of each range instead (constraints-floors.txt, which
+# tests/test_dependencies.py holds to pyproject.toml), with the extras whose floors the added
+# tests run (FLOORS_SUBSET), into .venv-<PY>-<extras>-floors. The subset has a module of each
+# kind: the compat modules' checks, equivalence against one process, elastic jobs, object
+# storage, the CLI, CIFAR-10's batches.
+PY ?= 3.12.1
+PYENV_ROOT ?= $(HOME)/.pyenv
+PY_INTERPRETER ?= $(or $(wildcard $(PYENV_ROOT)/versions/$(PY)/bin/python),python$(basename $(PY)))
+FLOORS ?=
+PY_EXTRAS ?= $(if $(FLOORS),test$(COMMA)sweep$(COMMA)mlflow$(COMMA)timm,test$(COMMA)sweep)
+COMMA := ,
+PY_VENV ?= .venv-$(PY)-$(subst $(COMMA),-,$(PY_EXTRAS))$(if $(FLOORS),-floors)
+PY_CONSTRAINTS := $(if $(FLOORS),constraints-floors.txt,constraints.txt)
+PYTHON_SUBSET := tests/test_compat.py tests/test_ddp.py tests/test_elastic.py \
+	tests/test_object_storage.py tests/test_cli.py tests/test_cifar_batches.py
+# What the floors of pandas and pyarrow (predictions as Parquet), MLflow, TensorBoard and timm
+# are run with, beside the subset.
+FLOORS_SUBSET := tests/test_dependencies.py tests/test_cli_predict.py tests/test_tracking.py \
+	tests/test_models.py::test_a_timm_model_under_ddp_equals_one_process
+
+test-python:
+	test -x $(PY_VENV)/bin/python || $(PY_INTERPRETER) -m venv $(PY_VENV)
+	$(PY_VENV)/bin/python -m pip install -q -c constraints.txt pip 2>&1 | $(QUIET_PIP)
+	$(PY_VENV)/bin/python -m pip install -q --no-compile -c $(PY_CONSTRAINTS) -e '.[$(PY_EXTRAS)]' 2>&1 | $(QUIET_PIP)
+	$(PY_VENV)/bin/python -m compileall -q -j 0 -x '/(tests?|testing/_internal)/' "$$($(PY_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+	$(PY_VENV)/bin/python -m pip list --format=freeze 2>/dev/null > $(PY_VENV)/installed.txt
+	$(PY_VENV)/bin/python -c "import sys, dask, pandas, torch; print('Python', sys.version.split()[0], '/ torch', torch.__version__, '/ dask', dask.__version__, '/ pandas', pandas.__version__)"
+	$(PY_VENV)/bin/python -m pytest $(PYTHON_SUBSET) $(if $(FLOORS),$(FLOORS_SUBSET)) --durations=10
 
 # The suite in a shuffled order (modules shuffled, and tests within each): no test may depend on
 # another having run before it. SEED=N replays an order; the seed is printed at the top.

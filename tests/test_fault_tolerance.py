@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.commands import dask_train, digits_run
+from tests.extras import needs_extra
 from tests.reference import assert_same_parameters
 from workers.checkpoint import (
     MANIFEST,
@@ -331,6 +332,7 @@ def test_staged_strategies_resume_each_stage_from_its_checkpoint(cluster, checkp
 
 
 @pytest.mark.slow
+@needs_extra("mlflow")
 def test_an_interrupted_cli_run_resumes_from_its_run_directory(tmp_path, store_dir):
     # One interrupt-and-resume of the CLI covers the run directory, the attempts' figures, and
     # tracking: the two processes log to one MLflow run and one TensorBoard folder.

@@ -7,10 +7,13 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.extras import needs_extra
+
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 
 
 @pytest.mark.slow
+@needs_extra("ipykernel", "optuna")  # its kernel; the notebook's sweep
 def test_training_notebook_executes_end_to_end(store_dir, monkeypatch):
     monkeypatch.setenv("DASK_TRAIN_STORE", str(store_dir / "digits"))
     notebook = nbformat.read(NOTEBOOKS / "train_on_dask.ipynb", as_version=4)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.commands import dask_train, digits_run, run_dask_train
+from tests.extras import needs_extra
 from workers.models import build_model
 from workflows import predict
 from workflows.benchmarks.local_s3 import SECRET
@@ -138,6 +139,7 @@ def test_a_ctrl_c_of_a_run_kept_in_a_bucket_says_to_resume_it_there(s3, store_di
     assert json.loads(fs.cat_file(f"{root}/summary.json"))["steps"] == step + 1
 
 
+@needs_extra("optuna")
 def test_a_sweeps_journal_in_a_bucket_continues_its_study_and_refuses_a_second_writer(
     s3, monkeypatch
 ):

@@ -16,17 +16,19 @@ import time
 import urllib.request
 from pathlib import Path
 
-import optuna
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.commands import CONFIGS, run_dask_train, run_python
+from tests.commands import CONFIGS, run_dask_train
+from tests.extras import missing_reason
 from workflows import sweep
 from workflows.dashboard import training_page_url
 from workflows.monitoring import SWEEP_PREFIX
+
+optuna = pytest.importorskip("optuna", reason=missing_reason("optuna"))  # the sweep extra
 
 OPTIMUM = 0.3
 STEPS = 5
@@ -419,19 +421,6 @@ def test_a_config_sweep_of_a_missing_dataset_folder_fails_before_a_cluster_start
     config = {"data": {"dataset": "cifar10", "root": str(tmp_path / "cifar")}}
     with pytest.raises(ValueError, match=r"^config: data\.root: .*cifar-10-batches-py does not"):
         sweep(config, {"training.lr": ("log", 1e-3, 1e-1)}, n_trials=1, metric="val_loss")
-
-
-def test_without_optuna_sweep_says_which_extra_to_install():
-    code = (
-        "import sys; sys.modules['optuna'] = None\n"
-        "from workflows import sweep\n"
-        "sweep(print, {'x': (0.0, 1.0)}, n_trials=1, metric='loss')\n"
-    )
-    done = run_python(code)
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == (
-        "ImportError: sweep() needs Optuna, an optional extra: pip install 'dask-train[sweep]'"
-    )
 
 
 def test_the_readmes_sweep_example_runs_as_pasted(tmp_path):

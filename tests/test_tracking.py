@@ -4,12 +4,13 @@ tensorboard's EventAccumulator, and MlflowClient on a local SQLite store."""
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.extras import needs_extra
 from workers.models import build_model
 from workers.records import ReportRecord
 from workflows.batch_predict import predict
@@ -17,6 +18,9 @@ from workflows.config import ConfigError, load_config
 from workflows.driver import train
 from workflows.preprocess import prepare_store
 from workflows.tracking import Tracker, TrackingConfig
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 
@@ -29,7 +33,7 @@ def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     }
 
 
-def _only_run(client: MlflowClient, experiment: str):
+def _only_run(client: "MlflowClient", experiment: str):
     found = client.get_experiment_by_name(experiment)
     assert found is not None, f"no MLflow experiment {experiment!r}"
     runs = client.search_runs([found.experiment_id])
@@ -62,7 +66,10 @@ def test_without_mlflow_installed_the_store_is_a_config_error_saying_what_to_ins
     )
 
 
+@needs_extra("mlflow")
 def test_training_writes_tensorboard_events_and_one_mlflow_run(cluster, make_config, tmp_path):
+    from mlflow.tracking import MlflowClient
+
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = make_config(
         {
@@ -110,7 +117,10 @@ def test_training_writes_tensorboard_events_and_one_mlflow_run(cluster, make_con
     torch.testing.assert_close(state, result.state_dict)
 
 
+@needs_extra("mlflow")
 def test_rank_api_reports_log_rank_0_with_its_step_or_a_counter(tmp_path):
+    from mlflow.tracking import MlflowClient
+
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = TrackingConfig(tensorboard=str(tmp_path / "tb"), mlflow_uri=store, experiment="api")
     tracker = Tracker.open(config, {"name": "fit", "training": {"epochs": 2}})
@@ -137,9 +147,12 @@ def test_rank_api_reports_log_rank_0_with_its_step_or_a_counter(tmp_path):
     assert run.data.tags["world_size"] == "2" and run.info.status == "FINISHED"
 
 
+@needs_extra("mlflow")
 def test_a_prediction_is_an_mlflow_run_with_its_metrics_and_confusion_matrix(
     cluster, make_config, tmp_path
 ):
+    from mlflow.tracking import MlflowClient
+
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = make_config({"name": "scored", "tracking": {"mlflow_uri": store}})
     prepare_store(cluster.client, config.data.resolved(), seed=config.training.seed)
