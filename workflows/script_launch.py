@@ -31,6 +31,9 @@ class ScriptNotFound(ValueError):
 # What a launch writes into its --output folder; any of them there means the folder holds a run.
 RUN_FILES = ("output.log", "metrics.jsonl", "summary.json")
 SUMMARY = "summary.json"
+# Whose checkpoints an --output folder's are (workers/checkpoint.py names a run in each
+# manifest): the one run the folder holds.
+OUTPUT_RUN = "launch-output"
 
 
 def check_output(
@@ -139,6 +142,9 @@ def launch_script(
                 name=run_id,
                 # A function's ctx.save: a folder of the run's own, that --resume continues.
                 checkpoint_dir=output / "checkpoints" if output and spec is None else None,
+                # The folder holds one run (check_output): its checkpoints are that run's
+                # whatever this launch is named, so a --resume finds them.
+                run_id=OUTPUT_RUN if output is not None else None,
                 keep_checkpoints=1,
                 on_event=on_event,
                 called_at=called_at,
