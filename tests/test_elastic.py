@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.commands import stock_dask_worker
 from tests.reference import Reference, assert_equivalent, train_in_one_process
 from tests.test_launch import _data, _model
+from workers import preparation
 from workers.data import (
     as_features,
     epoch_blocks,
@@ -236,6 +238,41 @@ def test_a_job_grows_on_join_and_shrinks_by_sigkill_sigterm_and_retire_redoing_n
         "a step redone at a resize": _one_process(steps, torch.float64, repeat=steps // 2),
         "the last step skipped": _one_process(steps - 1, torch.float64),
     }
+    for rank_parameters, rank_steps in result.results:
+        assert rank_steps == steps
+        assert_equivalent(rank_parameters, reference, planted=planted)
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(120)
+def test_a_cold_stock_worker_prepares_while_the_job_trains_then_joins_it(tmp_path):
+    # A `dask worker` process started mid-run, as a deployment adds one: torch and the job's
+    # code are imported there while the two ranks train on; they stop only once it is ready.
+    stop_file = tmp_path / "stop"
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        client = training_cluster.client
+        first = set(live_workers(client))
+        job = elastic_job(training_cluster, stop_file, "2:3")
+        with job as watch:
+            watch.until("2 ranks training", watch.world(2))
+            scheduler = client.scheduler.address
+            with stock_dask_worker(scheduler, tmp_path / "worker.log"):
+                watch.until("grown to 3", watch.world(3))
+                (newcomer,) = set(live_workers(client)) - first
+                prepared = client.run(preparation.prepared, workers=[newcomer])[newcomer]
+                open(stop_file, "a").close()
+                job._thread.join(WAIT_S)
+    result = job.result
+    causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
+    assert causes == [(2, 3, "joined")], causes
+    # Ready before the ranks were asked to stop for it: the switch did not wait for its imports.
+    assert list(prepared) == [result.job_id]
+    assert prepared[result.job_id] < result.resizes[0]["at"]
+    assert {r["redone_steps"] for r in result.resizes} == {0}
+    _, steps = result.results[0]
+    assert [r["step"] for r in result.metrics[0]] == list(range(1, steps + 1))
+    reference = Reference.of(lambda dtype: _one_process(steps, dtype), steps=steps)
+    planted = {"a step redone at the resize": _one_process(steps, torch.float64, repeat=steps // 2)}
     for rank_parameters, rank_steps in result.results:
         assert rank_steps == steps
         assert_equivalent(rank_parameters, reference, planted=planted)

@@ -33,6 +33,7 @@ from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.compat.distributed_private import adaptive_of
+from workers.preparation import RANK_MODULES
 from workflows.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
@@ -107,20 +108,8 @@ def worker_process_config(
 FORK_MIN_MEMORY = 2 * 2**30
 # Imported once by the fork server, so that a worker forked from it starts with them loaded.
 FORK_SERVER_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    # What ranks checkpoint and cut pipelines with (the client imports them only when it
-    # must): imported by each worker instead, they cost it ~1.5 s and ~130 MB of its own.
-    "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.pipelining",
-    # Every DDP job imports it (95 of the 271 modules a worker's first DDP job imported when
-    # nothing here did): ~0.8 s of each worker's first job, once here instead. pipelining
-    # above imports it too.
-    "torch._dynamo",
+    *RANK_MODULES,  # what every rank imports (workers/preparation.py)
     "workers.malloc",
-    "workers.process_group",
-    "workers.rank_context",
     # Every worker imports it when its HTTP server starts: 0.3-0.6 s of each start (typing's
     # generics), most of what a replacement for a lost worker took to rejoin.
     "distributed.http.worker.prometheus",
