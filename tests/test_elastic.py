@@ -311,6 +311,64 @@ def test_a_queued_job_then_an_adaptive_cluster_take_workers_from_an_elastic_job(
     assert {r["redone_steps"] for r in job.result.resizes} == {0}
 
 
+@pytest.mark.equivalence
+@pytest.mark.timeout(180)
+def test_on_a_dask_jobqueue_cluster_adapting_2_to_4_an_elastic_job_grows_and_shrinks(tmp_path):
+    # dask-jobqueue's local cluster: the deployment library of HPC users, whose workers are
+    # new `dask worker` processes started (and SIGKILLed) by the cluster as it adapts, the way
+    # it submits batch jobs; picked over dask-gateway's local backend because it needs no
+    # gateway server and starts a worker in one process. A queued 2-rank job raises the
+    # adaptive target from 2 to 4; once it is done the 2:4 job grows into the two new
+    # workers, and gives them back as the cluster adapts down to 2 (retiring them, then
+    # SIGKILLing their processes, as dask-jobqueue cancels a batch job).
+    from dask_jobqueue.local import LocalCluster as JobQueueLocalCluster
+    from distributed import Client
+
+    stop_file = tmp_path / "stop"
+    with (
+        JobQueueLocalCluster(
+            cores=1,
+            processes=1,
+            memory="2GiB",
+            local_directory=str(tmp_path),
+            worker_extra_args=["--no-dashboard"],
+            scheduler_options={"host": "127.0.0.1", "dashboard_address": ":0"},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        # Down only after 5 s below target: the freed workers serve the elastic job meanwhile.
+        cluster.adapt(minimum=2, maximum=4, interval="500ms", wait_count=10)
+        client.wait_for_workers(2, timeout=WAIT_S)
+        job = elastic_job(client, stop_file, "2:4", config={"worker_wait_s": WAIT_S})
+        with job as watch:
+            watch.until("2 ranks training", watch.world(2))
+            queued = launch(
+                _fixed_job, cluster=client, world_size=2, config={"worker_wait_s": WAIT_S}
+            )
+            assert queued.results == [2, 2]
+            watch.until("grown to 4", watch.world(4))
+            # Its four running ranks keep the scheduler's own target at 4: a smaller maximum
+            # takes the cluster down (the existing test's way, on a cluster that adapts).
+            seen = len(watch.records)
+            cluster.adapt(minimum=2, maximum=2, interval="200ms", wait_count=1)
+            watch.until("back to 2 as the cluster adapts down", watch.world(2, after=seen))
+    result = job.result
+    causes = [(r["from"], r["to"], r["cause"]) for r in result.resizes]
+    # Retired, and SIGKILLed at once: a rank that had not handed off yet is a lost worker.
+    retired = [i for i, c in enumerate(causes) if c[2] in ("retired", "lost")]
+    assert retired and _grown(causes[: retired[0]], 2, 4), causes
+    assert causes[retired[0]][0] == 4 and causes[-1][1] == 2, causes
+    assert all(c[2] in ("retired", "lost") for c in causes[retired[0] :]), causes
+    assert {r["redone_steps"] for r in result.resizes} == {0}
+    _, steps = result.results[0]
+    assert [r["step"] for r in result.metrics[0]] == list(range(1, steps + 1))
+    reference = Reference.of(lambda dtype: _one_process(steps, dtype), steps=steps)
+    planted = {"a step redone at a resize": _one_process(steps, torch.float64, repeat=steps // 2)}
+    for rank_parameters, rank_steps in result.results:
+        assert rank_steps == steps
+        assert_equivalent(rank_parameters, reference, planted=planted)
+
+
 # -- the queue's decisions, on a real scheduler ------------------------------------------------
 
 

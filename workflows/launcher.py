@@ -821,6 +821,9 @@ class ProcessGroup:
             found = self._failure(futures)
             if found is not None and (not found.infrastructure or isinstance(found, WorkerLost)):
                 return found
+            cut_off = self._cut_off(futures)
+            if cut_off is not None:
+                return cut_off
             if first.cause is Cause.UNSURE and self._all_answer():
                 # Nobody is gone: no peer's loss explains it, so the code raised it.
                 first.infrastructure = False
@@ -835,6 +838,22 @@ class ProcessGroup:
                     )
                 else:
                     time.sleep(RELEASE_POLL_S)
+
+    def _cut_off(self, futures: list[Future]) -> WorkerLost | None:
+        """A rank whose worker left gracefully but went before the rank handed off at a step
+        boundary (its task never finished): the peers' communication error is its loss. A
+        deployment that retires a worker and then kills its process at once does that
+        (dask-jobqueue's scale-down SIGKILLs the batch job right after ``retire_workers``)."""
+        alive = self._alive_workers() if self._departed else {}
+        for rank in sorted(self._departed):
+            if not futures[rank].done() and self.workers[rank] not in alive:
+                return WorkerLost(
+                    f"rank {rank}'s worker {self.workers[rank]} left before its rank handed "
+                    "off at a step boundary",
+                    rank=rank,
+                    worker=self.workers[rank],
+                )
+        return None
 
     def _all_answer(self) -> bool:
         """Whether every worker of the job is in the cluster and answers (a SIGKILLed one is
