@@ -2,6 +2,7 @@
 closed by SIGTERM, SIGKILLed, taken back by a queued job and by an adaptive cluster; the
 parameters equal one process's on the same global batches, with no step redone."""
 
+import contextlib
 import itertools
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import Client
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -153,7 +155,7 @@ class Background:
             raise self._error
 
 
-def elastic_job(cluster, stop_file, world_size: str, **launch_kwargs) -> Background:
+def elastic_job(cluster, stop_file, world_size: str | int, **launch_kwargs) -> Background:
     """``elastic_loop`` on ``cluster`` in the background until ``stop_file`` exists."""
     return Background(
         lambda watch: launch(
@@ -278,6 +280,44 @@ def test_a_cold_stock_worker_prepares_while_the_job_trains_then_joins_it(tmp_pat
         assert_equivalent(rank_parameters, reference, planted=planted)
 
 
+@pytest.mark.equivalence
+@pytest.mark.timeout(120)
+def test_a_sigkilled_worker_under_a_warm_stock_nanny_comes_back_needing_no_preparation(tmp_path):
+    # `dask worker --preload-nanny workflows.warm_workers`: the nanny forks its worker
+    # processes from a fork server that imported torch, so the process it starts after a
+    # SIGKILL takes the lost rank without importing anything (a cold one is prepared first).
+    stop_file = tmp_path / "stop"
+    with start_cluster(n_workers=1, dashboard_port=0) as training_cluster:
+        client = training_cluster.client
+        (forked,) = live_workers(client)
+        warm = ("--preload-nanny", "workflows.warm_workers")
+        with (
+            contextlib.ExitStack() as stack,
+            stock_dask_worker(client.scheduler.address, tmp_path / "worker.log", *warm),
+        ):
+            client.wait_for_workers(2, timeout=WAIT_S)
+            (stock,) = set(live_workers(client)) - {forked}
+            # Connected by address, as to a cluster started by hand: it may have any workers.
+            by_address = stack.enter_context(Client(client.scheduler.address))
+            job = elastic_job(by_address, stop_file, 2)
+            with job as watch:
+                watch.until("2 ranks training", watch.world(2))
+                os.kill(client.run(os.getpid, workers=[stock])[stock], signal.SIGKILL)
+                seen = len(watch.records)
+                watch.until("recovered", lambda r: any(x["kind"] == "recovery" for x in r[seen:]))
+                watch.until("training again", watch.world(2, after=seen + 1))
+                (replacement,) = set(live_workers(client)) - {forked}
+                prepared = client.run(preparation.prepared, workers=[replacement])[replacement]
+    result = job.result
+    assert [r["recovered_from"] for r in result.recoveries] == ["replica"]
+    assert replacement != stock and prepared == {}  # no preparation: torch was loaded already
+    _, steps = result.results[0]
+    reference = Reference.of(lambda dtype: _one_process(steps, dtype), steps=steps)
+    for rank_parameters, rank_steps in result.results:
+        assert rank_steps == steps
+        assert_equivalent(rank_parameters, reference)
+
+
 def _fixed_job(ctx) -> int:
     ctx.report(world=ctx.world_size)
     return ctx.world_size
@@ -322,7 +362,6 @@ def test_on_a_dask_jobqueue_cluster_adapting_2_to_4_an_elastic_job_grows_and_shr
     # workers, and gives them back as the cluster adapts down to 2 (retiring them, then
     # SIGKILLing their processes, as dask-jobqueue cancels a batch job).
     from dask_jobqueue.local import LocalCluster as JobQueueLocalCluster
-    from distributed import Client
 
     stop_file = tmp_path / "stop"
     with (

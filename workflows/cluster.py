@@ -80,7 +80,7 @@ def worker_process_config(
 ) -> dict[str, object]:
     """Dask settings for the worker processes we start, applied for the cluster's whole life
     (the nanny reads them again on every restart). ``malloc=None`` leaves glibc's defaults;
-    ``fork`` starts workers from a fork server (see :func:`_ensure_fork_server`)."""
+    ``fork`` starts workers from a fork server (see :func:`ensure_fork_server`)."""
     environ = malloc if malloc else dict.fromkeys(TUNED_MALLOC)  # None unsets
     config: dict[str, object] = {
         "distributed.worker.daemon": False,
@@ -117,7 +117,7 @@ FORK_SERVER_PRELOAD = (
 )
 
 
-def _ensure_fork_server() -> None:
+def ensure_fork_server() -> None:
     """Start workers from a fork server that has imported torch: measured here, a SIGKILLed
     worker is back with torch loaded in 0.10-0.15 s, against 4.5 s and more when spawned
     afresh (each new interpreter imports torch again); that is most of what a recovery costs.
@@ -185,7 +185,7 @@ def start_fork_server_early(config: "ClusterConfig") -> None:
     is read, before it imports torch itself. Nothing happens for an existing cluster or for
     workers that are spawned."""
     if not config.existing and _LocalWorkers.of(config).fork:
-        _ensure_fork_server()
+        ensure_fork_server()
 
 
 @dataclass(frozen=True)
@@ -359,7 +359,7 @@ class TrainingCluster:
                     worker_process_config(malloc=malloc, fork=workers.fork)
                 )
                 if workers.fork:
-                    _ensure_fork_server()
+                    ensure_fork_server()
                 # The nanny's own environment stays out of this process (_Nanny.instantiate).
                 self.cluster, self.kind = _bounded(
                     lambda: _start_local(config, workers, security), config.start_timeout_s

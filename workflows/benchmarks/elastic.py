@@ -204,6 +204,41 @@ def cold(step_s: float, folder: Path) -> list[dict[str, Any]]:
         return job.stop()
 
 
+WARM_NANNY = ("--preload-nanny", "workflows.warm_workers")
+
+
+def fixed_sigkill(step_s: float, folder: Path, worker_args: tuple[str, ...]) -> dict[str, Any]:
+    """A fixed 2-rank job on stock processes whose worker process is SIGKILLed (its nanny
+    starts another, which the job waits for): the recovery's record (seconds_lost)."""
+    with stock_cluster(2, worker_args) as cluster:
+        client = cluster.client
+        steps, stop_file, done = Steps(), folder / "stop-fixed", {}
+        stop_file.unlink(missing_ok=True)
+        job = threading.Thread(
+            target=lambda: done.update(
+                result=launch(
+                    mlp_loop,
+                    str(stop_file),
+                    step_s,
+                    0,
+                    cluster=client,
+                    world_size=2,
+                    on_event=steps,
+                    config={"worker_wait_s": WAIT_S},
+                )
+            )
+        )
+        job.start()
+        steps.wait("2 ranks", steps.world(2, steps_after=20))
+        victim = sorted(live_workers(client))[-1]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        seen = len(steps.reports)
+        steps.wait("recovered", lambda s: len(s.reports) >= seen + 20)
+        stop_file.touch()
+        job.join(WAIT_S)
+        return done["result"].recoveries[0]
+
+
 def restarted(step_s: float, checkpoint_every: int, folder: Path) -> list[dict[str, Any]]:
     """The same changes the anchors' way: a fixed-size job, stopped (or failed, for the
     SIGKILL) and launched again at the new size from its newest checkpoint. One dict per
@@ -321,6 +356,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             for resize in cold(args.step_ms / 1000, Path(folder)):
                 print(resize, f"load {os.getloadavg()[0]:.1f}")
+            for worker_args in ((), WARM_NANNY):
+                lost = fixed_sigkill(args.step_ms / 1000, Path(folder), worker_args)
+                print(worker_args, lost, f"load {os.getloadavg()[0]:.1f}")
         return
     step_s = args.step_ms / 1000
     with tempfile.TemporaryDirectory() as folder:
@@ -330,6 +368,9 @@ def main() -> None:
         ours = elastic(step_s, path)
         load = os.getloadavg()[0]
         cold_resizes = cold(step_s, path)
+        load = max(load, os.getloadavg()[0])
+        lost_cold = fixed_sigkill(step_s, path, ())
+        lost_warm = fixed_sigkill(step_s, path, WARM_NANNY)
         load = max(load, os.getloadavg()[0])
         theirs = restarted(step_s, args.checkpoint_every, path)
         queued, yielded_pause, idle = queued_first_step(step_s, path)
@@ -349,6 +390,14 @@ def main() -> None:
         )
     for what, resize in zip(COLD_CHANGES, cold_resizes, strict=False):
         print(f"| {what} | {resize['pause_s']:.2f} s | {resize['redone_steps']} | | |")
+    for what, recovery in (
+        ("cold: fixed 2 ranks, SIGKILL, a stock nanny's new process", lost_cold),
+        ("fixed 2 ranks, SIGKILL, a nanny with --preload-nanny workflows.warm_workers", lost_warm),
+    ):
+        print(
+            f"| {what}: seconds lost | {recovery['seconds_lost']:.2f} s | "
+            f"{recovery['recovered_from']} | | |"
+        )
     print(
         f"| a queued 2-rank job takes 2 of 4 | {yielded_pause:.2f} s | 0 | | |\n"
         f"queued job, call to first step: {queued:.2f} s (idle cluster: {idle:.2f} s)\n"
