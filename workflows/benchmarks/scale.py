@@ -78,7 +78,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes:
-            with start_cluster(n_workers=size, dashboard_port=0) as cluster:
+            # 16 workers start in seconds on a quiet machine, minutes on a loaded one.
+            with start_cluster(n_workers=size, dashboard_port=0, start_timeout_s=600) as cluster:
                 launched = warm_launch_s(cluster, size)
                 grown = grow_pause_s(cluster, size, Path(folder), args.step_ms / 1000)
             cold = torchrun_first_step(size)
