@@ -74,11 +74,13 @@ def session_leftovers(session: int) -> list[psutil.Process]:
 
 
 @contextlib.contextmanager
-def stock_dask_worker(scheduler: str, log: Path, *args: str) -> Iterator[subprocess.Popen]:
+def stock_dask_worker(
+    scheduler: str, log: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
     """A stock ``dask worker SCHEDULER ARGS`` process, as a deployment starts one on a new
     machine: a fresh interpreter that has imported nothing of torch, with a nanny unless ARGS
     say ``--no-nanny``. Its output goes to ``log``; it and its children are killed by pid on
-    leaving."""
+    leaving. ``env``: variables to set in its environment."""
     with open(log, "ab") as output:
         worker = subprocess.Popen(
             [
@@ -94,6 +96,7 @@ def stock_dask_worker(scheduler: str, log: Path, *args: str) -> Iterator[subproc
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     try:
         yield worker

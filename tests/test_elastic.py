@@ -280,6 +280,38 @@ def test_a_cold_stock_worker_prepares_while_the_job_trains_then_joins_it(tmp_pat
         assert_equivalent(rank_parameters, reference, planted=planted)
 
 
+@pytest.mark.timeout(120)
+def test_a_joining_worker_that_cannot_prepare_is_left_out_and_the_job_goes_on(tmp_path, caplog):
+    # A machine whose torch is broken (a library it cannot load): its `dask worker` starts,
+    # but cannot import torch. The job must not stop for it, nor fail: it names it and goes on.
+    broken = tmp_path / "broken-site" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        'raise ImportError("libtorch_cpu.so: cannot open shared object file")\n'
+    )
+    stop_file = tmp_path / "stop"
+    environment = {"PYTHONPATH": f"{broken.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        client = training_cluster.client
+        first = set(live_workers(client))
+        job = elastic_job(training_cluster, stop_file, "2:3")
+        with job as watch, caplog.at_level("WARNING", logger="workflows.controller"):
+            watch.until("2 ranks training", watch.world(2))
+            scheduler = client.scheduler.address
+            with stock_dask_worker(scheduler, tmp_path / "worker.log", env=environment):
+                client.wait_for_workers(3, timeout=WAIT_S)
+                (newcomer,) = set(live_workers(client)) - first
+                deadline = time.monotonic() + WAIT_S
+                while "failed to prepare" not in caplog.text and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                seen = len(watch.records)
+                watch.until("still training", lambda r: len(r) >= seen + 10)
+    assert f"leaving worker {newcomer} out, it failed to prepare" in caplog.text
+    assert "libtorch_cpu.so" in caplog.text
+    assert job.result.resizes == []  # never stopped for it
+    assert {r["world"] for r in job.result.metrics[0]} == {2}
+
+
 @pytest.mark.equivalence
 @pytest.mark.timeout(120)
 def test_a_sigkilled_worker_under_a_warm_stock_nanny_comes_back_needing_no_preparation(tmp_path):
