@@ -155,13 +155,17 @@ class Background:
             raise self._error
 
 
-def elastic_job(cluster, stop_file, world_size: str | int, **launch_kwargs) -> Background:
-    """``elastic_loop`` on ``cluster`` in the background until ``stop_file`` exists."""
+def elastic_job(
+    cluster, stop_file, world_size: str | int, delay_s: float = 0.02, **launch_kwargs
+) -> Background:
+    """``elastic_loop`` on ``cluster`` in the background until ``stop_file`` exists; each step
+    sleeps ``delay_s`` besides (longer where the test waits for cold processes: fewer steps for
+    the one-process reference to train again)."""
     return Background(
         lambda watch: launch(
             elastic_loop,
             str(stop_file),
-            0.02,
+            delay_s,
             cluster=cluster,
             world_size=world_size,
             on_event=watch,
@@ -254,7 +258,7 @@ def test_a_cold_stock_worker_prepares_while_the_job_trains_then_joins_it(tmp_pat
     with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
         client = training_cluster.client
         first = set(live_workers(client))
-        job = elastic_job(training_cluster, stop_file, "2:3")
+        job = elastic_job(training_cluster, stop_file, "2:3", 0.1)
         with job as watch:
             watch.until("2 ranks training", watch.world(2))
             scheduler = client.scheduler.address
@@ -331,7 +335,7 @@ def test_a_sigkilled_worker_under_a_warm_stock_nanny_comes_back_needing_no_prepa
             (stock,) = set(live_workers(client)) - {forked}
             # Connected by address, as to a cluster started by hand: it may have any workers.
             by_address = stack.enter_context(Client(client.scheduler.address))
-            job = elastic_job(by_address, stop_file, 2)
+            job = elastic_job(by_address, stop_file, 2, 0.1)
             with job as watch:
                 watch.until("2 ranks training", watch.world(2))
                 os.kill(client.run(os.getpid, workers=[stock])[stock], signal.SIGKILL)
@@ -410,7 +414,7 @@ def test_on_a_dask_jobqueue_cluster_adapting_2_to_4_an_elastic_job_grows_and_shr
         # Down only after 5 s below target: the freed workers serve the elastic job meanwhile.
         cluster.adapt(minimum=2, maximum=4, interval="500ms", wait_count=10)
         client.wait_for_workers(2, timeout=WAIT_S)
-        job = elastic_job(client, stop_file, "2:4", config={"worker_wait_s": WAIT_S})
+        job = elastic_job(client, stop_file, "2:4", 0.1, config={"worker_wait_s": WAIT_S})
         with job as watch:
             watch.until("2 ranks training", watch.world(2))
             queued = launch(

@@ -53,6 +53,7 @@ from workers.rank_context import RankJob, RankOutcome, forget_job, run_pickled
 from workers.records import AdmittedRecord, RecoveryRecord, ResizedRecord, WorldRecord
 from workers.remote_traceback import rebuilt_traceback
 from workflows.admission import Admission
+from workflows.cluster import live_workers
 from workflows.code_shipping import ship_code
 from workflows.events import EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
@@ -386,7 +387,12 @@ class JobController:
             )
         except TimeoutError:
             return workers  # the group's formation has its own bounds, and says who is missing
-        self.prepare([w for w in workers if cold.get(w) is True], master=None)
+        # Not a paused worker (its memory past distributed.worker.memory.pause): Dask starts no
+        # rank there, and the imports could only take it on to its nanny's kill.
+        status = {w: identity.get("status") for w, identity in live_workers(self.client).items()}
+        self.prepare(
+            [w for w in workers if cold.get(w) is True and status.get(w) != "paused"], master=None
+        )
         kept = [w for w in workers if w not in self.left_out]
         return kept if len(kept) >= self.admission.request.minimum else workers
 
@@ -619,6 +625,7 @@ class _Watcher:
         self.controller, self.generation, self.workers = controller, generation, workers
         self.restart, self.master = restart, master
         self.prepared: set[str] = set()  # newcomers ready for this job's next generation
+        self._asked: set[str] = set()  # newcomers asked to prepare, ready or not
         self.cause: str | None = None
         self.asked_at = math.nan
         self.retired: set[str] = set()
@@ -693,9 +700,10 @@ class _Watcher:
         """Prepare the workers that joined (and those that join meanwhile) while the ranks
         train on; whether any is ready."""
         while not self._done.is_set():
-            waiting = sorted(self._newcomers(status) - self.prepared)
+            waiting = sorted(self._newcomers(status) - self._asked)
             if not waiting:
                 break
+            self._asked |= set(waiting)
             self.prepared |= set(self.controller.prepare(waiting, master=self.master))
             status = self.controller.admission.status()
         return bool(self.prepared & self._newcomers(status))
