@@ -28,15 +28,20 @@ class StockCluster:
         self.scheduler_file = folder / "scheduler.json"
         self.processes: list[subprocess.Popen] = []
         self._log = open(folder / "cluster.log", "ab")  # noqa: SIM115 (closed on leaving)
-        self._start(
-            "distributed.cli.dask_scheduler",
-            *("--port", "0", "--no-dashboard", "--scheduler-file", str(self.scheduler_file)),
-        )
-        self.address = self._scheduler_address()
-        self.client = Client(self.address)
-        for _ in range(workers):
-            self.add_worker()
-        self.client.wait_for_workers(workers, timeout=START_S)
+        self.client: Client | None = None
+        try:
+            self._start(
+                "distributed.cli.dask_scheduler",
+                *("--port", "0", "--no-dashboard", "--scheduler-file", str(self.scheduler_file)),
+            )
+            self.address = self._scheduler_address()
+            self.client = Client(self.address)
+            for _ in range(workers):
+                self.add_worker()
+            self.client.wait_for_workers(workers, timeout=START_S)
+        except BaseException:
+            self.close()  # what started: a failed start leaves no process behind
+            raise
 
     def _scheduler_address(self) -> str:
         deadline = time.monotonic() + START_S
@@ -69,7 +74,8 @@ class StockCluster:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.client.close()
+            if self.client is not None:
+                self.client.close()
         for process in reversed(self.processes):
             with contextlib.suppress(psutil.Error, ProcessLookupError):
                 children = psutil.Process(process.pid).children(recursive=True)
