@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test test-large test-python docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
+.PHONY: install demo test test-large test-python docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-scale bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -126,6 +126,9 @@ bench-workers: $(STAMP)
 
 bench-elastic: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.elastic
+
+bench-scale: $(STAMP)
+	$(BIN)/python -m workflows.benchmarks.scale
 
 bench-collections: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.collections

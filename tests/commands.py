@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -70,3 +71,38 @@ def session_leftovers(session: int) -> list[psutil.Process]:
             if os.getsid(candidate.pid) == session and candidate.status() != psutil.STATUS_ZOMBIE:
                 alive.append(candidate)
     return alive
+
+
+@contextlib.contextmanager
+def stock_dask_worker(
+    scheduler: str, log: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """A stock ``dask worker SCHEDULER ARGS`` process, as a deployment starts one on a new
+    machine: a fresh interpreter that has imported nothing of torch, with a nanny unless ARGS
+    say ``--no-nanny``. Its output goes to ``log``; it and its children are killed by pid on
+    leaving. ``env``: variables to set in its environment."""
+    with open(log, "ab") as output:
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_worker",
+                scheduler,
+                "--nthreads",
+                "1",
+                "--no-dashboard",
+                *args,
+            ],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    try:
+        yield worker
+    finally:
+        for process in [*session_leftovers(worker.pid)]:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                process.kill()
+        worker.kill()
+        worker.wait(timeout=30)

@@ -19,6 +19,8 @@ IMPORTS_OF_OTHERS = {
     "workers.model_sources.base": "model.name's import path: a user's module",
     "workers.compat.torch_private": "torch's own private modules, checked in one place",
     "workflows.script_launch": "dask-train launch package.module:function: a user's module",
+    # Its own (workers.process_group, workers.rank_context) are imported by the rank anyway.
+    "workers.preparation": "RANK_MODULES: mostly torch's, what a fresh worker imports early",
 }
 
 

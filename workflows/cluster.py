@@ -33,6 +33,7 @@ from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.compat.distributed_private import adaptive_of
+from workers.preparation import RANK_MODULES
 from workflows.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def worker_process_config(
 ) -> dict[str, object]:
     """Dask settings for the worker processes we start, applied for the cluster's whole life
     (the nanny reads them again on every restart). ``malloc=None`` leaves glibc's defaults;
-    ``fork`` starts workers from a fork server (see :func:`_ensure_fork_server`)."""
+    ``fork`` starts workers from a fork server (see :func:`ensure_fork_server`)."""
     environ = malloc if malloc else dict.fromkeys(TUNED_MALLOC)  # None unsets
     config: dict[str, object] = {
         "distributed.worker.daemon": False,
@@ -111,20 +112,8 @@ def worker_process_config(
 FORK_MIN_MEMORY = 2 * 2**30
 # Imported once by the fork server, so that a worker forked from it starts with them loaded.
 FORK_SERVER_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    # What ranks checkpoint and cut pipelines with (the client imports them only when it
-    # must): imported by each worker instead, they cost it ~1.5 s and ~130 MB of its own.
-    "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.pipelining",
-    # Every DDP job imports it (95 of the 271 modules a worker's first DDP job imported when
-    # nothing here did): ~0.8 s of each worker's first job, once here instead. pipelining
-    # above imports it too.
-    "torch._dynamo",
+    *RANK_MODULES,  # what every rank imports (workers/preparation.py)
     "workers.malloc",
-    "workers.process_group",
-    "workers.rank_context",
     # Every worker imports it when its HTTP server starts: 0.3-0.6 s of each start (typing's
     # generics), most of what a replacement for a lost worker took to rejoin.
     "distributed.http.worker.prometheus",
@@ -132,7 +121,7 @@ FORK_SERVER_PRELOAD = (
 )
 
 
-def _ensure_fork_server() -> None:
+def ensure_fork_server() -> None:
     """Start workers from a fork server that has imported torch: measured here, a SIGKILLed
     worker is back with torch loaded in 0.10-0.15 s, against 4.5 s and more when spawned
     afresh (each new interpreter imports torch again); that is most of what a recovery costs.
@@ -200,7 +189,7 @@ def start_fork_server_early(config: "ClusterConfig") -> None:
     is read, before it imports torch itself. Nothing happens for an existing cluster or for
     workers that are spawned."""
     if not config.existing and _LocalWorkers.of(config).fork:
-        _ensure_fork_server()
+        ensure_fork_server()
 
 
 @dataclass(frozen=True)
@@ -374,7 +363,7 @@ class TrainingCluster:
                     worker_process_config(malloc=malloc, fork=workers.fork)
                 )
                 if workers.fork:
-                    _ensure_fork_server()
+                    ensure_fork_server()
                 # The nanny's own environment stays out of this process (_Nanny.instantiate).
                 self.cluster, self.kind = _bounded(
                     lambda: _start_local(config, workers, security), config.start_timeout_s

@@ -1,7 +1,9 @@
 """A job's control loop on the client, as a state machine.
 
     queued -> forming -> running -> done
-                 ^          |
+                 ^  ^ |     ^ |
+                 |  | v     | +-> preparing -+   (workers join: they get ready, the job trains on)
+                 |  preparing +-------<-------+
                  |          +-> resizing ---+    (an elastic job's world changes)
                  |          +-> recovering -+    (a worker lost, a rank hung)
                  +--------------------------+
@@ -21,6 +23,12 @@ thread follows the job's entry in the scheduler's queue (`workflows.admission.Wo
 and, when workers join, a queued job needs some back, or a held worker closes gracefully, asks
 the ranks to stop at their next step boundary (`workers.elastic`); the next generation, on the
 new set of workers, receives the state from a live rank.
+
+Before the ranks stop for workers that joined, the job keeps training while each newcomer gets
+ready (``preparing``: torch and the job's code imported, the rank-0 worker's store reached;
+`workers.preparation`); the ranks stop only once every newcomer answered, and one that failed
+to prepare is left out of the job (and said so in the log), not waited for. A first
+generation's workers that never ran a rank are prepared the same way before the group forms.
 """
 
 import contextlib
@@ -38,7 +46,7 @@ from typing import Any
 import cloudpickle
 from distributed import Client
 
-from workers import elastic, live_recovery
+from workers import elastic, live_recovery, preparation
 from workers.checkpoint import latest_good_checkpoint
 from workers.live_recovery import LiveSource
 from workers.rank_context import RankJob, RankOutcome, forget_job, run_pickled
@@ -51,6 +59,7 @@ from workers.records import (
 )
 from workers.remote_traceback import rebuilt_traceback
 from workflows.admission import Admission
+from workflows.cluster import live_workers
 from workflows.code_shipping import ship_code
 from workflows.events import EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
@@ -85,6 +94,7 @@ class TrainingFailed(RuntimeError):
 class State(enum.Enum):
     QUEUED = "queued"
     FORMING = "forming"
+    PREPARING = "preparing"
     RUNNING = "running"
     RESIZING = "resizing"
     RECOVERING = "recovering"
@@ -96,8 +106,23 @@ class State(enum.Enum):
 # Which state may follow which: anything else is a bug of the controller.
 ALLOWED = {
     State.QUEUED: {State.FORMING, State.STOPPING},
-    State.FORMING: {State.RUNNING, State.RECOVERING, State.STOPPING},
-    State.RUNNING: {State.DONE, State.RESIZING, State.RECOVERING, State.STOPPING},
+    State.FORMING: {State.PREPARING, State.RUNNING, State.RECOVERING, State.STOPPING},
+    # Newcomers prepare while the job trains on: its ranks may end meanwhile, any way they can.
+    State.PREPARING: {
+        State.FORMING,
+        State.RUNNING,
+        State.DONE,
+        State.RESIZING,
+        State.RECOVERING,
+        State.STOPPING,
+    },
+    State.RUNNING: {
+        State.PREPARING,
+        State.DONE,
+        State.RESIZING,
+        State.RECOVERING,
+        State.STOPPING,
+    },
     State.RESIZING: {State.FORMING, State.STOPPING},
     State.RECOVERING: {State.FORMING, State.STOPPING},
     State.STOPPING: {State.FAILED},
@@ -268,6 +293,10 @@ class JobController:
         # Whether the queue knows that this elastic job resizes when asked (admission.resizes).
         self.queue_told_it_resizes = False
         self.rank_0_lost = False  # the last attempt's rank 0, and its records in flight
+        # Workers that failed to prepare for this job: left out of its generations.
+        self.left_out: set[str] = set()
+        self._code = cloudpickle.dumps(job)  # what a worker unpickles to import the job's code
+        self._state_lock = threading.Lock()  # the elastic watcher moves to and from preparing
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -300,13 +329,88 @@ class JobController:
             resumed=self.resumed,
         )
 
-    def move(self, state: State, reason: str = "") -> None:
-        """One state change, checked against ``ALLOWED`` and kept as a `Transition`."""
-        if state not in ALLOWED[self.state]:
-            raise RuntimeError(f"job {self.spec.job_id}: no way from {self.state} to {state}")
-        self.state = state
-        self.transitions.append(Transition(state, time.time(), reason))
+    def move(self, state: State, reason: str = "", *, only_after: Transition | None = None) -> bool:
+        """One state change, checked against ``ALLOWED`` and kept as a `Transition`;
+        ``only_after``: made only when that is still the latest change (else False: the elastic
+        watcher's way back from ``preparing`` after the ranks ended meanwhile)."""
+        with self._state_lock:
+            if only_after is not None and self.transitions[-1] is not only_after:
+                return False
+            if state not in ALLOWED[self.state]:
+                raise RuntimeError(f"job {self.spec.job_id}: no way from {self.state} to {state}")
+            self.state = state
+            self.transitions.append(Transition(state, time.time(), reason))
         logger.debug("job %s: %s %s", self.spec.job_id, state.value, reason)
+        return True
+
+    def prepare(self, workers: list[str], *, master: tuple[str, int] | None) -> list[str]:
+        """Get ``workers`` ready for a rank of this job (`workers.preparation`) while the job
+        goes on, in state ``preparing``; returns those ready. One that failed or did not answer
+        within ``launch.init_timeout_s`` is left out of the job's generations, and logged."""
+        latest = self.transitions[-1]
+        if not workers or not self.move(
+            State.PREPARING, f"{len(workers)} workers", only_after=latest
+        ):
+            return []
+        preparing = self.transitions[-1]
+        started = time.perf_counter()
+        try:
+            answers = run_bounded(
+                self.client,
+                preparation.prepare,
+                self.spec.job_id,
+                self._code,
+                master,
+                self.settings.init_timeout_s,
+                workers=workers,
+                timeout_s=self.settings.init_timeout_s,
+            )
+        except TimeoutError:
+            answers = {}
+        finally:
+            self.move(latest.state, "prepared", only_after=preparing)
+        ready = [w for w in workers if isinstance(answers.get(w), dict)]
+        for worker in workers:
+            if worker in ready:
+                logger.info(
+                    "job %s: worker %s ready in %.2f s (%s)",
+                    self.spec.job_id,
+                    worker,
+                    time.perf_counter() - started,
+                    ", ".join(f"{k} {v:.2f}" for k, v in answers[worker].items()),
+                )
+                continue
+            why = answers.get(worker, f"no answer within {self.settings.init_timeout_s:g} s")
+            if self.settings.elastic:  # a fixed job's rank fails there, as it would have
+                logger.warning(
+                    "job %s: leaving worker %s out, it failed to prepare: %s",
+                    self.spec.job_id,
+                    worker,
+                    why,
+                )
+                self.left_out.add(worker)
+        return ready
+
+    def _prepare_cold(self, workers: list[str]) -> list[str]:
+        """Before a generation forms: prepare those of ``workers`` that never ran a rank (a
+        fresh process: a new worker, a lost one's replacement); the workers to form it on."""
+        try:
+            cold = run_bounded(
+                self.client,
+                preparation.is_cold,
+                workers=workers,
+                timeout_s=self.settings.init_timeout_s,
+            )
+        except TimeoutError:
+            return workers  # the group's formation has its own bounds, and says who is missing
+        # Not a paused worker (its memory past distributed.worker.memory.pause): Dask starts no
+        # rank there, and the imports could only take it on to its nanny's kill.
+        status = {w: identity.get("status") for w, identity in live_workers(self.client).items()}
+        self.prepare(
+            [w for w in workers if cold.get(w) is True and status.get(w) != "paused"], master=None
+        )
+        kept = [w for w in workers if w not in self.left_out]
+        return kept if len(kept) >= self.admission.request.minimum else workers
 
     def generation(self) -> None:
         """Form one generation over the held workers, run every rank, and decide what next."""
@@ -331,11 +435,16 @@ class JobController:
         watcher: _Watcher | None = None
         restart = threading.Event()  # an elastic script's resize: every rank stops now
         try:
+            if self.attempt == 0:
+                # What the workers cannot import, before any of them prepares or runs a rank.
+                ship_code(self.client, self._code)
             group = ProcessGroup(
                 self.client,
                 self.settings,
                 admission=self.admission,
                 step_boundaries=self.step_boundaries,
+                leave_out=self.left_out,
+                before_forming=self._prepare_cold,
             )
             with group:
                 assert group.spec is not None
@@ -356,8 +465,6 @@ class JobController:
                 source = self._continue_from(resume, recovery)
                 job = self._rank_job(group.spec.generation, resume, source)
                 payload = cloudpickle.dumps(job)
-                if self.attempt == 0:
-                    ship_code(self.client, payload)  # what the workers cannot import
                 self.move(State.RUNNING, f"{len(group.workers)} ranks")
                 if self.settings.elastic:
                     watcher = _Watcher(
@@ -365,6 +472,7 @@ class JobController:
                         group.spec.generation,
                         group.workers,
                         restart,
+                        master=(group.spec.master_addr, group.spec.master_port),
                         stepped=lambda: heartbeats.first_step_at is not None,
                     )
                 outcomes = group.run(
@@ -548,11 +656,14 @@ class _Watcher:
         workers: list[str],
         restart: threading.Event,
         *,
+        master: tuple[str, int],
         stepped: Callable[[], bool],
     ) -> None:
         self.controller, self.generation, self.workers = controller, generation, workers
-        self.restart = restart
+        self.restart, self.master = restart, master
         self.stepped = stepped  # whether a rank of this generation passed a step boundary
+        self.prepared: set[str] = set()  # newcomers ready for this job's next generation
+        self._asked: set[str] = set()  # newcomers asked to prepare, ready or not
         self.cause: str | None = None
         self.asked_at = math.nan
         self.retired: set[str] = set()
@@ -591,7 +702,9 @@ class _Watcher:
                     # Workers of one scale-up join over a second or so: one resize for all.
                     if self._done.wait(JOIN_SETTLE_S):
                         return
-                    cause = self._cause(admission.status())
+                    cause = self._cause(status := admission.status())
+                    if cause == "joined" and not self._newcomers_ready(status):
+                        continue  # none of them could prepare: the job goes on as it is
             except Exception as error:  # the scheduler is busy or gone: the ranks will tell
                 logger.info("elastic watcher of %s: %s", self.controller.spec.job_id, error)
                 self._done.wait(WATCH_POLL_S)
@@ -624,10 +737,27 @@ class _Watcher:
             return "retired"
         if mine & set(status["yielding"]):
             return "yielded"
-        grown = set(status["granted"]) - mine
-        if grown and len(self.workers) < self.controller.admission.request.maximum:
+        if (
+            self._newcomers(status)
+            and len(self.workers) < self.controller.admission.request.maximum
+        ):
             return "joined"
         return None
+
+    def _newcomers(self, status: dict[str, Any]) -> set[str]:
+        return set(status["granted"]) - set(self.workers) - self.controller.left_out
+
+    def _newcomers_ready(self, status: dict[str, Any]) -> bool:
+        """Prepare the workers that joined (and those that join meanwhile) while the ranks
+        train on; whether any is ready."""
+        while not self._done.is_set():
+            waiting = sorted(self._newcomers(status) - self._asked)
+            if not waiting:
+                break
+            self._asked |= set(waiting)
+            self.prepared |= set(self.controller.prepare(waiting, master=self.master))
+            status = self.controller.admission.status()
+        return bool(self.prepared & self._newcomers(status))
 
     def _ask(self, cause: str) -> None:
         if self.cause is not None:

@@ -17,7 +17,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Literal, Protocol, Self
 
 from distributed import Client, Future
@@ -375,6 +375,10 @@ class ProcessGroup:
         step_boundaries: Whether the ranks pass step boundaries (``ctx.step_done``): an
             elastic job's rank whose worker closes gracefully then hands off at the next one.
             Scripts have none: theirs stop at once.
+        leave_out: Held workers not to give a rank (they failed to prepare for the job), as
+            long as enough others are held.
+        before_forming: Called with the workers about to form the group (to prepare them);
+            returns those to form it on.
     """
 
     def __init__(
@@ -384,10 +388,13 @@ class ProcessGroup:
         *,
         admission: Admission | None = None,
         step_boundaries: bool = True,
+        leave_out: Collection[str] = (),
+        before_forming: Callable[[list[str]], list[str]] | None = None,
     ) -> None:
         self.client = client
         self.config = config or LaunchConfig()
         self.step_boundaries = step_boundaries
+        self.leave_out, self.before_forming = leave_out, before_forming
         self.spec: ProcessGroupSpec | None = None
         self._departed: set[int] = set()  # ranks whose workers left gracefully
         self._left_gracefully: Callable[[str], bool] | None = None
@@ -409,6 +416,11 @@ class ProcessGroup:
     def _start(self) -> Self:
         config = self.config
         workers = self._hold_workers()
+        kept = [w for w in workers if w not in self.leave_out]
+        if len(kept) >= self.admission.request.minimum:
+            workers = kept
+        if self.before_forming is not None:
+            workers = self.before_forming(workers)
         described = self.client.run(describe_worker, config.socket_ifname, workers=workers)
         backend = _resolve_backend(config.backend, {w: described[w] for w in workers})
         _check_interfaces(config.socket_ifname, {w: described[w] for w in workers})
@@ -809,6 +821,9 @@ class ProcessGroup:
             found = self._failure(futures)
             if found is not None and (not found.infrastructure or isinstance(found, WorkerLost)):
                 return found
+            cut_off = self._cut_off(futures)
+            if cut_off is not None:
+                return cut_off
             if first.cause is Cause.UNSURE and self._all_answer():
                 # Nobody is gone: no peer's loss explains it, so the code raised it.
                 first.infrastructure = False
@@ -823,6 +838,22 @@ class ProcessGroup:
                     )
                 else:
                     time.sleep(RELEASE_POLL_S)
+
+    def _cut_off(self, futures: list[Future]) -> WorkerLost | None:
+        """A rank whose worker left gracefully but went before the rank handed off at a step
+        boundary (its task never finished): the peers' communication error is its loss. A
+        deployment that retires a worker and then kills its process at once does that
+        (dask-jobqueue's scale-down SIGKILLs the batch job right after ``retire_workers``)."""
+        alive = self._alive_workers() if self._departed else {}
+        for rank in sorted(self._departed):
+            if not futures[rank].done() and self.workers[rank] not in alive:
+                return WorkerLost(
+                    f"rank {rank}'s worker {self.workers[rank]} left before its rank handed "
+                    "off at a step boundary",
+                    rank=rank,
+                    worker=self.workers[rank],
+                )
+        return None
 
     def _all_answer(self) -> bool:
         """Whether every worker of the job is in the cluster and answers (a SIGKILLed one is

@@ -31,10 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import Client
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.records import ReportRecord, ResizedRecord, parse_record
+from workflows.benchmarks.stock_cluster import stock_cluster
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.jobs import launch
 
@@ -136,7 +138,7 @@ class ElasticJob:
     """A 2:4 ``mlp_loop`` job on a thread while the benchmark changes the cluster; ``stop()``
     ends it and returns its resize records."""
 
-    def __init__(self, cluster: TrainingCluster, step_s: float, stop_file: Path) -> None:
+    def __init__(self, cluster: TrainingCluster | Client, step_s: float, stop_file: Path) -> None:
         self.steps, self.stop_file, self._done = Steps(), stop_file, {}
         self._thread = threading.Thread(
             target=lambda: self._done.update(
@@ -169,6 +171,72 @@ def elastic(step_s: float, folder: Path) -> list[dict[str, Any]]:
             change(cluster)
             job.steps.wait(f"{size} ranks", job.steps.world(size))
         return job.stop()
+
+
+# The changes on stock processes (`dask scheduler`, `dask worker` with its nanny): cold workers.
+COLD_CHANGES = (
+    "cold: grow 2 -> 3, a stock `dask worker` joins",
+    "cold: SIGKILL of a worker process, its nanny starts another: 3 -> 2 at once",
+    "cold: the nanny's new process joins back, 2 -> 3",
+    "cold: shrink 3 -> 2, SIGTERM to a `dask worker`",
+)
+
+
+def cold(step_s: float, folder: Path) -> list[dict[str, Any]]:
+    """The same 2:4 job on a cluster of stock processes, every newcomer a fresh interpreter
+    that has imported nothing of torch: a ``dask worker`` started during the run joins; a
+    worker process is SIGKILLed (the job shrinks at once, and grows back once the process its
+    nanny starts is ready); a ``dask worker`` gets SIGTERM. Its resize records, in order."""
+    with stock_cluster(2) as cluster:
+        client = cluster.client
+        job = ElasticJob(client, step_s, folder / "stop-cold")
+        job.steps.wait("2 ranks", job.steps.world(2))
+        before = set(live_workers(client))
+        joined = cluster.add_worker()
+        job.steps.wait("3 ranks", job.steps.world(3))
+        (newest,) = set(live_workers(client)) - before
+        pid = client.run(os.getpid, workers=[newest])[newest]
+        os.kill(pid, signal.SIGKILL)
+        job.steps.wait("2 ranks", job.steps.world(2))
+        job.steps.wait("3 ranks again", job.steps.world(3))
+        joined.send_signal(signal.SIGTERM)  # the nanny closes its worker gracefully
+        job.steps.wait("2 ranks", job.steps.world(2))
+        return job.stop()
+
+
+WARM_NANNY = ("--preload-nanny", "workflows.warm_workers")
+
+
+def fixed_sigkill(step_s: float, folder: Path, worker_args: tuple[str, ...]) -> dict[str, Any]:
+    """A fixed 2-rank job on stock processes whose worker process is SIGKILLed (its nanny
+    starts another, which the job waits for): the recovery's record (seconds_lost)."""
+    with stock_cluster(2, worker_args) as cluster:
+        client = cluster.client
+        steps, stop_file, done = Steps(), folder / "stop-fixed", {}
+        stop_file.unlink(missing_ok=True)
+        job = threading.Thread(
+            target=lambda: done.update(
+                result=launch(
+                    mlp_loop,
+                    str(stop_file),
+                    step_s,
+                    0,
+                    cluster=client,
+                    world_size=2,
+                    on_event=steps,
+                    config={"worker_wait_s": WAIT_S},
+                )
+            )
+        )
+        job.start()
+        steps.wait("2 ranks", steps.world(2, steps_after=20))
+        victim = sorted(live_workers(client))[-1]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        seen = len(steps.reports)
+        steps.wait("recovered", lambda s: len(s.reports) >= seen + 20)
+        stop_file.touch()
+        job.join(WAIT_S)
+        return done["result"].recoveries[0]
 
 
 def restarted(step_s: float, checkpoint_every: int, folder: Path) -> list[dict[str, Any]]:
@@ -282,13 +350,28 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=30.0)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--vote-steps", type=int, default=300)
+    parser.add_argument("--cold-only", action="store_true", help="only the stock processes' case")
     args = parser.parse_args()
+    if args.cold_only:
+        with tempfile.TemporaryDirectory() as folder:
+            for resize in cold(args.step_ms / 1000, Path(folder)):
+                print(resize, f"load {os.getloadavg()[0]:.1f}")
+            for worker_args in ((), WARM_NANNY):
+                lost = fixed_sigkill(args.step_ms / 1000, Path(folder), worker_args)
+                print(worker_args, lost, f"load {os.getloadavg()[0]:.1f}")
+        return
     step_s = args.step_ms / 1000
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder)
         with start_cluster(n_workers=2, dashboard_port=0) as cluster:
             fixed_rate, elastic_rate = vote_cost(cluster, path, args.vote_steps)
         ours = elastic(step_s, path)
+        load = os.getloadavg()[0]
+        cold_resizes = cold(step_s, path)
+        load = max(load, os.getloadavg()[0])
+        lost_cold = fixed_sigkill(step_s, path, ())
+        lost_warm = fixed_sigkill(step_s, path, WARM_NANNY)
+        load = max(load, os.getloadavg()[0])
         theirs = restarted(step_s, args.checkpoint_every, path)
         queued, yielded_pause, idle = queued_first_step(step_s, path)
     print(
@@ -305,11 +388,23 @@ def main() -> None:
             f"| {what} | {resize['pause_s']:.2f} s | {resize['redone_steps']} | "
             f"{anchor['pause_s']:.2f} s | {anchor['redone_steps']} |"
         )
+    for what, resize in zip(COLD_CHANGES, cold_resizes, strict=False):
+        print(f"| {what} | {resize['pause_s']:.2f} s | {resize['redone_steps']} | | |")
+    for what, recovery in (
+        ("cold: fixed 2 ranks, SIGKILL, a stock nanny's new process", lost_cold),
+        ("fixed 2 ranks, SIGKILL, a nanny with --preload-nanny workflows.warm_workers", lost_warm),
+    ):
+        print(
+            f"| {what}: seconds lost | {recovery['seconds_lost']:.2f} s | "
+            f"{recovery['recovered_from']} | | |"
+        )
     print(
         f"| a queued 2-rank job takes 2 of 4 | {yielded_pause:.2f} s | 0 | | |\n"
         f"queued job, call to first step: {queued:.2f} s (idle cluster: {idle:.2f} s)\n"
         f"per-step vote: {elastic_rate:.0f} steps/s elastic vs {fixed_rate:.0f} fixed "
-        f"({elastic_rate / fixed_rate:.2f}x)"
+        f"({elastic_rate / fixed_rate:.2f}x)\n"
+        f"cold resizes: {[(r['from'], r['to'], r['cause']) for r in cold_resizes]}; load "
+        f"average (1 min) up to {load:.1f} on {os.cpu_count()} cores"
     )
 
 
