@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-stamp
 # pip's notes about the machine's local wheel folders are noise, not problems.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo test test-large test-python docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-scale bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
+.PHONY: install demo test test-slow test-large test-python docs lint format browser screenshot bench bench-data bench-pipeline bench-predict bench-launch bench-queue bench-workers bench-elastic bench-scale bench-collections bench-store bench-sweep bench-fsdp bench-strategies bench-checkpoint bench-gpt gpu-check test-shuffled clean
 
 install: $(STAMP)
 
@@ -48,9 +48,17 @@ docs: $(STAMP)
 
 # Other CPUs' kernel paths (ATen's plain C, AVX2, AVX-512 crossed with oneDNN's SSE4.1, AVX2
 # and native) run inside the suite: tests/test_kernel_paths.py starts workers on each. The
-# slowest tests are listed at the end: the suite has a time budget (docs/development.md).
+# slowest tests are listed at the end: the suite has a time budget of 12 minutes on a 2-core
+# machine (docs/development.md). The tests marked slow (each 10-40 s: the notebook, the
+# README's examples run as pasted, stock and namespace clusters, Ctrl-C of real commands) are
+# left to make test-slow, which CI runs after it.
 test: lint browser docs
-	$(BIN)/pytest --durations=25
+	$(BIN)/pytest -m "not slow" --durations=25
+
+# The slow tests (-m slow): whole commands and examples run as a user runs them; CI runs them
+# after make test.
+test-slow: $(STAMP)
+	$(BIN)/pytest -m slow --durations=15
 
 # The tests too large for the suite (-m large): a model larger than a worker, trained split
 # on workers whose nanny kills them past their limit; 6-8 minutes and ~18 GB of host memory.
