@@ -111,6 +111,20 @@ def _short(test: str) -> str:
 
 
 @pytest.fixture(autouse=True)
+def _ctrl_c_left_as_found():
+    """A test (or a library it imports) that changes this process's SIGINT handler fails here,
+    and the handler is put back: the Ctrl-C tests after it depend on Python's own (seen:
+    importing dask_jobqueue set it to sys.exit, and two Ctrl-C tests of test_launch.py then
+    failed, one only after its whole timeout)."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    changed = signal.getsignal(signal.SIGINT)
+    if changed is not handler:
+        signal.signal(signal.SIGINT, handler)
+        pytest.fail(f"the test left this process's SIGINT handler changed to {changed!r}")
+
+
+@pytest.fixture(autouse=True)
 def _in_a_temporary_folder(tmp_path, monkeypatch):
     """Every test, and every process it starts, works in its own temporary folder: a run
     directory (runs/<name>-<time>) or a store with a relative default lands there, not in the

@@ -509,6 +509,20 @@ def test_a_resize_request_that_failed_is_sent_again(cluster, tmp_path):
     assert causes[0] == (2, 1, "yielded"), causes
 
 
+def _jobqueue_local_cluster() -> type:
+    """dask-jobqueue's LocalCluster class, imported with this process's Ctrl-C left as it was:
+    importing dask_jobqueue sets the importing process's SIGINT handler to ``sys.exit``
+    (dask_jobqueue/runner.py, at import, 0.9.0), and every later Ctrl-C test of the suite then
+    got SystemExit instead of KeyboardInterrupt (tests/conftest.py now fails a test that
+    leaves the handler changed)."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        from dask_jobqueue.local import LocalCluster
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    return LocalCluster
+
+
 @pytest.mark.equivalence
 @pytest.mark.timeout(180)
 def test_on_a_dask_jobqueue_cluster_adapting_2_to_4_an_elastic_job_grows_and_shrinks(tmp_path):
@@ -519,8 +533,7 @@ def test_on_a_dask_jobqueue_cluster_adapting_2_to_4_an_elastic_job_grows_and_shr
     # adaptive target from 2 to 4; once it is done the 2:4 job grows into the two new
     # workers, and gives them back as the cluster adapts down to 2 (retiring them, then
     # SIGKILLing their processes, as dask-jobqueue cancels a batch job).
-    from dask_jobqueue.local import LocalCluster as JobQueueLocalCluster
-
+    JobQueueLocalCluster = _jobqueue_local_cluster()
     stop_file = tmp_path / "stop"
     with (
         JobQueueLocalCluster(
