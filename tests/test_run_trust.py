@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from tests.worker_logs import raise_it, what_stderr_shows
 from workflows import predict
@@ -56,6 +56,14 @@ def _a_finished_run(folder: Path, model: dict) -> Path:
     return folder
 
 
+def _invoke(arguments: list[str]) -> Result:
+    """The CLI in this process, as called from Python (standalone_mode=False): its own Ctrl-C
+    handling (signal handlers, an exit hook that ends the process with the command's status)
+    is for a process of its own, and installed here it outlived the test: a later Ctrl-C
+    test's interrupt ended the whole suite 30 s after (exit 130)."""
+    return CliRunner().invoke(main, arguments, standalone_mode=False)
+
+
 def test_predict_refuses_a_model_that_a_run_config_names_by_import_path_before_importing_it(
     tmp_path,
 ):
@@ -64,7 +72,7 @@ def test_predict_refuses_a_model_that_a_run_config_names_by_import_path_before_i
     run = _a_finished_run(tmp_path / "run", command)
     arguments = ["predict", str(CONFIGS / "digits_ddp.toml"), "--model", str(run)]
     arguments += ["--input", str(tmp_path / "input"), "--output", str(tmp_path / "scored")]
-    done = CliRunner().invoke(main, arguments)  # in this process: no second torch import
+    done = _invoke(arguments)  # in this process: no second torch import
     assert done.exit_code == 2, done.output
     assert not marker.exists()
     (message,) = done.stderr.strip().splitlines()
@@ -143,7 +151,7 @@ def test_a_mistyped_url_is_refused_in_one_line_before_anything_is_written(
 ):
     monkeypatch.chdir(tmp_path)
     command, *options = arguments
-    done = CliRunner().invoke(main, [command, str(CONFIGS / "digits_ddp.toml"), *options])
+    done = _invoke([command, str(CONFIGS / "digits_ddp.toml"), *options])
     assert done.exit_code == 2, done.output
     (message,) = done.stderr.strip().splitlines()
     assert said in message, message
@@ -319,7 +327,7 @@ def test_every_secret_is_masked_wherever_it_is_written_or_shown(make_config, tmp
     # An error that names the storage, from the CLI.
     arguments = ["sweep", str(CONFIGS / "digits_ddp.toml"), "--trials", "1", "--storage", database]
     arguments += ["--param", "training.lr=log:1e-3:1e-1", "--output", str(tmp_path / "refused")]
-    done = CliRunner().invoke(main, arguments)
+    done = _invoke(arguments)
     assert done.exit_code == 2 and "storage: postgresql://user:***@127.0.0.1:1/db" in done.stderr
     shown.append(done.output)
     # An error from Python, naming the location with its password.
