@@ -19,6 +19,10 @@ def _let_pass(signum: int, frame: object) -> None:
 
 def dask_setup(worker: object) -> None:
     """The preload hook: runs once in each worker process as it starts, in its main thread
-    (where the event loop put its own Ctrl-C handler, which this replaces)."""
-    if threading.current_thread() is threading.main_thread():
+    (where the event loop put its own Ctrl-C handler, which this replaces). Only in a process
+    of its own, which a nanny started: a worker made in the caller's process while our
+    cluster's settings are in Dask's config (``Worker(...)``, ``processes=False``) would take
+    the caller's Ctrl-C away (seen: the test process's, after test_compat made one)."""
+    in_a_process_of_its_own = getattr(worker, "nanny", None) is not None
+    if in_a_process_of_its_own and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _let_pass)
