@@ -602,6 +602,9 @@ def _planted_staging(step: int, flag: str, rank_0_unreachable: bool) -> None:
     _plant("save", planted)
 
 
+RELEASE_BOUND_S = 40.0
+
+
 @pytest.mark.parametrize(
     "rank_0_unreachable",
     [
@@ -621,7 +624,11 @@ def test_a_job_stopped_before_a_peer_began_its_write_abandons_it_at_once(
     flag = tmp_path / "rank-1-staging"
     client.run(_planted_staging, 4, str(flag), rank_0_unreachable)
     try:
-        launch = {"world_size": 2, "release_timeout_s": 20.0}
+        # A write waited out holds the stop 0.8 x this bound (32 s); one abandoned, the stopped
+        # rank's grace and its kill (4-8 s, whatever the bound): asserted below at half the
+        # bound, far from both, rather than at a time the machine's load moves (8 s was taken
+        # once, in a suite run, at 8.4 s).
+        launch = {"world_size": 2, "release_timeout_s": RELEASE_BOUND_S}
         checkpoint = {"every_steps": 2, "keep": 100}  # async_save by default
         config = in_bucket("stopped-unbegun", max_steps=500, checkpoint=checkpoint, launch=launch)
         stop = threading.Event()
@@ -647,7 +654,9 @@ def test_a_job_stopped_before_a_peer_began_its_write_abandons_it_at_once(
         client.run(_unplant, "save")
         # Workers the stop could not reach are restarted by their nannies.
         client.wait_for_workers(4, timeout=60)
-    assert held_s < 8, f"the stop took {held_s:.1f} s: the unbegun write was waited out"
+    assert held_s < RELEASE_BOUND_S / 2, (
+        f"the stop took {held_s:.1f} s: the unbegun write was waited out"
+    )
     directory = config.checkpoint.directory
     assert list_checkpoints(directory, config.checkpoint.storage_options) == [
         f"{directory}/step-000000002"
