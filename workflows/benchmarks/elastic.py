@@ -135,10 +135,16 @@ CHANGES = (
 
 
 class ElasticJob:
-    """A 2:4 ``mlp_loop`` job on a thread while the benchmark changes the cluster; ``stop()``
-    ends it and returns its resize records."""
+    """An ``mlp_loop`` job (2:4 by default) on a thread while the benchmark changes the
+    cluster; ``stop()`` ends it and returns its resize records, ``finish()`` its result."""
 
-    def __init__(self, cluster: TrainingCluster | Client, step_s: float, stop_file: Path) -> None:
+    def __init__(
+        self,
+        cluster: TrainingCluster | Client,
+        step_s: float,
+        stop_file: Path,
+        world_size: int | str = "2:4",
+    ) -> None:
         self.steps, self.stop_file, self._done = Steps(), stop_file, {}
         self._thread = threading.Thread(
             target=lambda: self._done.update(
@@ -148,7 +154,7 @@ class ElasticJob:
                     step_s,
                     0,
                     cluster=cluster,
-                    world_size="2:4",
+                    world_size=world_size,
                     on_event=self.steps,
                     config={"worker_wait_s": WAIT_S},
                 )
@@ -156,10 +162,14 @@ class ElasticJob:
         )
         self._thread.start()
 
-    def stop(self) -> list[dict[str, Any]]:
+    def finish(self) -> Any:
+        """Ask the job to stop and wait for it: its LaunchResult."""
         self.stop_file.touch()
         self._thread.join(WAIT_S)
-        return self._done["result"].resizes
+        return self._done["result"]
+
+    def stop(self) -> list[dict[str, Any]]:
+        return self.finish().resizes
 
 
 def elastic(step_s: float, folder: Path) -> list[dict[str, Any]]:
@@ -212,31 +222,15 @@ def fixed_sigkill(step_s: float, folder: Path, worker_args: tuple[str, ...]) -> 
     starts another, which the job waits for): the recovery's record (seconds_lost)."""
     with stock_cluster(2, worker_args) as cluster:
         client = cluster.client
-        steps, stop_file, done = Steps(), folder / "stop-fixed", {}
+        stop_file = folder / "stop-fixed"
         stop_file.unlink(missing_ok=True)
-        job = threading.Thread(
-            target=lambda: done.update(
-                result=launch(
-                    mlp_loop,
-                    str(stop_file),
-                    step_s,
-                    0,
-                    cluster=client,
-                    world_size=2,
-                    on_event=steps,
-                    config={"worker_wait_s": WAIT_S},
-                )
-            )
-        )
-        job.start()
-        steps.wait("2 ranks", steps.world(2, steps_after=20))
+        job = ElasticJob(client, step_s, stop_file, world_size=2)
+        job.steps.wait("2 ranks", job.steps.world(2, steps_after=20))
         victim = sorted(live_workers(client))[-1]
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-        seen = len(steps.reports)
-        steps.wait("recovered", lambda s: len(s.reports) >= seen + 20)
-        stop_file.touch()
-        job.join(WAIT_S)
-        return done["result"].recoveries[0]
+        seen = len(job.steps.reports)
+        job.steps.wait("recovered", lambda s: len(s.reports) >= seen + 20)
+        return job.finish().recoveries[0]
 
 
 def restarted(step_s: float, checkpoint_every: int, folder: Path) -> list[dict[str, Any]]:

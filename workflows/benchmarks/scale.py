@@ -16,13 +16,12 @@ import argparse
 import os
 import statistics
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from workflows.benchmarks.elastic import Steps, mlp_loop
+from workflows.benchmarks.elastic import ElasticJob
 from workflows.benchmarks.launch_vs_torchrun import torchrun_first_step
 from workflows.cluster import start_cluster
 from workflows.jobs import launch
@@ -45,28 +44,11 @@ def warm_launch_s(cluster, size: int) -> float:
 
 def grow_pause_s(cluster, size: int, folder: Path, step_s: float) -> float:
     """An ``size:size+1`` job on ``size`` workers while one more joins: its resize's pause."""
-    steps, stop_file, done = Steps(), folder / f"stop-{size}", {}
-    job = threading.Thread(
-        target=lambda: done.update(
-            result=launch(
-                mlp_loop,
-                str(stop_file),
-                step_s,
-                0,
-                cluster=cluster,
-                world_size=f"{size}:{size + 1}",
-                on_event=steps,
-                config={"worker_wait_s": WAIT_S},
-            )
-        )
-    )
-    job.start()
-    steps.wait(f"{size} ranks", steps.world(size))
+    job = ElasticJob(cluster, step_s, folder / f"stop-{size}", world_size=f"{size}:{size + 1}")
+    job.steps.wait(f"{size} ranks", job.steps.world(size))
     cluster.cluster.scale(size + 1)
-    steps.wait(f"{size + 1} ranks", steps.world(size + 1))
-    stop_file.touch()
-    job.join(WAIT_S)
-    (resize,) = done["result"].resizes
+    job.steps.wait(f"{size + 1} ranks", job.steps.world(size + 1))
+    (resize,) = job.stop()
     return resize["pause_s"]
 
 
