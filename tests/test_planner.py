@@ -13,6 +13,7 @@ from workers.profiling import DeviceProfile, LayerProfile, profile_layers
 from workers.stage_cuts import even_split
 from workflows.cluster import live_workers, start_cluster
 from workflows.planner import (
+    PipelineCut,
     ProfileFailed,
     StagePlan,
     _recommend,
@@ -96,22 +97,23 @@ def test_memory_per_rank_is_a_replica_under_ddp_and_a_shard_plus_two_units_under
     # 60 MiB of parameters in units of 10, 30 and 20; 1 MiB of activations per layer and
     # micro-batch of 8 rows, 16 rows a rank.
     layers = _layers([1, 1, 1], param_mib=[10, 30, 20])
-    ddp = estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=1)
+    profile = DeviceProfile("cpu", memory_bytes=0, micro_batch=8, layers=tuple(layers))
+    ddp = estimate_memory(profile, rows=16, optimizer_buffers=1)
     # Parameters, gradients and DDP's buckets, momentum, activations.
     assert (ddp.parameters, ddp.gradients, ddp.optimizer) == (60 * MIB, 120 * MIB, 60 * MIB)
     assert ddp.activations == 6 * MIB and ddp.total == 246 * MIB
     # AdamW's two moments.
-    assert estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=2).total == 306 * MIB
+    assert estimate_memory(profile, rows=16, optimizer_buffers=2).total == 306 * MIB
     # Sharded over 2: half of everything, and the largest unit (30) gathered twice (the one
     # running and the one prefetched), its gradient twice (whole, and the reduce-scatter's copy).
     assert (
-        estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=1, shard=2).total
+        estimate_memory(profile, rows=16, optimizer_buffers=1, shard=2).total
         == ((30 + 60) + (30 + 60) + 30 + 6) * MIB
     )
-    no_momentum = estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=0, shard=4)
+    no_momentum = estimate_memory(profile, rows=16, optimizer_buffers=0, shard=4)
     assert no_momentum.optimizer == 0 and no_momentum.total == (75 + 75 + 6) * MIB
     estimates = {
-        shard: estimate_memory(layers, rows=16, micro_batch=8, optimizer_buffers=1, shard=shard)
+        shard: estimate_memory(profile, rows=16, optimizer_buffers=1, shard=shard)
         for shard in (1, 2, 4)
     }
     assert [suggested_shard(estimates, mib * MIB) for mib in (300, 230, 200, 160)] == [
@@ -140,20 +142,18 @@ def test_the_optimizer_state_counted_is_the_configured_optimizers(
     assert optimizer_buffers(config.training) == buffers
 
 
+def _one_stage(dp: int) -> PipelineCut:
+    """The whole three-layer model as one stage of 3 s, run on one micro-batch."""
+    stage = StagePlan(layers=("l0", "l1", "l2"), seconds=3.0, memory_bytes=0)
+    return PipelineCut(points=(), stages=(stage,), n_microbatches=1, dp=dp)
+
+
 @pytest.mark.parametrize(("world", "advice"), [(2, "fsdp"), (4, "hsdp")])
 def test_the_plan_suggests_sharding_when_a_replica_does_not_fit(make_config, world, advice):
     layers = _layers([1, 1, 1], param_mib=[10, 30, 20])
     profile = DeviceProfile("cpu", memory_bytes=230 * MIB, micro_batch=8, layers=tuple(layers))
     config = make_config(batch_size=16 * world, momentum=0.9)
-    plan = _recommend(
-        config,
-        profile=profile,
-        stages=(StagePlan(layers=("l0", "l1", "l2"), seconds=3.0, memory_bytes=0),),
-        points=[],
-        world_size=world,
-        n_microbatches=1,
-        dp=world,
-    )
+    plan = _recommend(config, profile, _one_stage(dp=world), world_size=world)
     assert not plan.fits_one_device
     assert plan.recommendation.startswith(f"{advice} with parallel.dp_shard = 2: a DDP replica")
     rendered = plan.render().splitlines()
@@ -180,13 +180,10 @@ def test_an_asynchronous_checkpoints_copies_count_against_the_workers_memory(
     assert checkpoint_copies(config) == copies
     plan = _recommend(
         config,
-        checkpoint_copies=checkpoint_copies(config),
-        profile=profile,
-        stages=(StagePlan(layers=("l0", "l1", "l2"), seconds=3.0, memory_bytes=0),),
-        points=[],
+        profile,
+        _one_stage(dp=2),
         world_size=2,
-        n_microbatches=1,
-        dp=2,
+        checkpoint_copies=checkpoint_copies(config),
     )
     assert plan.memory[1].checkpoint == copies * 120 * MIB
     assert plan.memory[2].checkpoint == copies * 60 * MIB  # a shard's: half

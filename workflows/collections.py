@@ -41,6 +41,18 @@ class DataError(ValueError):
     """A collection that cannot be trained on; the message names the split and what to do."""
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where a job's splits go, the same for each: rank r's worker ``workers[r]`` (fewer than
+    the ranks: the rest have no locality), the ranks, the dataset their futures are published
+    under, and the bound on each wait for partitions."""
+
+    workers: list[str]
+    world_size: int
+    dataset: str
+    timeout_s: float
+
+
 @dataclass
 class PreparedData:
     """The plan the ranks get, and the futures that keep its partitions on the cluster."""
@@ -172,19 +184,10 @@ def prepare_data(
     futures: list[Future] = []
     splits = {}
     dataset = f"dask-train-data-{uuid.uuid4().hex}"
+    placement = _Placement(rank_workers, world_size, dataset, timeout_s)
     for name, (x, y) in checked.items():
         mode = (shares or {}).get(name, "balanced")
-        split, held = _plan_split(
-            client,
-            name,
-            x,
-            y,
-            rank_workers,
-            world_size,
-            mode=mode,
-            timeout_s=timeout_s,
-            dataset=dataset,
-        )
+        split, held = _plan_split(client, name, x, y, placement, mode=mode)
         splits[name] = split
         futures += held
     plan = CollectionPlan(splits=splits, world_size=world_size, workers=tuple(rank_workers))
@@ -340,22 +343,14 @@ def wait_for_partitions(futures: list[Future], timeout_s: float, where: str) -> 
 
 
 def _plan_split(
-    client: Client,
-    name: str,
-    x: Any,
-    y: Any,
-    workers: list[str],
-    world_size: int,
-    *,
-    mode: Shares,
-    timeout_s: float,
-    dataset: str,
+    client: Client, name: str, x: Any, y: Any, placement: _Placement, *, mode: Shares
 ) -> tuple[SplitPlan, list[Future]]:
     """One split's plan: its X and y persisted on the job's workers, partitioned alike, each
     rank's share of rows assigned where they lie (``mode``), and the rows that change hands
     cut and held on their new rank. Also the futures the plan reads, to keep."""
     import dask.array as da
 
+    workers, world_size, timeout_s = placement.workers, placement.world_size, placement.timeout_s
     where = f"data[{name!r}]"
     x_futures, x_rows, y_futures, facts = _persisted_alike(
         client, x, y, workers, timeout_s=timeout_s, where=where
@@ -396,7 +391,7 @@ def _plan_split(
         integral_target=integral,
         target_range=(low, high),
         moved_rows=moved_rows,
-        dataset=dataset,
+        dataset=placement.dataset,
         moved_bytes=moved_bytes,
     )
     return split, [*x_futures, *y_futures, *moved]

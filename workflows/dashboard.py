@@ -71,11 +71,7 @@ def render_page(
     """The page's HTML; under the dashboard's navigation bar with ``navigation`` (what
     ``workers.compat.distributed_private.dashboard_page_template`` returns), a page of its
     own without."""
-    from bokeh.embed import file_html
-    from bokeh.layouts import column, row
-    from bokeh.models import ColumnDataSource, Div, Legend
-    from bokeh.plotting import figure
-    from bokeh.resources import Resources
+    from bokeh.models import Div
 
     blocks = [Div(text="<h1>Training</h1>")]
     if queue and (queue["holding"] or queue["queued"]):
@@ -84,79 +80,105 @@ def render_page(
         blocks.append(Div(text="<p>No training job has reported to this scheduler yet.</p>"))
     newest_first = list(reversed(list(jobs.items())))
     for job, state in newest_first[:PLOTTED_JOBS]:
-        history = state.get("history", [])
-        ranks = state.get("ranks", {})
-        facts = (
-            f"<h2>{_escape(job)}</h2><p>strategy <b>{_escape(str(state.get('strategy', '?')))}"
-            f"</b>, {state.get('world_size', '?')} ranks, epoch {state.get('epoch', 0)}/"
-            f"{state.get('epochs', '?')}, step {state.get('step', 0)}, recoveries "
-            f"{state.get('recoveries', 0)}"
-            + (f", resizes {state['resizes']}" if state.get("resizes") else "")
-            + "</p>"
-        )
-        blocks.append(Div(text=facts))
-        epochs = [r["epoch"] for r in history]
-        # The task's figures (workers/losses.py): accuracy, or MSE, MAE and R² for regression.
-        figures = [name for names in METRICS.values() for name in names]
-        shown = [name for name in figures if any(name in r for r in history)] or ["accuracy"]
-        source = ColumnDataSource(
-            {"epoch": epochs}
-            | {
-                key: [r.get(key) for r in history]
-                for name in ("loss", *shown)
-                for key in (name, f"val_{name}")
-            }
-        )
-        plots = []
-        for name in ("loss", *shown):
-            plot = figure(title=name, width=420, height=260, x_axis_label="epoch")
-            train = plot.line("epoch", name, source=source, line_width=2)
-            validation = plot.line("epoch", f"val_{name}", source=source, color="orange")
-            # Above the plot, not over its curves.
-            items = [("train", [train]), ("validation", [validation])]
-            plot.add_layout(Legend(items=items, orientation="horizontal", margin=0), "above")
-            plots.append(plot)
-        plots.append(_per_rank(figure, "samples/s per rank", ranks))
-        blocks.append(row(*plots))
-        # The ranks: how many over time, and each one's peak memory (a row of their own, so
-        # that each row fits a screen).
-        world_and_memory = []
-        if state.get("world"):
-            world_and_memory.append(_world_plot(figure, state["world"], state.get("last_seen")))
-        memory = state.get("memory", {})
-        if memory:
-            mib = {rank: value / 2**20 for rank, value in memory.items()}
-            world_and_memory.append(_per_rank(figure, "peak memory per rank (MiB)", mib))
-        if world_and_memory:
-            blocks.append(row(*world_and_memory))
-        reports = state.get("reports", [])
-        if reports:
-            blocks.append(row(*_report_plots(reports, figure)))
+        blocks += _job_blocks(job, state)
     for sweep, trials in reversed(list((sweeps or {}).items())):  # newest first
         blocks.append(Div(text=_trials_table(sweep, trials)))
     if newest_first[PLOTTED_JOBS:]:
         blocks.append(Div(text=_earlier_jobs_table(newest_first[PLOTTED_JOBS:])))
-    # BokehJS from the dashboard's static route, relative so a proxy's prefix is kept: inlined,
-    # it made every reload of this page 1.7 MB.
-    resources = Resources(mode="server", root_url="./")
-    if navigation is None:
-        page = file_html(column(*blocks), resources=resources, title=TITLE)
-    else:
-        # distributed's page: its bar, its stylesheet (statics/), then the Bokeh document.
-        template, variables = navigation
-        page = file_html(
-            column(*blocks),
-            resources=resources,
-            title=TITLE,
-            template=template,
-            template_variables=variables,
-        )
-        # Its template names every page "Dask Diagnostic UI".
-        page = re.sub(r"<title>.*?</title>", f"<title>{TITLE}</title>", page, count=1)
+    page = _html(blocks, navigation)
     if not refresh:
         return page
     reload = f'<meta http-equiv="refresh" content="{REFRESH_S}">'
     return page.replace("<head>", f"<head>\n{reload}", 1)
+
+
+def _job_blocks(job: str, state: dict[str, Any]) -> list[Any]:
+    """One plotted job's rows: its facts, its curves and samples/s per rank, its world size
+    and peak memory per rank, and its reports' plots."""
+    from bokeh.layouts import row
+    from bokeh.models import Div
+    from bokeh.plotting import figure
+
+    ranks = state.get("ranks", {})
+    facts = (
+        f"<h2>{_escape(job)}</h2><p>strategy <b>{_escape(str(state.get('strategy', '?')))}"
+        f"</b>, {state.get('world_size', '?')} ranks, epoch {state.get('epoch', 0)}/"
+        f"{state.get('epochs', '?')}, step {state.get('step', 0)}, recoveries "
+        f"{state.get('recoveries', 0)}"
+        + (f", resizes {state['resizes']}" if state.get("resizes") else "")
+        + "</p>"
+    )
+    plots = _curves(state.get("history", []))
+    plots.append(_per_rank(figure, "samples/s per rank", ranks))
+    blocks = [Div(text=facts), row(*plots)]
+    # The ranks: how many over time, and each one's peak memory (a row of their own, so
+    # that each row fits a screen).
+    world_and_memory = []
+    if state.get("world"):
+        world_and_memory.append(_world_plot(figure, state["world"], state.get("last_seen")))
+    memory = state.get("memory", {})
+    if memory:
+        mib = {rank: value / 2**20 for rank, value in memory.items()}
+        world_and_memory.append(_per_rank(figure, "peak memory per rank (MiB)", mib))
+    if world_and_memory:
+        blocks.append(row(*world_and_memory))
+    reports = state.get("reports", [])
+    if reports:
+        blocks.append(row(*_report_plots(reports, figure)))
+    return blocks
+
+
+def _curves(history: list[dict[str, Any]]) -> list[Any]:
+    """The loss's and the task's figures' plots by epoch, training and validation."""
+    from bokeh.models import ColumnDataSource, Legend
+    from bokeh.plotting import figure
+
+    epochs = [r["epoch"] for r in history]
+    # The task's figures (workers/losses.py): accuracy, or MSE, MAE and R² for regression.
+    figures = [name for names in METRICS.values() for name in names]
+    shown = [name for name in figures if any(name in r for r in history)] or ["accuracy"]
+    source = ColumnDataSource(
+        {"epoch": epochs}
+        | {
+            key: [r.get(key) for r in history]
+            for name in ("loss", *shown)
+            for key in (name, f"val_{name}")
+        }
+    )
+    plots = []
+    for name in ("loss", *shown):
+        plot = figure(title=name, width=420, height=260, x_axis_label="epoch")
+        train = plot.line("epoch", name, source=source, line_width=2)
+        validation = plot.line("epoch", f"val_{name}", source=source, color="orange")
+        # Above the plot, not over its curves.
+        items = [("train", [train]), ("validation", [validation])]
+        plot.add_layout(Legend(items=items, orientation="horizontal", margin=0), "above")
+        plots.append(plot)
+    return plots
+
+
+def _html(blocks: list[Any], navigation: tuple[Any, dict[str, Any]] | None) -> str:
+    """The blocks as one HTML page, under distributed's navigation bar where given."""
+    from bokeh.embed import file_html
+    from bokeh.layouts import column
+    from bokeh.resources import Resources
+
+    # BokehJS from the dashboard's static route, relative so a proxy's prefix is kept: inlined,
+    # it made every reload of this page 1.7 MB.
+    resources = Resources(mode="server", root_url="./")
+    if navigation is None:
+        return file_html(column(*blocks), resources=resources, title=TITLE)
+    # distributed's page: its bar, its stylesheet (statics/), then the Bokeh document.
+    template, variables = navigation
+    page = file_html(
+        column(*blocks),
+        resources=resources,
+        title=TITLE,
+        template=template,
+        template_variables=variables,
+    )
+    # Its template names every page "Dask Diagnostic UI".
+    return re.sub(r"<title>.*?</title>", f"<title>{TITLE}</title>", page, count=1)
 
 
 def _queue_table(queue: dict[str, list[dict[str, Any]]]) -> str:

@@ -51,6 +51,17 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class PipelineCut:
+    """The pipeline a plan weighs: where it cuts the model, the stages that makes, and the
+    micro-batches and data-parallel replicas it runs them with."""
+
+    points: tuple[str, ...]
+    stages: tuple[StagePlan, ...]
+    n_microbatches: int
+    dp: int
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one rank holds while training, by what holds them."""
 
@@ -91,33 +102,34 @@ def optimizer_buffers(training: TrainingConfig) -> int:
 
 
 def estimate_memory(
-    layers: Sequence[LayerProfile],
+    profile: DeviceProfile,
     *,
     rows: int,
-    micro_batch: int,
     optimizer_buffers: int,
     shard: int = 1,
-    unit_bytes: int = 0,
     checkpoint_copies: int = 0,
 ) -> MemoryEstimate:
     """A rank's memory for ``rows`` rows a step of the profiled model: a DDP replica when
     ``shard`` is 1; under FSDP2 over ``shard`` ranks, its shards plus two units gathered whole
     (the largest unit's parameters as it runs and the next one's, prefetched) and two more of
     gradients (the unit's whole gradient and the copy FSDP2 reduce-scatters from). A unit is
-    ``unit_bytes`` (0: the largest layer's). Asynchronous checkpoints hold
+    the profile's ``largest_unit_bytes`` (0: the largest layer's). Asynchronous checkpoints hold
     ``checkpoint_copies`` of the rank's own parameters and optimizer state (`checkpoint_copies`).
 
     Measured against it (``make bench-fsdp``, which prints both): within 15% on the linear
     stack, the GPT and vit_b_16, under DDP and FSDP, at 2 and 4 ranks on the CPU."""
+    layers = profile.layers
     params = sum(layer.param_bytes for layer in layers)
-    activations = sum(layer.activation_bytes for layer in layers) * rows // max(micro_batch, 1)
+    activations = (
+        sum(layer.activation_bytes for layer in layers) * rows // max(profile.micro_batch, 1)
+    )
     own = params if shard == 1 else -(-params // shard)
     checkpoint = checkpoint_copies * (1 + optimizer_buffers) * own
     if shard == 1:
         return MemoryEstimate(
             params, 2 * params, optimizer_buffers * params, activations, checkpoint
         )
-    unit = unit_bytes or max(layer.param_bytes for layer in layers)
+    unit = profile.largest_unit_bytes or max(layer.param_bytes for layer in layers)
     return MemoryEstimate(
         own + 2 * unit, own + 2 * unit, optimizer_buffers * own, activations, checkpoint
     )
@@ -316,13 +328,10 @@ def plan(
     )
     return _recommend(
         config,
-        checkpoint_copies=checkpoint_copies(config, checkpointed=checkpointed),
-        profile=profile,
-        stages=stages,
-        points=points,
+        profile,
+        PipelineCut(tuple(points), stages, n_microbatches=m, dp=layout.dp),
         world_size=world_size,
-        n_microbatches=m,
-        dp=layout.dp,
+        checkpoint_copies=checkpoint_copies(config, checkpointed=checkpointed),
     )
 
 
@@ -400,47 +409,92 @@ def _staged_plan(config: RunConfig) -> PipelinePlan:
 
 def _recommend(
     config: RunConfig,
-    *,
-    checkpoint_copies: int = 0,
     profile: DeviceProfile,
-    stages: tuple[StagePlan, ...],
-    points: list[str],
+    cut: PipelineCut,
+    *,
     world_size: int,
-    n_microbatches: int,
-    dp: int,
+    checkpoint_copies: int = 0,
 ) -> Plan:
-    # Compute scales with rows: a step of B rows costs B / micro_batch micro-batch units.
-    unit = sum(layer.seconds for layer in profile.layers)
-    rows = config.training.batch_size
-    per_row = unit / profile.micro_batch
-    memory = {
+    memory = _memory_per_rank(
+        config, profile, world_size=world_size, checkpoint_copies=checkpoint_copies
+    )
+    predicted = _predicted_step_s(config, profile, cut, world_size=world_size)
+    shard = suggested_shard(memory, profile.memory_bytes)
+    return Plan(
+        strategy=config.training.strategy,
+        schedule=_staged_plan(config).schedule(config.pipeline),
+        n_stages=len(cut.stages),
+        n_microbatches=cut.n_microbatches,
+        dp=cut.dp,
+        split_points=cut.points,
+        stages=cut.stages,
+        profile=profile,
+        predicted_step_s=predicted,
+        fits_one_device=shard == 1,
+        recommendation=_recommendation(
+            profile,
+            memory,
+            predicted,
+            shard=shard,
+            n_microbatches=cut.n_microbatches,
+            world_size=world_size,
+        ),
+        world_size=world_size,
+        memory=memory,
+    )
+
+
+def _memory_per_rank(
+    config: RunConfig, profile: DeviceProfile, *, world_size: int, checkpoint_copies: int
+) -> dict[int, MemoryEstimate]:
+    """A rank's memory at ``world_size`` ranks: a DDP replica under 1, sharded over
+    ``dp_shard`` ranks under each divisor of the world size."""
+    return {
         shard: estimate_memory(
-            profile.layers,
-            rows=rows // world_size,
-            micro_batch=profile.micro_batch,
+            profile,
+            rows=config.training.batch_size // world_size,
             optimizer_buffers=optimizer_buffers(config.training),
             shard=shard,
-            unit_bytes=profile.largest_unit_bytes,
             checkpoint_copies=checkpoint_copies,
         )
         for shard in range(1, world_size + 1)
         if world_size % shard == 0
     }
-    shard = suggested_shard(memory, profile.memory_bytes)
-    whole = memory[1].total
-    fits = shard == 1
-    p, m = len(stages), n_microbatches
-    slowest = max(stage.seconds for stage in stages)
-    slowest_per_row = slowest / profile.micro_batch
-    predicted = {
+
+
+def _predicted_step_s(
+    config: RunConfig, profile: DeviceProfile, cut: PipelineCut, *, world_size: int
+) -> dict[str, float]:
+    """Seconds per optimizer step by strategy. Compute scales with rows: a step of B rows
+    costs B / micro_batch micro-batch units."""
+    unit = sum(layer.seconds for layer in profile.layers)
+    rows = config.training.batch_size
+    per_row = unit / profile.micro_batch
+    p, m = len(cut.stages), cut.n_microbatches
+    slowest_per_row = max(stage.seconds for stage in cut.stages) / profile.micro_batch
+    return {
         # DDP: every rank runs the whole model on its share of the batch (all-reduce ignored).
         "ddp": per_row * rows / world_size,
         # Model parallel: one batch walks the stages one after another.
         "model_parallel": per_row * rows,
         # Pipeline: m + p - 1 slots, each as long as the slowest stage on a micro-batch.
-        "pipeline": slowest_per_row * (rows / (dp * m)) * (m + p - 1),
+        "pipeline": slowest_per_row * (rows / (cut.dp * m)) * (m + p - 1),
     }
-    if fits:
+
+
+def _recommendation(
+    profile: DeviceProfile,
+    memory: dict[int, MemoryEstimate],
+    predicted: dict[str, float],
+    *,
+    shard: int | None,
+    n_microbatches: int,
+    world_size: int,
+) -> str:
+    """Which strategy to run and why: DDP where a replica fits, else the least sharding that
+    fits, else a pipeline where micro-batches overlap, else plain model parallelism."""
+    whole, m = memory[1].total, n_microbatches
+    if shard == 1:
         choice = "ddp"
         why = (
             f"the whole model needs {whole / 2**20:.1f} MiB and fits one device, so DDP keeps "
@@ -468,21 +522,7 @@ def _recommend(
             f"the model ({whole / 2**20:.1f} MiB) does not fit one device; with one "
             "micro-batch nothing overlaps, so plain model parallelism is as fast as a pipeline"
         )
-    return Plan(
-        strategy=config.training.strategy,
-        schedule=_staged_plan(config).schedule(config.pipeline),
-        n_stages=p,
-        n_microbatches=m,
-        dp=dp,
-        split_points=tuple(points),
-        stages=stages,
-        profile=profile,
-        predicted_step_s=predicted,
-        fits_one_device=fits,
-        recommendation=f"{choice}: {why}",
-        world_size=world_size,
-        memory=memory,
-    )
+    return f"{choice}: {why}"
 
 
 def resolve_split_points(

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import fsspec
 import numpy as np
+from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workers.inference import ModelSpec, ScoreJob, input_shape
@@ -126,26 +127,7 @@ def resolve_model(
     checkpoint = f"{run_dir}/model.pt" if is_dir else path
     summary: dict[str, Any] = {}
     if fs.isfile(f"{run_dir}/config.json"):
-        source = f"--model: {fs.unstrip_protocol(run_dir)}/config.json"
-        try:
-            raw = json.loads(fs.cat_file(f"{run_dir}/config.json"))
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{source} is not a run config: {error}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source} is not a run config: not a JSON object")
-        signed = f"{run_dir}/{CONFIG_SIGNATURE}"
-        check_config_trusted(  # before anything it names is imported
-            raw,
-            source,
-            own_model=config.model.name if config is not None else None,
-            trust_config=trust_config,
-            signing_key_file=config.checkpoint.signing_key_file if config else None,
-            signature=fs.cat_file(signed).decode() if fs.isfile(signed) else None,
-        )
-        try:
-            config = load_config(raw)
-        except ConfigError as error:
-            raise ConfigError(f"{source} is not a run config: {error}") from None
+        config = _run_config(fs, run_dir, config, trust_config=trust_config)
         if fs.isfile(f"{run_dir}/summary.json"):
             summary = json.loads(fs.cat_file(f"{run_dir}/summary.json")).get("store", {})
     elif is_dir:
@@ -160,6 +142,39 @@ def resolve_model(
             f"--model: {fs.unstrip_protocol(checkpoint)} does not exist (the run did not finish?)"
         )
     checkpoint = fs.unstrip_protocol(checkpoint) if "://" in given else str(Path(checkpoint))
+    return _with_statistics(checkpoint, config, summary)
+
+
+def _run_config(
+    fs: AbstractFileSystem, run_dir: str, config: RunConfig | None, *, trust_config: bool
+) -> RunConfig:
+    """The config a run directory's config.json holds, checked as trusted (against ``config``'s
+    own model and signing key) before anything it names is imported."""
+    source = f"--model: {fs.unstrip_protocol(run_dir)}/config.json"
+    try:
+        raw = json.loads(fs.cat_file(f"{run_dir}/config.json"))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{source} is not a run config: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source} is not a run config: not a JSON object")
+    signed = f"{run_dir}/{CONFIG_SIGNATURE}"
+    check_config_trusted(  # before anything it names is imported
+        raw,
+        source,
+        own_model=config.model.name if config is not None else None,
+        trust_config=trust_config,
+        signing_key_file=config.checkpoint.signing_key_file if config else None,
+        signature=fs.cat_file(signed).decode() if fs.isfile(signed) else None,
+    )
+    try:
+        return load_config(raw)
+    except ConfigError as error:
+        raise ConfigError(f"{source} is not a run config: {error}") from None
+
+
+def _with_statistics(checkpoint: str, config: RunConfig, summary: dict[str, Any]) -> TrainedModel:
+    """The trained model with the statistics and classes it was trained with: from the run's
+    ``summary`` where it recorded them, else from the store ``config`` names."""
     if all(key in summary for key in ("mean", "std", "classes")):
         mean, std, classes = summary["mean"], summary["std"], summary["classes"]
         image_size = int(summary.get("image_size", config.data.image_size))
@@ -257,8 +272,7 @@ def prepare(
     plan = plan_input(input, request)
     if not plan.count:
         raise ConfigError(f"--input: {plan.url} holds no samples")
-    label_map, notes = _label_map(plan, trained, settings)
-    job = _score_job(trained, plan, settings, label_map, notes, token=token, options=options)
+    job, notes = _score_job(trained, plan, settings, token=token, options=options)
     cluster_config = config.cluster if isinstance(config, RunConfig) else trained.config.cluster
     return PreparedPrediction(
         name=trained.config.name,
@@ -307,14 +321,14 @@ def _score_job(
     trained: TrainedModel,
     plan: InputPlan,
     settings: PredictConfig,
-    label_map: tuple[int, ...] | None,
-    notes: list[str],
     *,
     token: str,
     options: dict[str, Any],
-) -> ScoreJob:
-    """What each partition's task is given; an input normalized with other statistics than
-    the model's is re-normalized with the model's (and ``notes`` says so)."""
+) -> tuple[ScoreJob, list[str]]:
+    """What each partition's task is given, and notes for the user: the input's classes
+    mapped to the model's (:func:`_label_map`); an input normalized with other statistics than
+    the model's is re-normalized with the model's (and a note says so)."""
+    label_map, notes = _label_map(plan, trained, settings)
     same_statistics = plan.mean is None or (
         np.allclose(plan.mean, trained.mean, rtol=0, atol=0)
         and np.allclose(plan.std, trained.std, rtol=0, atol=0)
@@ -324,7 +338,7 @@ def _score_job(
             f"the input store was normalized with other statistics; re-normalized with the "
             f"model's (mean {_short(trained.mean)}, std {_short(trained.std)})"
         )
-    return ScoreJob(
+    job = ScoreJob(
         token=token,
         batch_size=settings.batch_size,
         outputs=settings.outputs,
@@ -338,6 +352,7 @@ def _score_job(
         label_map=label_map,
         storage_options=options,
     )
+    return job, notes
 
 
 def _short(values: list[float]) -> str:

@@ -15,6 +15,7 @@ parameters reuses the store; any changed input file or parameter rebuilds it.
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,9 +66,9 @@ def _build(
     tag = fingerprint[:8]
     group = zarr.open_group(url, mode="w", storage_options=options)  # wipes the old store
     group.attrs.update({"format": STORE_FORMAT, "complete": False})  # ours, not finished
-    outcomes, mean, std = _decode(client, config, listing, seed, tag=tag)
-    bad = [tuple(r) for split in outcomes.values() for outcome in split for r in outcome["bad"]]
-    counts = _normalize(client, config, outcomes, mean, std, bad=len(bad), tag=tag)
+    decoded = _decode(client, config, listing, seed, tag=tag)
+    bad = [tuple(r) for split in decoded.outcomes.values() for o in split for r in o["bad"]]
+    counts = _normalize(client, config, decoded, bad=len(bad), tag=tag)
 
     group = zarr.open_group(url, mode="a", storage_options=options)
     del group["raw"]
@@ -77,8 +78,8 @@ def _build(
         "dataset": config.dataset,
         "image_size": config.image_size,
         "counts": counts,
-        "mean": [float(v) for v in mean],
-        "std": [float(v) for v in std],
+        "mean": [float(v) for v in decoded.mean],
+        "std": [float(v) for v in decoded.std],
         "classes": listing.classes,
         "bad_records": [list(record) for record in bad],
     }
@@ -89,9 +90,20 @@ def _build(
     return {**attrs, "complete": True}
 
 
+@dataclass(frozen=True)
+class _Decoded:
+    """What the decode graph gives the normalize graph: each split's outcomes, one a raw
+    block (its component, count, labels and bad records), and the training images' per-channel
+    mean and std."""
+
+    outcomes: dict[str, list[dict[str, Any]]]
+    mean: Any
+    std: Any
+
+
 def _decode(
     client: Client, config: DataConfig, listing: Listing, seed: int, *, tag: str
-) -> tuple[dict[str, list[dict[str, Any]]], Any, Any]:
+) -> _Decoded:
     """Decode and resize: one task per partition, each writing its own raw uint8 block and
     returning its count, labels, bad records and per-channel sums of x and x². Each split's
     outcomes, and the training images' mean and std."""
@@ -121,18 +133,11 @@ def _decode(
     results = gather_settled(client, [*decoded["train"], *decoded["val"], statistics])
     n_train = len(decoded["train"])
     mean, std = results[-1]
-    return {"train": results[:n_train], "val": results[n_train:-1]}, mean, std
+    return _Decoded({"train": results[:n_train], "val": results[n_train:-1]}, mean, std)
 
 
 def _normalize(
-    client: Client,
-    config: DataConfig,
-    outcomes: dict[str, list[dict[str, Any]]],
-    mean: Any,
-    std: Any,
-    *,
-    bad: int,
-    tag: str,
+    client: Client, config: DataConfig, decoded: _Decoded, *, bad: int, tag: str
 ) -> dict[str, int]:
     """Normalize and write: one task per store chunk, reading the raw blocks it overlaps and
     writing its own region (chunks never overlap, so no locks are needed). The samples of
@@ -140,7 +145,7 @@ def _normalize(
     url, options = config.store_url, config.storage_options or None
     counts = {}
     writes = []
-    for split, parts in outcomes.items():
+    for split, parts in decoded.outcomes.items():
         blocks = [(o["component"], o["count"]) for o in parts if o["count"]]
         total = sum(count for _, count in blocks)
         if not total:
@@ -166,8 +171,8 @@ def _normalize(
                     blocks,
                     start,
                     min(total, start + config.chunk_size),
-                    mean,
-                    std,
+                    decoded.mean,
+                    decoded.std,
                     path=f"{split}/images",
                     storage_options=config.storage_options,
                     key=f"normalize-{split}-{index:06d}-{tag}",

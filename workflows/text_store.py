@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from distributed import Client
+from distributed import Client, Future
 
 from workers.sources import Listing, SourceError, digest, list_records
 from workers.sources.text import (
@@ -71,37 +71,8 @@ def _build(
     group = zarr.open_group(url, mode="w", storage_options=options or None)  # wipes the old store
     group.attrs.update({"format": STORE_FORMAT, "complete": False})  # ours, not finished
     partitions = _partitions(listing)
-    found = []
-    if config.tokenizer == "char":  # the vocabulary first: every split's characters
-        found = gather_settled(
-            client,
-            [
-                client.submit(
-                    characters, part, storage_options=options, key=f"characters-{split}-{i}-{tag}"
-                )
-                for split, parts in partitions.items()
-                for i, part in enumerate(parts)
-            ],
-        )
-    tokens = vocabulary(config.tokenizer, found)
-    encoded = {
-        split: [
-            client.submit(
-                encode_partition,
-                part,
-                url=url,
-                component=f"raw/{split}/{i:06d}",
-                tokenizer=config.tokenizer,
-                vocabulary=tokens,
-                sequence_length=config.sequence_length,
-                storage_options=options,
-                key=f"tokenize-{split}-{i:06d}-{tag}",
-                pure=False,
-            )
-            for i, part in enumerate(parts)
-        ]
-        for split, parts in partitions.items()
-    }
+    tokens = _vocabulary(client, config, partitions, tag=tag)
+    encoded = _encode(client, config, partitions, tokens, tag=tag)
     dtype = token_dtype(len(tokens))
     counts = {
         split: _pack(client, config, split, gather_settled(client, futures), dtype=dtype, tag=tag)
@@ -126,6 +97,58 @@ def _build(
     group.attrs.update(attrs)
     group.attrs["complete"] = True  # last: only now is the store visible as finished
     return {**attrs, "complete": True}
+
+
+def _vocabulary(
+    client: Client, config: DataConfig, partitions: dict[str, list[list[str]]], *, tag: str
+) -> list[str]:
+    """The tokenizer's vocabulary; a character tokenizer's is every split's characters,
+    found by a task a partition."""
+    found = []
+    if config.tokenizer == "char":
+        found = gather_settled(
+            client,
+            [
+                client.submit(
+                    characters,
+                    part,
+                    storage_options=config.storage_options,
+                    key=f"characters-{split}-{i}-{tag}",
+                )
+                for split, parts in partitions.items()
+                for i, part in enumerate(parts)
+            ],
+        )
+    return vocabulary(config.tokenizer, found)
+
+
+def _encode(
+    client: Client,
+    config: DataConfig,
+    partitions: dict[str, list[list[str]]],
+    tokens: list[str],
+    *,
+    tag: str,
+) -> dict[str, list[Future]]:
+    """Each split's tokenizing tasks, one a partition, each writing its raw windows."""
+    return {
+        split: [
+            client.submit(
+                encode_partition,
+                part,
+                url=config.store_url,
+                component=f"raw/{split}/{i:06d}",
+                tokenizer=config.tokenizer,
+                vocabulary=tokens,
+                sequence_length=config.sequence_length,
+                storage_options=config.storage_options,
+                key=f"tokenize-{split}-{i:06d}-{tag}",
+                pure=False,
+            )
+            for i, part in enumerate(parts)
+        ]
+        for split, parts in partitions.items()
+    }
 
 
 def _pack(

@@ -25,6 +25,7 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -233,11 +234,23 @@ def fixed_sigkill(step_s: float, folder: Path, worker_args: tuple[str, ...]) -> 
         return job.finish().recoveries[0]
 
 
+@dataclass(frozen=True)
+class RestartedLoop:
+    """What every launch of the restarted job shares: :func:`mlp_loop`'s stop file, step time
+    and checkpoint period, and the folder its checkpoints are kept in across the launches."""
+
+    stop_file: Path
+    step_s: float
+    checkpoint_every: int
+    checkpoints: Path
+
+
 def restarted(step_s: float, checkpoint_every: int, folder: Path) -> list[dict[str, Any]]:
     """The same changes the anchors' way: a fixed-size job, stopped (or failed, for the
     SIGKILL) and launched again at the new size from its newest checkpoint. One dict per
     change: pause_s, redone_steps."""
-    checkpoints, stop_file = folder / "checkpoints", folder / "stop-restarted"
+    stop_file = folder / "stop-restarted"
+    loop = RestartedLoop(stop_file, step_s, checkpoint_every, folder / "checkpoints")
     measured: list[dict[str, Any]] = []
     with start_cluster(n_workers=2, dashboard_port=0) as cluster:
         size, stopped = 2, None
@@ -245,7 +258,7 @@ def restarted(step_s: float, checkpoint_every: int, folder: Path) -> list[dict[s
             steps, stop = Steps(), threading.Event()
             job = threading.Thread(
                 target=_until_stopped,
-                args=(cluster, size, steps, stop, stop_file, step_s, checkpoint_every, checkpoints),
+                args=(cluster, size, steps, stop, loop),
             )
             job.start()
             steps.wait(f"{size} ranks", lambda s: len(s.reports) >= 1)
@@ -285,21 +298,18 @@ def _until_stopped(
     size: int,
     steps: Steps,
     stop: threading.Event,
-    stop_file: Path,
-    step_s: float,
-    checkpoint_every: int,
-    checkpoints: Path,
+    loop: RestartedLoop,
 ) -> None:
     # Stopped, or failed by the SIGKILL: main launches it again.
     with contextlib.suppress(Exception):
         launch(
             mlp_loop,
-            str(stop_file),
-            step_s,
-            checkpoint_every,
+            str(loop.stop_file),
+            loop.step_s,
+            loop.checkpoint_every,
             cluster=cluster,
             world_size=size,
-            checkpoint_dir=checkpoints,
+            checkpoint_dir=loop.checkpoints,
             on_event=steps,
             stop=stop,
             config={"max_failures": 0},
