@@ -90,3 +90,56 @@ def test_bf16_on_a_cpu_without_bfloat16_instructions_is_said_to_be_slow():
     assert slow_precision("fp32", cpu, without) is None
     assert slow_precision("bf16", gpu, without) is None
     assert slow_precision("bf16", cpu, "") is None  # nothing known: nothing said
+
+
+# Who may reach glibc's malloc and the collector's freezes: the device policy, what it wraps,
+# and the benchmarks that measure them. Everything else asks workers.device_policy.
+HOST_MEMORY_MODULES = {"workers.malloc", "workers.between_jobs"}
+MAY_REACH_THEM = {"workers/device_policy.py"}
+
+
+def test_only_the_device_policy_reaches_glibcs_malloc_and_the_collectors_freezes():
+    import ast
+
+    from tests.conftest import REPO
+
+    reached = []
+    for package in ("workers", "workflows"):
+        for file in sorted((REPO / package).rglob("*.py")):
+            path = file.relative_to(REPO).as_posix()
+            if path.startswith("workflows/benchmarks/") or path in MAY_REACH_THEM:
+                continue
+            for node in ast.walk(ast.parse(file.read_text())):
+                where = f"{path}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.ImportFrom) and node.module == "workers.between_jobs":
+                    names = [alias.name for alias in node.names]
+                    reached += [f"{where} {name}" for name in names if name.startswith("freeze")]
+                elif isinstance(node, ast.ImportFrom) and node.module in HOST_MEMORY_MODULES:
+                    reached.append(f"{where} {node.module}")
+                elif (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "freeze"
+                    and getattr(node.func.value, "id", None) == "gc"
+                    and path not in ("workers/between_jobs.py", "workers/frozen_heap.py")
+                ):
+                    reached.append(f"{where} gc.freeze")
+    assert not reached, f"ask workers.device_policy instead: {reached}"
+
+
+def test_a_gpus_ranks_leave_freed_memory_to_its_allocator_and_a_cpus_return_it():
+    import contextlib
+
+    from workers.device_policy import CPU, CUDA, policy_for
+    from workers.malloc import freed_memory_returned
+    from workers.spec.layout import Layout
+    from workers.strategies.fsdp.sharding import FSDP
+
+    assert policy_for(torch.device("cuda", 1)) is CUDA and policy_for("cpu") is CPU
+    assert CUDA.job_memory(True).__class__ is contextlib.nullcontext
+    assert CPU.job_memory(True).__class__ is freed_memory_returned().__class__
+    assert CPU.job_memory(False).__class__ is contextlib.nullcontext
+    layout = Layout(world_size=2, pp=1, dp=2, batch_size=8, dp_shard=2)
+    for device, returned in (("cpu", True), ("cuda", False)):
+        got = FSDP.returns_freed_memory(None, layout=layout, device=torch.device(device))
+        assert got is returned, device

@@ -21,14 +21,13 @@ after the job's peak would otherwise be taken off a high-water mark it never rai
 heartbeat's peak would read more than the rank's final one (seen once in CI: 2.4 KiB, a page).
 """
 
-import gc
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from workers.malloc import release_free_memory
+from workers.device_policy import policy_for
 
 _STATUS = Path("/proc/self/status")
 
@@ -59,8 +58,7 @@ class PeakMemory:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             return cls(device, None)
-        gc.collect()
-        release_free_memory()
+        policy_for(device).release_freed_memory()
         try:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         except OSError:

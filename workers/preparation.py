@@ -69,7 +69,7 @@ def prepared() -> dict[str, float]:
 def _prepare(
     job_id: str, payload: bytes, master: tuple[str, int] | None, timeout_s: float
 ) -> dict[str, float]:
-    from workers.between_jobs import freeze_what_earlier_jobs_imported
+    from workers.device_policy import this_worker
 
     took: dict[str, float] = {}
     started = time.perf_counter()
@@ -89,7 +89,7 @@ def _prepare(
             pass
         took["store_s"] = time.perf_counter() - started
     started = time.perf_counter()
-    freeze_what_earlier_jobs_imported()
+    this_worker().freeze_what_jobs_imported()
     took["freeze_s"] = time.perf_counter() - started
     _prepared[job_id] = time.time()
     while len(_prepared) > KEPT:

@@ -180,14 +180,14 @@ class ProcessGroupPlugin(WorkerPlugin):
         # Imported before any group, the default is None.
         import torch.distributed.nn.functional  # noqa: F401
 
-        from workers.between_jobs import freeze_what_earlier_jobs_imported
+        from workers.device_policy import this_worker
 
         spec = self.spec
         rank = spec.ranks[address]
         self._leave_an_earlier_group(address)
         # Before this generation's group, store and sockets exist: frozen, what of them is in a
         # reference cycle would never be freed (workers/between_jobs.py).
-        freeze_what_earlier_jobs_imported()
+        this_worker().freeze_what_jobs_imported()
         device = self._device(address, rank)
         if spec.socket_ifname is not None:
             self._saved_environ = {name: os.environ.get(name) for name in SOCKET_IFNAME_VARIABLES}

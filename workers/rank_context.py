@@ -5,7 +5,6 @@ worker's membership of the process group (already formed by the plugin), builds 
 :class:`RankContext` and calls the function.
 """
 
-import gc
 import math
 import threading
 import time
@@ -23,9 +22,9 @@ from workers import live_recovery, model_pieces
 from workers.between_jobs import forget_other_jobs
 from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
 from workers.compat.distributed_private import sampling_profiler_paused
+from workers.device_policy import this_worker
 from workers.elastic import Boundary, ResizeBoundary
 from workers.live_recovery import LiveSource
-from workers.malloc import release_free_memory
 from workers.peak_memory import PeakMemory
 from workers.process_group import Membership, current_membership, rank_threads
 from workers.records import BaseRecord, HeartbeatRecord, ReportRecord, parse_record
@@ -530,5 +529,4 @@ def release_what_the_rank_left() -> None:
     job started (measured: a 101 M-parameter GPT's worker at 1.29 GiB after DDP, 0.49 collected).
     On a worker whose model took most of its memory limit, Dask then paused the worker
     (``distributed.worker.memory.pause``), and the next job's rank never started there."""
-    gc.collect()
-    release_free_memory()
+    this_worker().release_freed_memory()

@@ -33,6 +33,7 @@ from distributed.security import Security
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.compat.distributed_private import adaptive_of
+from workers.device_policy import policy_for
 from workers.preparation import RANK_MODULES
 from workflows.security import SecurityConfig
 
@@ -352,7 +353,12 @@ class TrainingCluster:
         try:
             if not config.existing:
                 workers = _LocalWorkers.of(config)
-                malloc = malloc_settings(workers.memory) if config.tune_malloc else None
+                # Asked of the device policy, so that the GPU path needs no word of glibc.
+                tuned = (
+                    config.tune_malloc
+                    and policy_for("cuda" if workers.gpus else "cpu").tunes_malloc
+                )
+                malloc = malloc_settings(workers.memory) if tuned else None
                 if config.fork_workers and not workers.fork:
                     logger.info(
                         "workers of %d MB are spawned, not forked: a forked worker starts with "

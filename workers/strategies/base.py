@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.data import StoreSplit, eval_batches
+from workers.device_policy import policy_for
 from workers.losses import CROSS_ENTROPY, TERMS, Criterion
-from workers.malloc import freed_memory_returned
 from workers.model_pieces import Piece, own_pieces
 from workers.precision import Precision
 from workers.spec.layout import Layout
@@ -118,9 +118,8 @@ class Strategy(ABC):
     ) -> AbstractContextManager:
         """What a rank's whole job (building, steps, checkpoints) runs inside, for how its
         allocator treats freed memory (:meth:`returns_freed_memory`)."""
-        if cls.returns_freed_memory(settings, layout=layout, device=device):
-            return freed_memory_returned()
-        return nullcontext()
+        wanted = cls.returns_freed_memory(settings, layout=layout, device=device)
+        return policy_for(device).job_memory(wanted)
 
     @property
     @abstractmethod

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.data import StoreSplit, fixed_shape_eval_batches
 from workers.device_mesh import build_device_mesh
+from workers.device_policy import policy_for
 from workers.in_place_init import to_device
 from workers.model_pieces import Piece, own_pieces
 from workers.models import model_blocks
@@ -84,7 +85,8 @@ class FSDP(WholeModel):
         # A CPU rank holding shards gives back what FSDP frees at once (workers/malloc.py);
         # a GPU's caching allocator keeps its own.
         fsdp = (settings if isinstance(settings, ShardingSettings) else ShardingSettings()).fsdp
-        return fsdp.return_freed_memory and layout.dp_shard > 1 and device.type == "cpu"
+        sharded = fsdp.return_freed_memory and layout.dp_shard > 1
+        return sharded and policy_for(device).returns_sharded_memory
 
     @classmethod
     def prepare(cls, model: nn.Module, placement: RankPlacement) -> "FSDP":
