@@ -344,17 +344,17 @@ class RankContext:
         Raises:
             ValueError: `launch` was given no ``checkpoint_dir``.
         """
+        from workers.checkpoint import CheckpointDestination
         from workers.training_state import save_state
 
-        save_state(
+        destination = CheckpointDestination(
             self._require_directory("save"),
-            state,
-            step=step,
             keep=self._job.keep_checkpoints,
             signing_key_file=self.signing_key_file,
             storage_options=self._job.storage_options,
             run_id=self.run_id,
         )
+        save_state(destination, state, step=step)
         self.heartbeat()  # a long save is progress too
 
     def restore(self, state: dict[str, Any], *, replicated: bool | None = None) -> int | None:
