@@ -42,6 +42,7 @@ from workers.collection_shard import (
 )
 from workers.compilation import apply_compile
 from workers.data import (
+    BatchShare,
     DataConfig,
     OpenedStore,
     RankBatches,
@@ -560,16 +561,14 @@ def _rank_splits(
         return trainer_splits(
             job.collections, rank=rank, batch_size=layout.per_rank_batch, seed=seed
         )
-    batches = RankBatches(
-        store.train,
-        job.data,
+    share = BatchShare(
         rank=layout.dp_rank(rank),
         world_size=layout.dp,
         batch_size=layout.share_of(layout.dp_rank(rank)),
-        seed=seed,
         global_batch=layout.batch_size if layout.elastic == "global" else None,
         per_rank_blocks=layout.elastic == "per_rank",
     )
+    batches = RankBatches(store.train, job.data, share, seed=seed)
     return batches, store.val
 
 
