@@ -21,7 +21,7 @@ from distributed import get_worker, secede
 
 from workers import live_recovery, model_pieces
 from workers.between_jobs import forget_other_jobs
-from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
+from workers.collection_shard import Batches, CollectionPlan, RankRows, RankShard, SplitPlan
 from workers.compat.distributed_private import sampling_profiler_paused
 from workers.elastic import Boundary, ResizeBoundary
 from workers.live_recovery import LiveSource
@@ -300,16 +300,8 @@ class RankContext:
         plan = self._job.data[split]
         if split not in self._rows:
             self._rows[split] = RankRows.load(plan, self.rank, timeout_s=self._job.data_timeout_s)
-        return Batches(
-            self._rows[split],
-            plan,
-            rank=self.rank,
-            batch_size=batch_size,
-            epoch=epoch,
-            seed=seed,
-            shuffle=shuffle,
-            start_step=start_step,
-        )
+        shard = RankShard(self._rows[split], plan, rank=self.rank, batch_size=batch_size, seed=seed)
+        return Batches(shard, epoch=epoch, shuffle=shuffle, start_step=start_step)
 
     def data_plan(self, split: str) -> SplitPlan:
         """How ``split`` was planned: sample counts of every rank, rows moved for balance.
