@@ -119,8 +119,8 @@ def _cut(
 
 def apply_pipeline(
     model: nn.Module,
-    placement: RankPlacement,
     *,
+    placement: RankPlacement,
     settings: StagingSettings,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Pipeline:
@@ -382,7 +382,7 @@ class PipelineStrategy(Strategy):
             # The trainer sets the criterion after prepare: read it when the schedule calls.
             return strategy.criterion(output, target)
 
-        pipe = apply_pipeline(model, placement, settings=settings, loss_fn=loss)
+        pipe = apply_pipeline(model, placement=placement, settings=settings, loss_fn=loss)
         strategy = cls(pipe, layout=placement.layout, device=placement.device)
         return strategy
 
