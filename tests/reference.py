@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.data import as_features, open_store, rank_epoch_indices
+from workers.data import SampleOrder, as_features, open_store, rank_epoch_indices
 from workers.losses import Criterion
 from workers.models import build_model
 from workers.optimizers import build_optimizer, build_schedule
@@ -342,14 +342,16 @@ def _train(config, world_size, steps, device, factory, then, dtype, bug) -> dict
         while done < goal:
             shards = [
                 rank_epoch_indices(
-                    len(labels),
-                    world_size=ranks,
-                    rank=rank,
+                    SampleOrder(
+                        len(labels),
+                        seed=t.seed,
+                        chunk_size=store.train.chunk_size,
+                        shuffle_window=d.shuffle_window,
+                        drop_last=d.drop_last,
+                    ),
                     epoch=epoch,
-                    seed=t.seed,
-                    chunk_size=store.train.chunk_size,
-                    shuffle_window=d.shuffle_window,
-                    drop_last=d.drop_last,
+                    rank=rank,
+                    world_size=ranks,
                 )
                 for rank in range(ranks)
             ]

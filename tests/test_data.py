@@ -17,8 +17,10 @@ from packaging.version import Version
 from workers import data
 from workers.data import (
     WORKER_CHUNKS,
+    BatchShare,
     DataConfig,
     RankBatches,
+    SampleOrder,
     eval_batches,
     fixed_shape_eval_batches,
     open_store,
@@ -41,14 +43,12 @@ def test_every_sample_once_per_epoch_across_ranks(n, world_size, chunk_size, dro
     def shards(epoch, seed=1):
         return [
             rank_epoch_indices(
-                n,
-                world_size=world_size,
-                rank=r,
+                SampleOrder(
+                    n, seed=seed, chunk_size=chunk_size, shuffle_window=2, drop_last=drop_last
+                ),
                 epoch=epoch,
-                seed=seed,
-                chunk_size=chunk_size,
-                shuffle_window=2,
-                drop_last=drop_last,
+                rank=r,
+                world_size=world_size,
             )
             for r in range(world_size)
         ]
@@ -71,16 +71,8 @@ def test_every_sample_once_per_epoch_across_ranks(n, world_size, chunk_size, dro
 def test_a_rank_touches_only_a_few_chunks_per_window():
     # Contiguous shares of a chunk-shuffled order: each rank reads about half of the chunks.
     n, chunk = 64 * 32, 64
-    share = rank_epoch_indices(
-        n,
-        world_size=2,
-        rank=0,
-        epoch=0,
-        seed=0,
-        chunk_size=chunk,
-        shuffle_window=4,
-        drop_last=False,
-    )
+    order = SampleOrder(n, seed=0, chunk_size=chunk, shuffle_window=4, drop_last=False)
+    share = rank_epoch_indices(order, epoch=0, rank=0, world_size=2)
     assert len(np.unique(share // chunk)) <= 32 // 2 + 1
     for start in range(0, len(share), 32):  # any batch of 32 spans at most two windows
         assert len(np.unique(share[start : start + 32] // chunk)) <= 8
@@ -101,7 +93,9 @@ def _collect(batches, epoch):
 def test_rank_batches_read_exactly_the_indexed_samples(digits_store):
     store = open_store(digits_store.store_url)
     everything = torch.from_numpy(np.asarray(store.train.images[:]))
-    batches = RankBatches(store.train, digits_store, rank=1, world_size=2, batch_size=50, seed=4)
+    batches = RankBatches(
+        store.train, digits_store, BatchShare(rank=1, world_size=2, batch_size=50), seed=4
+    )
     x, y = _collect(batches, epoch=2)
     index = torch.from_numpy(batches.indices(2))
     assert torch.equal(x, everything[index])
@@ -110,7 +104,9 @@ def test_rank_batches_read_exactly_the_indexed_samples(digits_store):
     # Every replica holds an equal share, so a step's rows for the job (its samples/s) are
     # this rank's batch times the replicas, the last partial batch and drop_last's cut too.
     for config in (digits_store, digits_store.model_copy(update={"drop_last": True})):
-        batches = RankBatches(store.train, config, rank=1, world_size=2, batch_size=50, seed=4)
+        batches = RankBatches(
+            store.train, config, BatchShare(rank=1, world_size=2, batch_size=50), seed=4
+        )
         sizes = [len(y) for _, y in batches.epoch(0)]
         assert [batches.job_rows(step) for step in range(len(batches))] == [2 * n for n in sizes]
 
@@ -126,13 +122,18 @@ def test_a_warm_workers_next_job_reuses_the_store_and_a_rebuilt_one_is_read_agai
 
     def first_epoch(store):
         return _collect(
-            RankBatches(store.train, config, rank=0, world_size=2, batch_size=32, seed=0), 0
+            RankBatches(
+                store.train, config, BatchShare(rank=0, world_size=2, batch_size=32), seed=0
+            ),
+            0,
         )
 
     store = open_store(url)
     x, _ = first_epoch(store)
     index = torch.from_numpy(
-        RankBatches(store.train, config, rank=0, world_size=2, batch_size=32, seed=0).indices(0)
+        RankBatches(
+            store.train, config, BatchShare(rank=0, world_size=2, batch_size=32), seed=0
+        ).indices(0)
     )
     assert torch.equal(x, torch.from_numpy(np.asarray(store.train.images[:]))[index])
     # The next job on this worker: the same opened store, its chunks from memory, same batches.
@@ -164,7 +165,9 @@ def test_in_memory_prefetched_and_lazy_reads_give_the_same_batches(digits_store)
         digits_store.model_copy(update={"prefetch_batches": 0}),
     ]
     results = [
-        _collect(RankBatches(store.train, c, rank=0, world_size=2, batch_size=32, seed=0), 1)
+        _collect(
+            RankBatches(store.train, c, BatchShare(rank=0, world_size=2, batch_size=32), seed=0), 1
+        )
         for c in variants
     ]
     for x, y in results[1:]:
@@ -201,7 +204,9 @@ def test_augmentation_is_seeded_per_epoch_and_keeps_shapes(digits_store):
     augmented = digits_store.model_copy(update={"augment": True})
 
     def batches(config):
-        return RankBatches(store.train, config, rank=0, world_size=1, batch_size=64, seed=0)
+        return RankBatches(
+            store.train, config, BatchShare(rank=0, world_size=1, batch_size=64), seed=0
+        )
 
     plain = _collect(batches(digits_store), 0)[0]
     first = _collect(batches(augmented), 0)[0]

@@ -25,6 +25,7 @@ from tests.reference import Reference, assert_equivalent, train_in_one_process
 from tests.test_launch import _data, _model
 from workers import elastic, preparation
 from workers.data import (
+    SampleOrder,
     as_features,
     epoch_blocks,
     epoch_order,
@@ -830,34 +831,26 @@ def test_every_sample_of_an_epoch_is_trained_once_across_resizes():
         1000,
         50,
     )  # 3 ranks take 17, 17 and 16 rows of each batch; 4 take 13, 13, 12, 12
+    order = SampleOrder(n, seed=7, chunk_size=64, shuffle_window=4, drop_last=True)
     taken: list[int] = []
     # The world changes after batches 3 and 7 of the epoch: 2 ranks, then 4, then 3.
     for batch in range(n // global_batch):
         world = 2 if batch < 3 else 4 if batch < 7 else 3
         for rank in range(world):
             mine = rank_epoch_indices(
-                n,
-                world_size=world,
-                rank=rank,
-                epoch=1,
-                seed=7,
-                chunk_size=64,
-                shuffle_window=4,
-                drop_last=True,
-                global_batch=global_batch,
+                order, epoch=1, rank=rank, world_size=world, global_batch=global_batch
             )
             share = len(mine) // (n // global_batch)
             taken += mine[batch * share : (batch + 1) * share].tolist()
     assert len(taken) == len(set(taken)) == (n // global_batch) * global_batch
     # ... in the order a fixed world reads them: one rank's order is the epoch's.
-    alone = rank_epoch_indices(
-        n, world_size=1, rank=0, epoch=1, seed=7, chunk_size=64, shuffle_window=4, drop_last=True
-    )
+    alone = rank_epoch_indices(order, epoch=1, rank=0, world_size=1)
     assert taken == alone[: len(taken)].tolist()
 
 
 def test_with_per_rank_batches_every_sample_of_an_epoch_is_trained_once_across_resizes():
     n, block = 1000, 25  # 40 blocks: 2 ranks take 2 a step, 4 take 4, 3 take 3
+    samples = SampleOrder(n, seed=7, chunk_size=64, shuffle_window=4, drop_last=True)
     taken: list[int] = []
     position, step = 0, 0
     # The world changes after steps 3 and 7 of the epoch: 2 ranks, then 4, then 3; 3 ranks
@@ -866,16 +859,7 @@ def test_with_per_rank_batches_every_sample_of_an_epoch_is_trained_once_across_r
         world = 2 if step < 3 else 4 if step < 7 else 3
         for rank in range(world):
             mine = rank_block_indices(
-                n,
-                replicas=world,
-                rank=rank,
-                start_block=position,
-                block=block,
-                epoch=1,
-                seed=7,
-                chunk_size=64,
-                shuffle_window=4,
-                drop_last=True,
+                samples, epoch=1, rank=rank, replicas=world, start_block=position, block=block
             )
             taken += mine[:block].tolist()  # this step's block: the rest follow at this world
         position, step = position + world, step + 1

@@ -19,6 +19,8 @@ from tests.reference import assert_same_parameters
 from workers.checkpoint import (
     MANIFEST,
     CheckpointDamaged,
+    CheckpointDestination,
+    CheckpointState,
     Progress,
     _sha256,
     latest_good_checkpoint,
@@ -235,12 +237,9 @@ def _save_without_commit(directory: str, step: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     save_checkpoint(
-        directory,
-        modules=[model],
-        optimizer=optimizer,
-        scaler=scaler,
+        CheckpointDestination(directory, keep=3),
+        CheckpointState([model], optimizer, scaler),
         progress=Progress(step=step),
-        keep=3,
         commit=False,
     )
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.reference import assert_matches_one_process, train_in_one_process
 from workers.checkpoint import MANIFEST, list_checkpoints
-from workers.data import RankBatches, open_store
+from workers.data import BatchShare, RankBatches, open_store
 from workers.models import build_model
 from workflows.batch_predict import predict
 from workflows.cluster import start_cluster
@@ -178,9 +178,11 @@ def test_training_batches_are_pinned_for_asynchronous_copies(gpu_cluster, make_c
     data = config.data.resolved()
     prepare_store(gpu_cluster.client, data, seed=config.training.seed)
     store = open_store(data.store_url)
-    batches = RankBatches(store.train, data, rank=0, world_size=1, batch_size=16, seed=0)
+    batches = RankBatches(
+        store.train, data, BatchShare(rank=0, world_size=1, batch_size=16), seed=0
+    )
     plain = RankBatches(
-        store.train, data, rank=0, world_size=1, batch_size=16, seed=0, pin_memory=False
+        store.train, data, BatchShare(rank=0, world_size=1, batch_size=16), seed=0, pin_memory=False
     )
     (x, y), (px, py) = next(iter(batches.epoch(0))), next(iter(plain.epoch(0)))
     assert x.is_pinned() and y.is_pinned()

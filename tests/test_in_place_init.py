@@ -14,7 +14,7 @@ from workers.models import ModelConfig, build_model
 from workers.peak_memory import PeakMemory
 from workers.precision import Precision
 from workers.spec.plans import get_plan
-from workers.strategies.base import Strategy
+from workers.strategies.base import RankPlacement, Strategy
 from workers.train import lay_out_model
 from workflows import launch
 from workflows.config import ConfigError, check_model
@@ -92,20 +92,22 @@ def _lay_out(ctx, config, *, input_shape=(SEQUENCE,), num_classes=64) -> Strateg
     """The model laid out by ``config``'s strategy on this rank, its values drawn in place."""
     layout = config.layout(ctx.world_size)
     tokens = len(input_shape) == 1
-    return lay_out_model(
-        config.model,
-        config.training,
-        num_classes=num_classes,
-        input_shape=input_shape,
-        factory=None,
+    placement = RankPlacement(
         layout=layout,
         rank=ctx.rank,
         device=ctx.device,
-        settings=get_plan(config.training.strategy).settings(config),
         precision=Precision("fp32", ctx.device),
+        settings=get_plan(config.training.strategy).settings(config),
         sample=torch.zeros(
             layout.micro_batch, *input_shape, dtype=torch.int64 if tokens else torch.float32
         ),
+    )
+    return lay_out_model(
+        config.model,
+        config.training,
+        placement=placement,
+        num_classes=num_classes,
+        input_shape=input_shape,
     )
 
 

@@ -29,6 +29,8 @@ from workers.checkpoint import (
     MANIFEST,
     AsyncCheckpoints,
     CheckpointDamaged,
+    CheckpointDestination,
+    CheckpointState,
     Progress,
     latest_good_checkpoint,
     list_checkpoints,
@@ -184,19 +186,24 @@ def test_an_fsdp_checkpoint_saved_at_four_ranks_in_a_bucket_resumes_at_two(
     )
 
 
-def _save_a_cnn(directory: str, storage_options: dict, step: int, **options) -> None:
-    """Runs on every rank: the registry's CNN and its SGD state saved as of ``step``
-    (``options``: save_checkpoint's keep, commit, writer)."""
+def _save_a_cnn(
+    directory: str,
+    storage_options: dict,
+    step: int,
+    *,
+    keep: int,
+    commit: bool = True,
+    writer: AsyncCheckpoints | None = None,
+) -> None:
+    """Runs on every rank: the registry's CNN and its SGD state saved as of ``step``."""
     model = build_model("cifar_cnn", num_classes=10, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     save_checkpoint(
-        directory,
-        modules=[model],
-        optimizer=optimizer,
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        CheckpointDestination(directory, keep=keep, storage_options=storage_options),
+        CheckpointState([model], optimizer, torch.amp.GradScaler("cpu", enabled=False)),
         progress=Progress(step=step),
-        storage_options=storage_options,
-        **options,
+        commit=commit,
+        writer=writer,
     )
 
 

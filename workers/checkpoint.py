@@ -153,6 +153,40 @@ class Progress:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
+@dataclass
+class CheckpointState:
+    """What a checkpoint holds besides the progress: this rank's part of the training state."""
+
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+
+@dataclass(frozen=True)
+class CheckpointDestination:
+    """Where a run's checkpoints go and how they are kept: the folder (a local path or an
+    fsspec URL, ``storage_options`` its filesystem's), how many of the run's are kept, the key
+    that signs their manifests, and the run they are of (see :func:`write_checkpoint`)."""
+
+    directory: str | Path
+    keep: int
+    signing_key_file: str | None = None
+    storage_options: StorageOptions = None
+    run_id: str | None = None
+
+    @classmethod
+    def of(cls, config: CheckpointConfig, *, run_id: str | None) -> "CheckpointDestination":
+        """The destination ``config`` names, for run ``run_id``."""
+        assert config.directory is not None
+        return cls(
+            config.directory,
+            keep=config.keep,
+            signing_key_file=config.signing_key_file,
+            storage_options=config.storage_options,
+            run_id=run_id,
+        )
+
+
 def _state(
     modules: list[nn.Module], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
 ) -> dict[str, Any]:
@@ -169,110 +203,82 @@ def _state(
 
 
 def save_checkpoint(
-    directory: str | Path,
+    destination: CheckpointDestination,
+    state: CheckpointState,
     *,
-    modules: list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
     progress: Progress,
-    keep: int,
     commit: bool = True,
-    signing_key_file: str | None = None,
-    storage_options: StorageOptions = None,
     writer: "AsyncCheckpoints | None" = None,
-    run_id: str | None = None,
 ) -> Location | None:
     """Write this rank's part of the built-in trainer's checkpoint; every rank of the default
     group must call it.
 
     Returns the committed folder on rank 0. ``commit=False`` stops after writing, the state a
     crash between write and commit leaves behind. With ``writer`` (``checkpoint.async_save``)
-    it returns once the state is serialized, and the writer commits it later (``directory``,
-    ``keep``, the key and the run are the writer's then). ``run_id``: see :func:`write_checkpoint`.
+    it returns once the state is serialized, and the writer commits it later (the
+    destination is the writer's then).
     """
     rank = dist.get_rank()
-    state = _state(modules, optimizer, scaler)
-    state["progress"] = torch.tensor([progress.epoch, progress.batch, progress.step])
+    tensors = _state(state.modules, state.optimizer, state.scaler)
+    tensors["progress"] = torch.tensor([progress.epoch, progress.batch, progress.step])
     # Each rank's own running sums of the epoch in progress, and its RNG.
-    state[f"sums.rank{rank}"] = torch.tensor(progress.sums, dtype=torch.float64)
-    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    tensors[f"sums.rank{rank}"] = torch.tensor(progress.sums, dtype=torch.float64)
+    tensors[f"rng.rank{rank}"] = torch.get_rng_state()
     fields = {"epoch": progress.epoch, "batch": progress.batch, "history": progress.history}
     if writer is not None:
-        writer.save(state, step=progress.step, fields=fields)
+        writer.save(tensors, step=progress.step, fields=fields)
         return None
-    return write_checkpoint(
-        directory,
-        state,
-        step=progress.step,
-        keep=keep,
-        fields=fields,
-        commit=commit,
-        signing_key_file=signing_key_file,
-        storage_options=storage_options,
-        run_id=run_id,
-    )
+    return write_checkpoint(destination, tensors, step=progress.step, fields=fields, commit=commit)
 
 
 def write_checkpoint(
-    directory: str | Path,
+    destination: CheckpointDestination,
     tensors: dict[str, Any],
     *,
     step: int,
-    keep: int,
     fields: dict[str, Any],
     commit: bool = True,
-    signing_key_file: str | None = None,
-    storage_options: StorageOptions = None,
-    run_id: str | None = None,
 ) -> Location | None:
     """The one way a checkpoint is written (collective): each rank's ``tensors`` through DCP,
     then rank 0 adds the manifest (``fields`` plus the hash of every file, signed with the key
     in ``signing_key_file`` if given), so it is visible only when complete: on local disk by
     renaming ``.step-<n>.partial`` into place, on an object store by writing the manifest last
-    into ``step-<n>/``. ``storage_options``: the fsspec filesystem's, for a URL.
+    into ``step-<n>/`` (no rename). ``storage_options``: the fsspec filesystem's, for a URL.
 
     ``run_id``: the run the checkpoint is of, in its manifest; retention deletes only that
     run's checkpoints beyond ``keep``, and a committed checkpoint of this step by another run
     is never replaced (this one is ``step-<n>.<run_id>`` then). None: every checkpoint in the
     folder counts as this run's (as before runs were recorded)."""
-    where = _where(directory, storage_options)
+    run_id = destination.run_id
+    where = _where(destination.directory, destination.storage_options)
     # Rank 0 chooses the folder and clears what a write of it left; every rank writes there.
     name = _decided(lambda: _prepared(where, step, run_id))
     fields = {**fields, "run": run_id}
-    if isinstance(where, _Remote):
-        return _write_remote(
-            where,
-            name,
-            tensors,
-            step=step,
-            keep=keep,
-            fields=fields,
-            commit=commit,
-            signing_key_file=signing_key_file,
-            storage_options=storage_options,
-        )
-    root = where
-    partial = root / f".{name}.partial"
     import torch.distributed.checkpoint as dcp
 
     from workers.compat.torch_private import hash_as_written
 
-    writer = dcp.FileSystemWriter(partial)
+    if isinstance(where, _Remote):
+        target: Path | _Remote = where.child(name)  # emptied by _prepared
+        writer = _fsspec_writer(target.url, destination.storage_options)
+    else:
+        target = where / f".{name}.partial"
+        writer = dcp.FileSystemWriter(target)
     written = hash_as_written(writer)
     dcp.save(tensors, storage_writer=writer)
-    files = _gathered(written)  # every rank's files are on disk
+    files = _gathered(written)  # every rank's files are written (uploaded)
     if not commit:
         dist.barrier()
         return None
-    return _agreed(
-        lambda: _commit_local(
-            root,
-            name,
-            _manifest(step, fields, _checked(partial, files), signing_key_file),
-            keep,
-            run_id,
-        )
-    )
+
+    def committed() -> Location:
+        manifest = _manifest(step, fields, _checked(target, files), destination.signing_key_file)
+        if isinstance(where, _Remote):
+            assert isinstance(target, _Remote)
+            return _commit_remote(where, target, manifest, destination.keep, run_id)
+        return _commit_local(where, name, manifest, destination.keep, run_id)
+
+    return _agreed(committed)
 
 
 def _gathered(written: Written) -> Written | None:
@@ -388,42 +394,6 @@ def _manifest(
     if signing_key_file is not None:
         manifest[SIGNATURE] = _signature(manifest, _read_key(signing_key_file))
     return json.dumps(manifest, indent=1).encode()
-
-
-def _write_remote(
-    root: _Remote,
-    name: str,
-    tensors: dict[str, Any],
-    *,
-    step: int,
-    keep: int,
-    fields: dict[str, Any],
-    commit: bool,
-    signing_key_file: str | None,
-    storage_options: StorageOptions,
-) -> str | None:
-    """:func:`write_checkpoint` on an object store: no rename, the manifest is the commit."""
-    folder = root.child(name)  # emptied by _prepared
-    import torch.distributed.checkpoint as dcp
-
-    from workers.compat.torch_private import hash_as_written
-
-    writer = _fsspec_writer(folder.url, storage_options)
-    written = hash_as_written(writer)
-    dcp.save(tensors, storage_writer=writer)
-    files = _gathered(written)  # every rank's upload returned
-    if not commit:
-        dist.barrier()
-        return None
-    return _agreed(
-        lambda: _commit_remote(
-            root,
-            folder,
-            _manifest(step, fields, _checked(folder, files), signing_key_file),
-            keep,
-            fields["run"],
-        )
-    )
 
 
 def _step_folders(root: _Remote) -> dict[str, set[str]]:

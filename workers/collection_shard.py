@@ -160,24 +160,20 @@ class Batches:
     """
 
     def __init__(
-        self,
-        rows: RankRows,
-        split: SplitPlan,
-        *,
-        rank: int,
-        batch_size: int,
-        epoch: int,
-        seed: int = 0,
-        shuffle: bool = True,
-        start_step: int = 0,
+        self, shard: "RankShard", *, epoch: int, shuffle: bool = True, start_step: int = 0
     ) -> None:
+        """``epoch`` of ``shard`` (the rank's rows, its place in the plan, its batch size and
+        seed), its rows in a shuffled order unless ``shuffle`` is False."""
+        batch_size, rank = shard.batch_size, shard.rank
         if batch_size < 1:
             raise ValueError(f"batch_size: {batch_size}; give at least 1")
-        self.rows, self.steps = rows, split.steps(batch_size)
+        self.rows, self.steps = shard.rows, shard.split.steps(batch_size)
         if not 0 <= start_step <= self.steps:
             raise ValueError(f"start_step: {start_step} is outside the epoch's {self.steps} steps")
-        self.sizes = batch_sizes(split.counts[rank], steps=self.steps, batch_size=batch_size)
-        self.order = epoch_order(len(rows), seed=seed, epoch=epoch, rank=rank, shuffle=shuffle)
+        self.sizes = batch_sizes(shard.split.counts[rank], steps=self.steps, batch_size=batch_size)
+        self.order = epoch_order(
+            len(self.rows), seed=shard.seed, epoch=epoch, rank=rank, shuffle=shuffle
+        )
         self.start_step = start_step
 
     def __len__(self) -> int:
@@ -224,15 +220,7 @@ class RankShard:
         return [sum(step) for step in zip(*sizes, strict=True)]
 
     def epoch(self, epoch: int, *, start_batch: int = 0) -> Batches:
-        return Batches(
-            self.rows,
-            self.split,
-            rank=self.rank,
-            batch_size=self.batch_size,
-            epoch=epoch,
-            seed=self.seed,
-            start_step=start_batch,
-        )
+        return Batches(self, epoch=epoch, start_step=start_batch)
 
 
 class GlobalRows:

@@ -25,16 +25,36 @@ import zarr
 from workers.spec.sections import DataConfig
 
 
+@dataclass(frozen=True)
+class SampleOrder:
+    """How a split of ``n`` samples is ordered each epoch and how the epoch's end is cut: the
+    order is a pure function of (seed, epoch), chunk-local (``chunk_size`` rows a chunk,
+    shuffled within windows of ``shuffle_window`` chunks); ``drop_last`` drops the rows that
+    do not fill a share, else they are filled up with repeats."""
+
+    n: int
+    seed: int
+    chunk_size: int
+    shuffle_window: int
+    drop_last: bool
+
+    def of_epoch(self, epoch: int) -> np.ndarray:
+        """Every sample index of ``epoch``, in the order the job trains on them."""
+        return epoch_order(
+            self.n,
+            epoch=epoch,
+            seed=self.seed,
+            chunk_size=self.chunk_size,
+            shuffle_window=self.shuffle_window,
+        )
+
+
 def rank_epoch_indices(
-    n: int,
+    order: SampleOrder,
     *,
-    world_size: int,
-    rank: int,
     epoch: int,
-    seed: int,
-    chunk_size: int,
-    shuffle_window: int,
-    drop_last: bool,
+    rank: int,
+    world_size: int,
     global_batch: int | None = None,
 ) -> np.ndarray:
     """This rank's sample indices for one epoch, in the order it trains on them.
@@ -44,26 +64,25 @@ def rank_epoch_indices(
     instead, the same for every world, and each rank takes its part of each: batch ``b`` of
     the epoch is the same samples on any number of ranks, and a job resized after ``b``
     batches goes on with batch ``b + 1`` (every sample of the epoch once, none twice)."""
-    order = epoch_order(
-        n, epoch=epoch, seed=seed, chunk_size=chunk_size, shuffle_window=shuffle_window
-    )
+    n, drop_last = order.n, order.drop_last
+    samples = order.of_epoch(epoch)
     if global_batch is not None:
         batches = n // global_batch if drop_last else math.ceil(n / global_batch)
-        if len(order) < batches * global_batch:  # the last batch filled up with repeats
-            order = np.concatenate([order, order[: batches * global_batch - len(order)]])
+        if len(samples) < batches * global_batch:  # the last batch filled up with repeats
+            samples = np.concatenate([samples, samples[: batches * global_batch - len(samples)]])
         # Rank r's part of each batch: the rows from its start, the first ranks one more
         # where the world does not divide the batch (Layout.share_of).
         base, extra = divmod(global_batch, world_size)
         start = rank * base + min(rank, extra)
-        by_batch = order[: batches * global_batch].reshape(batches, global_batch)
+        by_batch = samples[: batches * global_batch].reshape(batches, global_batch)
         return by_batch[:, start : start + base + (rank < extra)].reshape(-1)
     if drop_last:
-        order = order[: (n // world_size) * world_size]
+        samples = samples[: (n // world_size) * world_size]
     else:
         total = math.ceil(n / world_size) * world_size
-        order = np.concatenate([order, order[: total - n]])  # pad with repeats
-    share = len(order) // world_size
-    return order[rank * share : (rank + 1) * share]
+        samples = np.concatenate([samples, samples[: total - n]])  # pad with repeats
+    share = len(samples) // world_size
+    return samples[rank * share : (rank + 1) * share]
 
 
 def epoch_blocks(n: int, *, block: int, drop_last: bool) -> int:
@@ -80,17 +99,13 @@ def steps_from_block(blocks: int, start_block: int, replicas: int, *, drop_last:
 
 
 def rank_block_indices(
-    n: int,
+    order: SampleOrder,
     *,
-    replicas: int,
+    epoch: int,
     rank: int,
+    replicas: int,
     start_block: int,
     block: int,
-    epoch: int,
-    seed: int,
-    chunk_size: int,
-    shuffle_window: int,
-    drop_last: bool,
 ) -> np.ndarray:
     """This rank's sample indices for the rest of one epoch, from ``start_block`` on, for an
     elastic job that keeps each rank's batch (``launch.elastic_batch = "per_rank"``).
@@ -100,14 +115,12 @@ def rank_block_indices(
     position is counted in blocks, so a job resized after block ``b`` goes on with block ``b``
     on any number of ranks: every sample of the epoch once, none twice (the last step, which
     may find fewer blocks than ranks, repeats the epoch's first ones, or is dropped)."""
-    order = epoch_order(
-        n, epoch=epoch, seed=seed, chunk_size=chunk_size, shuffle_window=shuffle_window
-    )
-    blocks = epoch_blocks(n, block=block, drop_last=drop_last)
-    if len(order) < blocks * block:
-        order = np.concatenate([order, order[: blocks * block - len(order)]])
-    by_block = order[: blocks * block].reshape(blocks, block)
-    steps = steps_from_block(blocks, start_block, replicas, drop_last=drop_last)
+    samples = order.of_epoch(epoch)
+    blocks = epoch_blocks(order.n, block=block, drop_last=order.drop_last)
+    if len(samples) < blocks * block:
+        samples = np.concatenate([samples, samples[: blocks * block - len(samples)]])
+    by_block = samples[: blocks * block].reshape(blocks, block)
+    steps = steps_from_block(blocks, start_block, replicas, drop_last=order.drop_last)
     return by_block[(start_block + rank + replicas * np.arange(steps)) % blocks].reshape(-1)
 
 
@@ -360,6 +373,23 @@ class _ChunkCache:
         return data
 
 
+@dataclass(frozen=True)
+class BatchShare:
+    """This rank's part of the job's batches: its place among the ``world_size`` replicas and
+    its ``batch_size`` rows a step. ``global_batch``: an elastic job's, of which
+    ``batch_size`` is this rank's share; the epoch's order is cut into global batches, the
+    same on any number of ranks (``rank_epoch_indices``), so that a job resized within an
+    epoch goes on where it stood. ``per_rank_blocks``: an elastic job that keeps each rank's
+    batch; the order is cut into blocks of ``batch_size``, a step takes one per rank, and the
+    epoch's position counts blocks (``rank_block_indices``)."""
+
+    rank: int
+    world_size: int
+    batch_size: int
+    global_batch: int | None = None
+    per_rank_blocks: bool = False
+
+
 class RankBatches:
     """This rank's training batches for one epoch at a time: ``for x, y in batches.epoch(e)``."""
 
@@ -367,28 +397,21 @@ class RankBatches:
         self,
         split: StoreSplit,
         config: DataConfig,
+        share: BatchShare,
         *,
-        rank: int,
-        world_size: int,
-        batch_size: int,
         seed: int,
         pin_memory: bool | None = None,
-        global_batch: int | None = None,
-        per_rank_blocks: bool = False,
     ) -> None:
-        """``global_batch``: an elastic job's, of which ``batch_size`` is this rank's share;
-        the epoch's order is cut into global batches, the same on any number of ranks
-        (``rank_epoch_indices``), so that a job resized within an epoch goes on where it
-        stood. ``per_rank_blocks``: an elastic job that keeps each rank's batch; the order is
-        cut into blocks of ``batch_size``, a step takes one per rank, and the epoch's position
-        counts blocks (``rank_block_indices``). ``pin_memory``: hand out batches in page-locked
-        memory, so that ``.to(device, non_blocking=True)`` copies them to the GPU
-        asynchronously (from pageable memory that copy is synchronous). None: when CUDA is
-        available, which is exactly when a rank's device is a GPU (``workers/devices.py``)."""
+        """``share``: which of the epoch's rows this rank takes (:class:`BatchShare`).
+        ``pin_memory``: hand out batches in page-locked memory, so that
+        ``.to(device, non_blocking=True)`` copies them to the GPU asynchronously (from
+        pageable memory that copy is synchronous). None: when CUDA is available, which is
+        exactly when a rank's device is a GPU (``workers/devices.py``)."""
         self.split, self.config = split, config
-        self.rank, self.world_size, self.batch_size, self.seed = rank, world_size, batch_size, seed
-        self.global_batch = global_batch
-        self.per_rank_blocks = per_rank_blocks
+        self.rank, self.world_size, self.batch_size = share.rank, share.world_size, share.batch_size
+        self.seed = seed
+        self.global_batch = share.global_batch
+        self.per_rank_blocks = share.per_rank_blocks
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         if config.in_memory:
             # Read once every chunk this rank could ever need: with shuffled chunks, that is all.
@@ -397,16 +420,23 @@ class RankBatches:
             )
         self._cache = _ChunkCache(self.split, capacity=2 * config.shuffle_window + 2)
 
-    def indices(self, epoch: int) -> np.ndarray:
-        return rank_epoch_indices(
+    @property
+    def order(self) -> SampleOrder:
+        """How the split's samples are ordered each epoch."""
+        return SampleOrder(
             len(self.split),
-            world_size=self.world_size,
-            rank=self.rank,
-            epoch=epoch,
             seed=self.seed,
             chunk_size=self.split.chunk_size,
             shuffle_window=self.config.shuffle_window,
             drop_last=self.config.drop_last,
+        )
+
+    def indices(self, epoch: int) -> np.ndarray:
+        return rank_epoch_indices(
+            self.order,
+            epoch=epoch,
+            rank=self.rank,
+            world_size=self.world_size,
             global_batch=self.global_batch,
         )
 
@@ -470,16 +500,12 @@ class RankBatches:
         self, epoch: int, *, start_block: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = rank_block_indices(
-            len(self.split),
-            replicas=self.world_size,
+            self.order,
+            epoch=epoch,
             rank=self.rank,
+            replicas=self.world_size,
             start_block=start_block,
             block=self.batch_size,
-            epoch=epoch,
-            seed=self.seed,
-            chunk_size=self.split.chunk_size,
-            shuffle_window=self.config.shuffle_window,
-            drop_last=self.config.drop_last,
         )
         starts = range(0, len(order), self.batch_size)
         # Seeded by the block, whichever rank reads it: the same crops on any world.

@@ -3,6 +3,7 @@
 numpy, PIL and zarr only: a preprocessing worker never pays for importing torch.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,20 +58,29 @@ def combine_statistics(outcomes: list[dict[str, Any]]) -> tuple[np.ndarray, np.n
     return mean, np.maximum(np.sqrt(variance), 1e-6)
 
 
+@dataclass(frozen=True)
+class StoreArray:
+    """One array of a store being built: the store's URL (``storage_options``: its
+    filesystem's) and the array's path in it."""
+
+    url: str
+    path: str
+    storage_options: dict[str, Any] | None = None
+
+
 def normalize_chunk(
-    url: str,
+    target: StoreArray,
     blocks: list[tuple[str, int]],
     start: int,
     stop: int,
+    *,
     mean: np.ndarray,
     std: np.ndarray,
-    *,
-    path: str,
-    storage_options: dict[str, Any] | None,
 ) -> int:
-    """Normalize samples ``start:stop`` of the concatenated raw blocks and write them to the
-    same rows of ``url/path``; returns how many it wrote."""
-    options = storage_options or None
+    """Normalize samples ``start:stop`` of the concatenated raw blocks (``component/images``
+    in the target's store) and write them to the same rows of ``target``; returns how many it
+    wrote."""
+    url, options = target.url, target.storage_options or None
     pieces, offset = [], 0
     for component, count in blocks:
         lo, hi = max(start, offset), min(stop, offset + count)
@@ -79,8 +89,8 @@ def normalize_chunk(
             pieces.append(np.asarray(raw[lo - offset : hi - offset]))
         offset += count
     normalized = normalize_images(np.concatenate(pieces), mean, std)
-    target = zarr.open_array(url, path=path, mode="r+", storage_options=options)
-    target[start:stop] = normalized
+    written = zarr.open_array(url, path=target.path, mode="r+", storage_options=options)
+    written[start:stop] = normalized
     return stop - start
 
 

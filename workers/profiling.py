@@ -41,37 +41,47 @@ class DeviceProfile:
     largest_unit_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the store gives it: ``rows`` samples of ``sample_shape``, token ids
+    for a language model (``tokens``), values otherwise."""
+
+    rows: int
+    sample_shape: tuple[int, ...]
+    tokens: bool = False
+
+    def drawn(self, num_classes: int) -> torch.Tensor:
+        """Random inputs of this shape (token ids below ``num_classes``)."""
+        if self.tokens:
+            return torch.randint(num_classes, (self.rows, *self.sample_shape))
+        return torch.randn(self.rows, *self.sample_shape)
+
+
 def profile_model(
     model: str | ModelConfig,
+    batch: MicroBatch,
     *,
     num_classes: int,
-    input_shape: tuple[int, ...],
-    micro_batch: int,
-    tokens: bool = False,
     repeats: int = 7,
     build: Callable[[], nn.Module] | None = None,
 ) -> DeviceProfile:
     """Profile a model (a name or the ``[model]`` section, with its kwargs), or the one
-    ``build`` returns, on this process's device (a Dask task on a rank worker)."""
+    ``build`` returns, on ``batch`` on this process's device (a Dask task on a rank worker)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else (torch.device("cpu"))
     )
     if build is None:
-        model = build_model(model, num_classes=num_classes, seed=0, input_shape=input_shape)
+        model = build_model(model, num_classes=num_classes, seed=0, input_shape=batch.sample_shape)
     else:
         model = build()
-    # Token ids for a language model (``tokens``), values otherwise: what the store gives.
-    if tokens:
-        sample = torch.randint(num_classes, (micro_batch, *input_shape))
-    else:
-        sample = torch.randn(micro_batch, *input_shape)
+    sample = batch.drawn(num_classes)
     layers = profile_module(model.to(device), sample=sample.to(device), repeats=repeats)
     return DeviceProfile(
         device=str(device),
         memory_bytes=_device_memory(device),
-        micro_batch=micro_batch,
+        micro_batch=batch.rows,
         layers=tuple(layers),
         largest_unit_bytes=largest_unit_bytes(model),
     )

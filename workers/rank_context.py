@@ -20,7 +20,7 @@ from distributed import get_worker, secede
 
 from workers import live_recovery, model_pieces
 from workers.between_jobs import forget_other_jobs
-from workers.collection_shard import Batches, CollectionPlan, RankRows, SplitPlan
+from workers.collection_shard import Batches, CollectionPlan, RankRows, RankShard, SplitPlan
 from workers.compat.distributed_private import sampling_profiler_paused
 from workers.device_policy import this_worker
 from workers.elastic import Boundary, ResizeBoundary
@@ -299,16 +299,8 @@ class RankContext:
         plan = self._job.data[split]
         if split not in self._rows:
             self._rows[split] = RankRows.load(plan, self.rank, timeout_s=self._job.data_timeout_s)
-        return Batches(
-            self._rows[split],
-            plan,
-            rank=self.rank,
-            batch_size=batch_size,
-            epoch=epoch,
-            seed=seed,
-            shuffle=shuffle,
-            start_step=start_step,
-        )
+        shard = RankShard(self._rows[split], plan, rank=self.rank, batch_size=batch_size, seed=seed)
+        return Batches(shard, epoch=epoch, shuffle=shuffle, start_step=start_step)
 
     def data_plan(self, split: str) -> SplitPlan:
         """How ``split`` was planned: sample counts of every rank, rows moved for balance.
@@ -343,17 +335,17 @@ class RankContext:
         Raises:
             ValueError: `launch` was given no ``checkpoint_dir``.
         """
+        from workers.checkpoint import CheckpointDestination
         from workers.training_state import save_state
 
-        save_state(
+        destination = CheckpointDestination(
             self._require_directory("save"),
-            state,
-            step=step,
             keep=self._job.keep_checkpoints,
             signing_key_file=self.signing_key_file,
             storage_options=self._job.storage_options,
             run_id=self.run_id,
         )
+        save_state(destination, state, step=step)
         self.heartbeat()  # a long save is progress too
 
     def restore(self, state: dict[str, Any], *, replicated: bool | None = None) -> int | None:

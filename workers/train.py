@@ -28,6 +28,8 @@ from workers.checkpoint import (
     STOP_WAIT_SHARE,
     AsyncCheckpoints,
     CheckpointConfig,
+    CheckpointDestination,
+    CheckpointState,
     Progress,
     load_checkpoint,
     save_checkpoint,
@@ -39,7 +41,15 @@ from workers.collection_shard import (
     trainer_splits,
 )
 from workers.compilation import apply_compile
-from workers.data import DataConfig, RankBatches, StoreSplit, open_store, zero_samples
+from workers.data import (
+    BatchShare,
+    DataConfig,
+    OpenedStore,
+    RankBatches,
+    StoreSplit,
+    open_store,
+    zero_samples,
+)
 from workers.elastic import ResizeBoundary
 from workers.in_place_init import InPlaceInit
 from workers.losses import Criterion
@@ -109,15 +119,6 @@ class RankResult:
     peak_memory_bytes: int | None = None  # workers/peak_memory.py; None: not measurable
 
 
-@dataclass
-class CheckpointState:
-    """What a checkpoint holds besides the progress: this rank's part of the training state."""
-
-    modules: list[nn.Module]
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-
-
 Save = Callable[[CheckpointState, Progress], None]
 Restore = Callable[[CheckpointState], Progress]
 
@@ -162,19 +163,10 @@ class Checkpoints:
                 run_id=run_id,
             )
 
+        destination = CheckpointDestination.of(config, run_id=run_id)
+
         def save(state: CheckpointState, progress: Progress) -> None:
-            save_checkpoint(
-                directory,
-                modules=state.modules,
-                optimizer=state.optimizer,
-                scaler=state.scaler,
-                progress=progress,
-                keep=config.keep,
-                signing_key_file=config.signing_key_file,
-                storage_options=config.storage_options,
-                writer=writer,
-                run_id=run_id,
-            )
+            save_checkpoint(destination, state, progress=progress, writer=writer)
 
         return cls(
             save=save,
@@ -337,15 +329,9 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
     job_memory = get_strategy(job.training.strategy).job_memory
     with job_memory(job.settings, layout=layout, device=ctx.membership.device):
         result = train(
-            job.data,
-            job.model,
-            job.training,
+            job,
             membership=ctx.membership,
             layout=layout,
-            settings=job.settings,
-            factory=job.factory,
-            optimizer=job.optimizer,
-            lr_schedule=job.lr_schedule,
             hooks=Hooks(
                 report=ctx.emit,
                 heartbeat=heartbeat,
@@ -354,7 +340,6 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
                 peak_memory=ctx.peak_memory_bytes,
             ),
             restore=_continue(ctx, job.checkpoint),
-            collections=job.collections,
         )
     # The pieces wait on this worker for the client to take them (workers/model_pieces.py):
     # the task's result, which Dask may spill to disk, carries only their names.
@@ -413,37 +398,19 @@ def _continue(ctx: RankContext, checkpoint: CheckpointConfig | None = None) -> R
 
 
 def train(
-    data_config: DataConfig,
-    model_config: ModelConfig,
-    config: TrainingConfig,
+    job: TrainJob,
     *,
     membership: Membership,
     layout: Layout,
-    settings: BaseModel | None = None,
-    factory: Callable[..., nn.Module] | None = None,
-    optimizer: OptimizerFactory | None = None,
-    lr_schedule: ScheduleFactory | None = None,
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
-    collections: CollectionPlan | None = None,
 ) -> RankResult:
-    """Train on this rank of an initialized process group laid out as ``layout`` (an elastic
-    job's layout: in its order of global batches, ``RankBatches``)."""
+    """Train ``job`` on this rank of an initialized process group laid out as ``layout`` (an
+    elastic job's layout: in its order of global batches, ``RankBatches``)."""
+    config = job.training
     # One measure per process: the kernel's high-water mark has one reset.
     peak_memory = hooks.peak_memory or PeakMemory.start(membership.device).bytes
-    trainer = build(
-        data_config,
-        model_config,
-        config,
-        membership=membership,
-        layout=layout,
-        settings=settings,
-        factory=factory,
-        optimizer=optimizer,
-        lr_schedule=lr_schedule,
-        restore=restore,
-        collections=collections,
-    )
+    trainer = build(job, membership=membership, layout=layout, restore=restore)
     if membership.rank != layout.reporting_rank:
         hooks = replace(hooks, report=None)  # one rank speaks for the job
     if hooks.heartbeat:
@@ -470,66 +437,38 @@ def train(
     return close(trainer, peak_memory_bytes=peak_memory())
 
 
+@dataclass(frozen=True)
+class _ModelInputs:
+    """What the model is built for: the classes it outputs, one sample's shape, and one
+    micro-batch of zeros for the strategies that trace it."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+    sample: torch.Tensor
+
+
 def build(
-    data_config: DataConfig,
-    model_config: ModelConfig,
-    config: TrainingConfig,
+    job: TrainJob,
     *,
     membership: Membership,
     layout: Layout,
-    settings: BaseModel | None = None,
-    factory: Callable[..., nn.Module] | None = None,
-    optimizer: OptimizerFactory | None = None,
-    lr_schedule: ScheduleFactory | None = None,
     restore: Restore | None = None,
-    collections: CollectionPlan | None = None,
 ) -> Trainer:
     """The model laid out by the strategy, this rank's data shard, the optimizer and the LR
     schedule, continued from ``restore``'s checkpoint when given. Collective."""
-    rank, device = membership.rank, membership.device
+    config, rank, device = job.training, membership.rank, membership.device
     torch.manual_seed(config.seed + rank)
     precision = Precision(config.precision, device)
     if rank == 0:
         warn_if_slow(config.precision, device)
-    criterion = Criterion.of(config)
-    if collections is None:
-        store = open_store(data_config.store_url, storage_options=data_config.storage_options)
-        num_classes, input_shape = store.num_classes, tuple(store.train.images.shape[1:])
-        sample = store.train.zeros(layout.micro_batch)
-    else:
-        num_classes, input_shape = collections_model_inputs(collections)
-        sample = zero_samples(layout.micro_batch, input_shape)
-    strategy = lay_out_model(
-        model_config,
-        config,
-        num_classes=criterion.outputs(num_classes),
-        input_shape=input_shape,
-        factory=factory,
-        layout=layout,
-        rank=rank,
-        device=device,
-        settings=settings,
-        precision=precision,
-        sample=sample,
+    store = (
+        open_store(job.data.store_url, storage_options=job.data.storage_options)
+        if job.collections is None
+        else None
     )
-    strategy.criterion = criterion
-    if collections is None:
-        batches: RankBatches | RankShard = RankBatches(
-            store.train,
-            data_config,
-            rank=layout.dp_rank(rank),
-            world_size=layout.dp,
-            batch_size=layout.share_of(layout.dp_rank(rank)),
-            seed=config.seed,
-            global_batch=layout.batch_size if layout.elastic == "global" else None,
-            per_rank_blocks=layout.elastic == "per_rank",
-        )
-        val = store.val
-    else:
-        batches, val = trainer_splits(
-            collections, rank=rank, batch_size=layout.per_rank_batch, seed=config.seed
-        )
-    made = build_optimizer(config=config, parameters=strategy.parameters(), factory=optimizer)
+    strategy = _laid_out(job, store, membership=membership, layout=layout, precision=precision)
+    batches, val = _rank_splits(job, store, layout=layout, rank=rank)
+    made = build_optimizer(config=config, parameters=strategy.parameters(), factory=job.optimizer)
     start = Progress()
     if restore is not None:
         start = restore(CheckpointState(strategy.modules, made, precision.scaler))
@@ -540,7 +479,7 @@ def build(
         config=config,
         total_steps=total_steps,
         step=start.step,
-        factory=lr_schedule,
+        factory=job.lr_schedule,
     )
     return Trainer(
         config=config,
@@ -561,23 +500,90 @@ def build(
     )
 
 
+def _laid_out(
+    job: TrainJob,
+    store: OpenedStore | None,
+    *,
+    membership: Membership,
+    layout: Layout,
+    precision: Precision,
+) -> Strategy:
+    """The job's model laid out for this rank, for the store's data (``store``) or the
+    collections' (``store`` None), with the run's criterion. Collective."""
+    criterion = Criterion.of(job.training)
+    inputs = _model_inputs(job, store, layout=layout)
+    placement = RankPlacement(
+        layout=layout,
+        rank=membership.rank,
+        device=membership.device,
+        precision=precision,
+        settings=job.settings,
+        sample=inputs.sample,
+    )
+    strategy = lay_out_model(
+        job.model,
+        job.training,
+        placement=placement,
+        num_classes=criterion.outputs(inputs.num_classes),
+        input_shape=inputs.input_shape,
+        factory=job.factory,
+    )
+    strategy.criterion = criterion
+    return strategy
+
+
+def _model_inputs(job: TrainJob, store: OpenedStore | None, *, layout: Layout) -> _ModelInputs:
+    """The model's inputs as the store (``store``) or the collections (``store`` None) give
+    them."""
+    if store is not None:
+        return _ModelInputs(
+            num_classes=store.num_classes,
+            input_shape=tuple(store.train.images.shape[1:]),
+            sample=store.train.zeros(layout.micro_batch),
+        )
+    assert job.collections is not None
+    num_classes, input_shape = collections_model_inputs(job.collections)
+    return _ModelInputs(
+        num_classes=num_classes,
+        input_shape=input_shape,
+        sample=zero_samples(layout.micro_batch, input_shape),
+    )
+
+
+def _rank_splits(
+    job: TrainJob, store: OpenedStore | None, *, layout: Layout, rank: int
+) -> tuple["RankBatches | RankShard", StoreSplit]:
+    """This rank's training batches and the validation split, from the store (``store``) or
+    the collections (``store`` None)."""
+    seed = job.training.seed
+    if store is None:
+        assert job.collections is not None
+        return trainer_splits(
+            job.collections, rank=rank, batch_size=layout.per_rank_batch, seed=seed
+        )
+    share = BatchShare(
+        rank=layout.dp_rank(rank),
+        world_size=layout.dp,
+        batch_size=layout.share_of(layout.dp_rank(rank)),
+        global_batch=layout.batch_size if layout.elastic == "global" else None,
+        per_rank_blocks=layout.elastic == "per_rank",
+    )
+    batches = RankBatches(store.train, job.data, share, seed=seed)
+    return batches, store.val
+
+
 def lay_out_model(
     model_config: ModelConfig,
     config: TrainingConfig,
     *,
+    placement: RankPlacement,
     num_classes: int,
     input_shape: tuple[int, ...],
-    factory: Callable[..., nn.Module] | None,
-    layout: Layout,
-    rank: int,
-    device: torch.device,
-    settings: BaseModel | None,
-    precision: Precision,
-    sample: torch.Tensor,
+    factory: Callable[..., nn.Module] | None = None,
 ) -> Strategy:
     """The model built, checkpointed as ``training.activation_checkpointing`` says, its blocks
-    compiled if ``training.compile``, laid out by the strategy for this rank, and its values
-    drawn (collective)."""
+    compiled if ``training.compile``, laid out by the strategy for this rank (``placement``),
+    and its values drawn (collective)."""
     model, in_place = _built_model(
         model_config, config, num_classes=num_classes, input_shape=input_shape, factory=factory
     )
@@ -588,17 +594,9 @@ def lay_out_model(
     )
     if config.compile:
         apply_compile(model, backend=config.compile_backend)
-    placement = RankPlacement(
-        layout=layout,
-        rank=rank,
-        device=device,
-        precision=precision,
-        settings=settings,
-        sample=sample,
-    )
     strategy = get_strategy(config.strategy).prepare(model, placement)
     if in_place is not None:  # laid out on the meta device: each rank draws only its part
-        in_place.materialize(strategy.modules, device=device)
+        in_place.materialize(strategy.modules, device=placement.device)
     return strategy
 
 

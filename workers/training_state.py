@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workers.checkpoint import (
+    CheckpointDestination,
     read_metadata,
     safe_reader,
     tensors_only_planner,
@@ -34,31 +35,12 @@ RNG_KEY = "_rng"
 _TENSOR = "__tensor__"  # where a tensor stood in a value stored as JSON
 
 
-def save_state(
-    directory: str | Path,
-    state: Mapping[str, Any],
-    *,
-    step: int,
-    keep: int,
-    signing_key_file: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    run_id: str | None = None,
-) -> None:
-    """Write ``state`` as the checkpoint of ``step`` (collective: every rank calls it);
-    ``directory`` a local folder or an fsspec URL (``storage_options``: its filesystem's);
-    ``run_id``: the run it is of (``workers.checkpoint.write_checkpoint``)."""
+def save_state(destination: CheckpointDestination, state: Mapping[str, Any], *, step: int) -> None:
+    """Write ``state`` as the checkpoint of ``step`` into ``destination`` (a local folder or an
+    fsspec URL; collective: every rank calls it)."""
     tensors, values = capture_state(state)
     tensors[RNG_KEY] = {f"rank{dist.get_rank()}": _rng_state()}
-    write_checkpoint(
-        directory,
-        tensors,
-        step=step,
-        keep=keep,
-        fields={"values": values},
-        signing_key_file=signing_key_file,
-        storage_options=storage_options,
-        run_id=run_id,
-    )
+    write_checkpoint(destination, tensors, step=step, fields={"values": values})
 
 
 def load_state(

@@ -16,7 +16,7 @@ from distributed import Client
 from torch import nn
 
 from workers.data import zero_samples
-from workers.profiling import DeviceProfile, LayerProfile, profile_model
+from workers.profiling import DeviceProfile, LayerProfile, MicroBatch, profile_model
 from workers.spec.layout import Layout
 from workers.spec.names import MODEL_LAYERS
 from workers.spec.plans import get_plan
@@ -351,10 +351,8 @@ def _profile_on(
     future = client.submit(
         profile_model,
         config.model,
+        MicroBatch(micro_batch, config.data.sample_shape, tokens=config.data.tokens),
         num_classes=num_classes,
-        input_shape=config.data.sample_shape,
-        tokens=config.data.tokens,
-        micro_batch=micro_batch,
         build=build,
         key=f"profile-{config.model.name}",
         workers=[worker],

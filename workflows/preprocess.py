@@ -23,7 +23,12 @@ import zarr
 from distributed import Client, Future
 
 from workers.data import DataConfig
-from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
+from workers.preprocessing import (
+    StoreArray,
+    combine_statistics,
+    decode_partition,
+    normalize_chunk,
+)
 from workers.sources import Decoding, Listing, SourceError, digest, list_records, store_to_build
 from workflows.stores import (
     STORE_FORMAT,
@@ -167,14 +172,12 @@ def _normalize(
             writes.append(
                 client.submit(
                     normalize_chunk,
-                    url,
+                    StoreArray(url, f"{split}/images", config.storage_options),
                     blocks,
                     start,
                     min(total, start + config.chunk_size),
-                    decoded.mean,
-                    decoded.std,
-                    path=f"{split}/images",
-                    storage_options=config.storage_options,
+                    mean=decoded.mean,
+                    std=decoded.std,
                     key=f"normalize-{split}-{index:06d}-{tag}",
                     pure=False,
                 )

@@ -21,6 +21,7 @@ from distributed import Client, Future
 from workers.sources import Listing, SourceError, digest, list_records
 from workers.sources.text import (
     ARRAYS,
+    Encoding,
     characters,
     encode_partition,
     pack_windows,
@@ -136,11 +137,9 @@ def _encode(
             client.submit(
                 encode_partition,
                 part,
+                Encoding(config.tokenizer, tokens, config.sequence_length),
                 url=config.store_url,
                 component=f"raw/{split}/{i:06d}",
-                tokenizer=config.tokenizer,
-                vocabulary=tokens,
-                sequence_length=config.sequence_length,
                 storage_options=config.storage_options,
                 key=f"tokenize-{split}-{i:06d}-{tag}",
                 pure=False,

@@ -13,6 +13,7 @@ corpus's distinct characters after UTF-8 decoding, a vocabulary found in a first
 
 import importlib.util
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -144,18 +145,28 @@ def token_dtype(size: int) -> np.dtype:
     return np.dtype(np.uint8 if size <= 256 else np.uint16 if size <= 65536 else np.uint32)
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """How a store's text becomes its samples: the ``tokenizer``, its ``vocabulary`` (in token
+    order, :func:`vocabulary`), and windows of ``sequence_length + 1`` tokens."""
+
+    tokenizer: Tokenizer
+    vocabulary: list[str]
+    sequence_length: int
+
+
 def encode_partition(
     records: list[str],
+    encoding: Encoding,
     *,
     url: str,
     component: str,
-    tokenizer: Tokenizer,
-    vocabulary: list[str],
-    sequence_length: int,
     storage_options: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Tokenize a partition's files and write its windows of ``sequence_length + 1`` tokens as
-    ``component`` (raw, one row a window); returns how many windows it wrote."""
+    """Tokenize a partition's files as ``encoding`` says and write its windows as ``component``
+    (raw, one row a window); returns how many windows it wrote."""
+    tokenizer, vocabulary = encoding.tokenizer, encoding.vocabulary
+    sequence_length = encoding.sequence_length
     dtype = token_dtype(len(vocabulary))
     # Sorted characters are sorted code points: a character's token is its rank among them.
     codes = np.array([ord(char) for char in vocabulary] if tokenizer == "char" else [], np.uint32)

@@ -21,7 +21,12 @@ import zarr
 from PIL import Image
 
 from workers.data import DataConfig
-from workers.preprocessing import combine_statistics, decode_partition, normalize_chunk
+from workers.preprocessing import (
+    StoreArray,
+    combine_statistics,
+    decode_partition,
+    normalize_chunk,
+)
 from workers.sources import Decoding, list_records
 from workflows.cluster import start_cluster
 from workflows.config import load_config
@@ -77,9 +82,8 @@ def preprocess_in_one_process(config: DataConfig, seed: int) -> None:
         )
         for start in range(0, total, config.chunk_size):
             stop = min(total, start + config.chunk_size)
-            normalize_chunk(
-                url, blocks, start, stop, mean, std, path=f"{split}/images", storage_options=None
-            )
+            target = StoreArray(url, f"{split}/images")
+            normalize_chunk(target, blocks, start, stop, mean=mean, std=std)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from workers.devices import local_device
 from workers.process_group import Membership
-from workers.train import train
+from workers.train import TrainJob, train
 from workflows.config import RunConfig
 
 
@@ -37,7 +37,8 @@ def main() -> None:
         device=device,
     )
     layout = config.layout(membership.world_size)
-    result = train(config.data, config.model, config.training, membership=membership, layout=layout)
+    job = TrainJob(data=config.data, model=config.model, training=config.training, layout=layout)
+    result = train(job, membership=membership, layout=layout)
     if membership.rank == 0:
         print(
             "RESULT "

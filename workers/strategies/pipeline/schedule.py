@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     build_stage,
 )
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.activation_checkpointing import checkpointed_modules
@@ -88,13 +89,23 @@ class Pipeline:
             stage.train(mode)
 
 
+@dataclass(frozen=True)
+class _StageCut:
+    """Every stage of the model, and for a traced model its trace (``Pipe``) and the
+    eval-mode trace validation runs (none where FSDP shards the stages)."""
+
+    stages: list[nn.Module]
+    pipe: Pipe | None = None
+    eval_pipe: Pipe | None = None
+
+
 def _cut(
     model: nn.Module, split_points: Sequence[str], *, sample: torch.Tensor | None, sharded: bool
-) -> tuple[list[nn.Module], Pipe | None, Pipe | None]:
-    """Every stage of ``model``, and for a traced model its trace (``Pipe``) and the eval-mode
-    trace validation runs (none where FSDP shards the stages)."""
+) -> _StageCut:
+    """``model`` cut into its stages at ``split_points`` (traced on ``sample`` where it is
+    traced)."""
     if not is_traced(model):
-        return cut_into_stages(model, split_points), None, None
+        return _StageCut(cut_into_stages(model, split_points))
     if checkpointed_modules(model):
         raise ValueError(TRACED_AND_CHECKPOINTED.format(model=type(model).__name__))
     if sample is None:
@@ -103,37 +114,29 @@ def _cut(
     pipe = trace_stages(model, sample, split_points)
     stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
     eval_pipe = None if sharded else trace_eval_stages(model, sample, split_points)
-    return stages, pipe, eval_pipe
+    return _StageCut(stages, pipe, eval_pipe)
 
 
 def apply_pipeline(
     model: nn.Module,
     *,
-    config: PipelineConfig,
-    layout: Layout,
+    placement: RankPlacement,
+    settings: StagingSettings,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
-    sample: torch.Tensor | None = None,
-    tp_plan: str | None = None,
 ) -> Pipeline:
     """Keep this rank's stages of ``model`` and build the schedule that runs them.
 
-    The default process group must be initialized with ``layout.world_size`` ranks, which form
-    the layout's ``(pp, dp, tp)`` mesh. ``config.split_points`` must be resolved. One
-    micro-batch is plain model parallelism. A model that is traced (``stage_cuts.is_traced``)
-    is traced on ``sample``, one micro-batch of inputs on the CPU, once as it trains and,
-    unless FSDP shards its stages, once in eval mode for validation. ``tp_plan`` (the model's,
-    ``model.tp_plan``) splits each stage's layers where ``layout.tp > 1``.
+    The default process group must be initialized with ``placement.layout.world_size`` ranks,
+    which form the layout's ``(pp, dp, tp)`` mesh. ``settings.pipeline.split_points`` must be
+    resolved. One micro-batch is plain model parallelism. A model that is traced
+    (``stage_cuts.is_traced``) is traced on ``placement.sample``, one micro-batch of inputs on
+    the CPU, once as it trains and, unless FSDP shards its stages, once in eval mode for
+    validation. ``settings.tp_plan`` (the model's, ``model.tp_plan``) splits each stage's
+    layers where ``layout.tp > 1``.
     """
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(
-            f"pipeline: the layout is for {layout.world_size} ranks, the process group has "
-            f"{dist.get_world_size()}"
-        )
-    if config.split_points is None:
-        raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
+    layout, device, config = placement.layout, placement.device, settings.pipeline
+    split_points = _checked_split_points(layout, config)
     pp, dp, tp, n_stages = layout.pp, layout.dp, layout.tp, layout.n_stages
-    sharded = layout.dp_shard > 1
     # The replicas' dimensions: FSDP2's shards, DDP's copies, or HSDP's copies of shards; a
     # pipeline of one copy keeps dp_shard, of size 1, to index.
     replicas = _replica_dimensions(layout)
@@ -141,27 +144,76 @@ def apply_pipeline(
     plan = None
     if tp > 1:  # the whole model's plan, for each stage to split its part by
         check_tensor_parallel_stages(model)
-        plan = tensor_parallel_plan(model, mesh=mesh["tp"], plan_path=tp_plan)
-    stages, pipe, eval_pipe = _cut(model, config.split_points, sample=sample, sharded=sharded)
-    if len(stages) != n_stages:
+        plan = tensor_parallel_plan(model, mesh=mesh["tp"], plan_path=settings.tp_plan)
+    cut = _cut(model, split_points, sample=placement.sample, sharded=layout.dp_shard > 1)
+    if len(cut.stages) != n_stages:
         raise ValueError(
-            f"pipeline.split_points: {len(config.split_points)} points make {len(stages)} "
+            f"pipeline.split_points: {len(split_points)} points make {len(cut.stages)} "
             f"stages, but {pp} pipeline ranks x {layout.stages_per_rank} stages per rank need "
             f"{n_stages}"
         )
     replica_mesh = mesh[replicas] if len(replicas) == 1 else flatten_mesh(mesh[replicas], "dp")
     pp_rank, dp_rank = mesh.get_local_rank("pp"), replica_mesh.get_local_rank()
     tp_rank = mesh.get_local_rank("tp") if tp > 1 else 0
-    pp_group = mesh.get_group("pp")
-    dp_group = replica_mesh.get_group() if dp > 1 else None
     assert dist.get_rank() == layout.rank(pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank)
-
     # Interleaved ("looped") placement: rank r holds stages r, r + pp, r + 2·pp, …
     mine = list(range(pp_rank, n_stages, pp))
+    modules, pipeline_stages, eval_stages = _rank_stages(
+        cut, mine, mesh=mesh, replicas=replicas, plan=plan, device=device
+    )
+    n_microbatches = layout.n_microbatches
+    schedule_class = ScheduleGPipe if n_microbatches == 1 else SCHEDULES[config.schedule]
+    return Pipeline(
+        stages=modules,
+        schedule=_schedule(schedule_class, pipeline_stages, n_microbatches, loss_fn=loss_fn),
+        # Run forward only (schedule.eval), without a loss: the caller scores the real rows.
+        eval_schedule=_schedule(schedule_class, eval_stages, n_microbatches, loss_fn=None)
+        if eval_stages
+        else None,
+        is_first=0 in mine,
+        is_last=n_stages - 1 in mine,
+        pp_rank=pp_rank,
+        pp_size=pp,
+        dp_rank=dp_rank,
+        dp_size=dp,
+        tp_rank=tp_rank,
+        pp_group=mesh.get_group("pp"),
+        dp_group=replica_mesh.get_group() if dp > 1 else None,
+        mesh=mesh,
+        traced=cut.pipe is not None,
+    )
+
+
+def _checked_split_points(layout: Layout, config: PipelineConfig) -> tuple[str, ...]:
+    """The resolved split points, once the process group is the layout's world."""
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(
+            f"pipeline: the layout is for {layout.world_size} ranks, the process group has "
+            f"{dist.get_world_size()}"
+        )
+    if config.split_points is None:
+        raise ValueError("pipeline.split_points: resolve them on the client before the ranks")
+    return config.split_points
+
+
+def _rank_stages(
+    cut: _StageCut,
+    mine: list[int],
+    *,
+    mesh: DeviceMesh,
+    replicas: tuple[str, ...],
+    plan: dict[str, ParallelStyle] | None,
+    device: torch.device,
+) -> tuple[list[nn.Module], list[PipelineStage], list[PipelineStage]]:
+    """This rank's stages (``mine``) on its device, split by the tensor-parallel ``plan`` if
+    any and replicated over ``replicas``: the modules, the stages the schedule trains, and the
+    eval-mode stages validation runs (none where the cut has no eval trace)."""
+    pp_group, n_stages = mesh.get_group("pp"), len(cut.stages)
+    pipe, eval_pipe = cut.pipe, cut.eval_pipe
     modules, pipeline_stages, eval_stages = [], [], []
     for index in mine:
         # A stage on the meta device stays there until sharded (workers/in_place_init.py).
-        stage = stages[index] if is_meta(stages[index]) else stages[index].to(device)
+        stage = cut.stages[index] if is_meta(cut.stages[index]) else cut.stages[index].to(device)
         if pipe is not None:
             # The tracer burns the trace's device into ops that make tensors (torch.zeros …);
             # Pipe.build_stage moves them the same way, but builds on the unwrapped module.
@@ -184,27 +236,7 @@ def apply_pipeline(
             share_state(evaluating, stage)
             move_traced_ops(evaluating, device)
             eval_stages.append(build_stage(evaluating, index, eval_pipe.info(), device, pp_group))
-    n_microbatches = layout.n_microbatches
-    schedule_class = ScheduleGPipe if n_microbatches == 1 else SCHEDULES[config.schedule]
-    return Pipeline(
-        stages=modules,
-        schedule=_schedule(schedule_class, pipeline_stages, n_microbatches, loss_fn=loss_fn),
-        # Run forward only (schedule.eval), without a loss: the caller scores the real rows.
-        eval_schedule=_schedule(schedule_class, eval_stages, n_microbatches, loss_fn=None)
-        if eval_stages
-        else None,
-        is_first=0 in mine,
-        is_last=n_stages - 1 in mine,
-        pp_rank=pp_rank,
-        pp_size=pp,
-        dp_rank=dp_rank,
-        dp_size=dp,
-        tp_rank=tp_rank,
-        pp_group=pp_group,
-        dp_group=dp_group,
-        mesh=mesh,
-        traced=pipe is not None,
-    )
+    return modules, pipeline_stages, eval_stages
 
 
 def _replica_dimensions(layout: Layout) -> tuple[str, ...]:
@@ -350,15 +382,7 @@ class PipelineStrategy(Strategy):
             # The trainer sets the criterion after prepare: read it when the schedule calls.
             return strategy.criterion(output, target)
 
-        pipe = apply_pipeline(
-            model,
-            config=settings.pipeline,
-            layout=placement.layout,
-            loss_fn=loss,
-            device=placement.device,
-            sample=placement.sample,
-            tp_plan=settings.tp_plan,
-        )
+        pipe = apply_pipeline(model, placement=placement, settings=settings, loss_fn=loss)
         strategy = cls(pipe, layout=placement.layout, device=placement.device)
         return strategy
 
