@@ -322,6 +322,7 @@ def test_a_cold_stock_worker_prepares_while_the_job_trains_then_joins_it(tmp_pat
     # Ready before the ranks were asked to stop for it: the switch did not wait for its imports.
     assert list(prepared) == [result.job_id]
     assert prepared[result.job_id]["at"] < result.resizes[0]["at"]
+    assert set(prepared[result.job_id]) == {"at"}  # a launch(fn) job's: nothing opened ahead
     assert {r["redone_steps"] for r in result.resizes} == {0}
     _, steps = result.results[0]
     assert [r["step"] for r in result.metrics[0]] == list(range(1, steps + 1))
