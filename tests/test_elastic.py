@@ -10,8 +10,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+import cloudpickle
 import dask
 import numpy as np
 import pytest
@@ -35,7 +37,10 @@ from workers.data import (
     rank_block_indices,
     rank_epoch_indices,
 )
-from workers.models import build_model
+from workers.models import ModelConfig, build_model
+from workers.rank_context import RankJob
+from workers.spec.layout import Layout
+from workers.train import TrainJob, run_rank
 from workflows import launch, start_cluster, train
 from workflows.admission import Request, WorkerQueue, WorkerSelection
 from workflows.cluster import live_workers
@@ -429,6 +434,69 @@ def test_a_trainers_newcomer_opens_the_store_and_builds_the_model_first_one_with
     assert found["device"] == "meta"
     assert found["parameters"] == sum(v.numel() for v in result.state_dict.values())
     assert result.history[-1]["step"] == 4 * (len(_digits_train(on_disk)) // 50)
+
+
+def _trainer_payload(config, **fields) -> bytes:
+    """What the controller hands a worker to prepare for one rank of the built-in trainer's
+    job on ``config``: its pickled `RankJob`; ``fields`` replace the `TrainJob`'s."""
+    train_job = TrainJob(
+        data=config.data.resolved(),
+        model=config.model,
+        training=config.training,
+        layout=Layout(world_size=1, pp=1, dp=1, batch_size=config.training.batch_size),
+    )
+    return cloudpickle.dumps(
+        RankJob(
+            fn=run_rank,
+            args=(replace(train_job, **fields),),
+            kwargs={},
+            name="prepared",
+            generation="prepared-0",
+            attempt=0,
+            max_failures=0,
+            event_topic="prepared-events",
+            heartbeat_topic="prepared-heartbeats",
+        )
+    )
+
+
+def test_a_worker_prepares_a_trainer_rank_by_its_store_and_model_and_names_what_fails(
+    cluster, make_config
+):
+    # What the controller asks each newcomer (workers/preparation.py), on a real worker: the
+    # store opened and read, the model built on the meta device; a model whose code this
+    # worker lacks (a library not installed on its machine) fails naming the field.
+    config = make_config()
+    prepare_store(cluster.client, config.data.resolved(), seed=config.training.seed)
+    client = cluster.client
+    worker = sorted(live_workers(client))[0]
+
+    def prepare(job_id: str, payload: bytes) -> object:
+        answers = client.run(
+            preparation.prepare, job_id, payload, None, 30.0, workers=[worker], on_error="return"
+        )
+        return answers[worker]
+
+    took = prepare("prepared-ok", _trainer_payload(config))
+    assert {"torch_s", "code_s", "data_s", "model_s"} <= set(took), took
+    found = client.run(preparation.prepared, workers=[worker])[worker]["prepared-ok"]
+    store = open_store(config.data.resolved().store_url)
+    model = build_model(
+        config.model, num_classes=store.num_classes, seed=0, input_shape=(3, 32, 32)
+    )
+    assert found["store"] == config.data.resolved().store_url
+    assert found["samples"] == len(store.train)
+    assert (found["device"], found["parameters"]) == (
+        "meta",
+        sum(p.numel() for p in model.parameters()),
+    )
+    missing = ModelConfig(name="a_library_not_installed_here:build")
+    failed = prepare("prepared-bad", _trainer_payload(config, model=missing))
+    assert isinstance(failed, preparation.PreparationFailed), failed
+    assert str(failed).startswith(
+        "model.name: a_library_not_installed_here:build cannot be built on this worker"
+    )
+    assert "prepared-bad" not in client.run(preparation.prepared, workers=[worker])[worker]
 
 
 @pytest.mark.equivalence
