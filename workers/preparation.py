@@ -28,9 +28,12 @@ import importlib
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
+
+if TYPE_CHECKING:
+    from workers.train import TrainJob
 
 # What every rank imports before its first step, heaviest first; also what the local fork
 # server preloads (``workflows/cluster.py``), so the two lists cannot drift apart.
@@ -100,7 +103,7 @@ def _prepare(
     job = cloudpickle.loads(payload)  # the job's code, and the modules it refers to
     took["code_s"] = time.perf_counter() - started
     found: dict[str, Any] = {}
-    trainer = sys.modules.get("workers.train")  # imported by the unpickling if the job is its
+    trainer = sys.modules.get("workers.train")  # the unpickling imported it for its own jobs
     if trainer is not None and job.fn is trainer.run_rank:
         (train_job,) = job.args
         found = _open_and_build(train_job, took)
@@ -121,10 +124,10 @@ def _prepare(
     return took
 
 
-def _open_and_build(job: Any, took: dict[str, float]) -> dict[str, Any]:
+def _open_and_build(job: "TrainJob", took: dict[str, float]) -> dict[str, Any]:
     """What the built-in trainer's rank opens and builds first (``workers.train.build``), done
     here once: the store opened and a chunk of it read, the model built on the meta device.
-    ``job``: its `TrainJob`. What it found; raises `PreparationFailed`."""
+    What it found; each part's seconds go into ``took``; raises `PreparationFailed`."""
     from workers.collection_shard import collections_model_inputs
     from workers.data import open_store
     from workers.losses import Criterion
