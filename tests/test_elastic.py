@@ -10,7 +10,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
+import cloudpickle
+import dask
 import numpy as np
 import pytest
 import torch
@@ -21,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.commands import stock_dask_worker
+from tests.machine_local_store import LOCAL_STORE_URL, copy_store
 from tests.reference import Reference, assert_equivalent, train_in_one_process
 from tests.test_launch import _data, _model
 from workers import elastic, preparation
@@ -33,12 +38,16 @@ from workers.data import (
     rank_block_indices,
     rank_epoch_indices,
 )
-from workers.models import build_model
+from workers.models import ModelConfig, build_model
+from workers.rank_context import RankJob
+from workers.spec.layout import Layout
+from workers.train import TrainJob, run_rank
 from workflows import launch, start_cluster, train
 from workflows.admission import Request, WorkerQueue, WorkerSelection
 from workflows.cluster import live_workers
 from workflows.config import ConfigError, load_config
 from workflows.launcher import LaunchConfig
+from workflows.preprocess import prepare_store
 
 GLOBAL_BATCH = 60  # every world from 1 to 5 splits it evenly: DDP's mean is the batch's
 WAIT_S = 60.0  # each phase of a test: the cluster and the job must get there within it
@@ -318,7 +327,8 @@ def test_a_cold_stock_worker_prepares_while_the_job_trains_then_joins_it(tmp_pat
     assert causes == [(2, 3, "joined")], causes
     # Ready before the ranks were asked to stop for it: the switch did not wait for its imports.
     assert list(prepared) == [result.job_id]
-    assert prepared[result.job_id] < result.resizes[0]["at"]
+    assert prepared[result.job_id]["at"] < result.resizes[0]["at"]
+    assert set(prepared[result.job_id]) == {"at"}  # a launch(fn) job's: nothing opened ahead
     assert {r["redone_steps"] for r in result.resizes} == {0}
     _, steps = result.results[0]
     assert [r["step"] for r in result.metrics[0]] == list(range(1, steps + 1))
@@ -359,6 +369,136 @@ def test_a_joining_worker_that_cannot_prepare_is_left_out_and_the_job_goes_on(tm
     assert "libtorch_cpu.so" in caplog.text
     assert job.result.resizes == []  # never stopped for it
     assert {r["world"] for r in job.result.metrics[0]} == {2}
+
+
+LOCAL_STORE_PRELOAD = str(Path(__file__).with_name("machine_local_store.py"))
+
+
+@pytest.mark.timeout(180)
+def test_a_trainers_newcomer_opens_the_store_and_builds_the_model_first_one_without_it_is_left_out(
+    make_config, cluster, tmp_path, caplog
+):
+    # The data on each machine's own disk (tests/machine_local_store.py: a copy in each
+    # process's memory://): the cluster's workers hold one, a stock `dask worker` started
+    # mid-run does not. Its preparation opens the store and fails: it is named and left out,
+    # the job trains on. A worker of the cluster's that joins next opened the store and built
+    # the model on the meta device before the ranks stopped for it.
+    on_disk = make_config()
+    prepare_store(cluster.client, on_disk.data.resolved(), seed=on_disk.training.seed)
+    copy_store(on_disk.data.store_url)  # the client reads the store's manifest too
+    config = make_config(
+        {
+            "name": "elastic-prepared",
+            "launch": {"world_size": "2:4"},
+            "data": {"drop_last": True, "store": LOCAL_STORE_URL},
+            # 0.6 s a step until the test is done resizing: 34 s for it, whatever the load;
+            # after, the steps left (fewer, the longer each waits) run at full speed.
+            "model": {"kwargs": {"released": str(tmp_path / "released"), "pause_s": 0.6}},
+        },
+        epochs=2,
+        batch_size=50,
+        lr=0.05,
+        log_every_steps=1,
+    )
+    settings = {
+        "distributed.worker.preload": [LOCAL_STORE_PRELOAD],
+        "distributed.nanny.environ.DASK_TRAIN_TEST_LOCAL_STORE": on_disk.data.store_url,
+    }
+    with dask.config.set(settings), start_cluster(n_workers=2, dashboard_port=0) as training:
+        client = training.client
+        first = set(live_workers(client))
+        job = trainer_job(training, config, tmp_path)
+        with job as watch, caplog.at_level("WARNING", logger="workflows.controller"):
+            watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
+            with stock_dask_worker(client.scheduler.address, tmp_path / "worker.log"):
+                client.wait_for_workers(3, timeout=WAIT_S)
+                (stranger,) = set(live_workers(client)) - first
+                deadline = time.monotonic() + WAIT_S
+                while "failed to prepare" not in caplog.text and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                seen = len(watch.records)
+                watch.until("still training", lambda r: len(r) >= seen + 5)
+                training.cluster.scale(3)
+                watch.until("grown to 3", watch.resized_to(3))
+                (joined,) = set(live_workers(client)) - first - {stranger}
+                prepared = client.run(preparation.prepared, workers=[joined])[joined]
+    assert f"leaving worker {stranger} out, it failed to prepare" in caplog.text
+    assert f"data.store: {LOCAL_STORE_URL} cannot be read from this worker" in caplog.text
+    result = job.result
+    assert [(r["from"], r["to"], r["cause"]) for r in result.resizes] == [(2, 3, "joined")]
+    (resize,) = result.resizes
+    assert resize["redone_steps"] == 0
+    # The state went to the newcomer by broadcast, within the pause (its share said apart).
+    assert 0 < resize["broadcast_s"] < resize["pause_s"]
+    found = prepared[result.job_id]
+    assert found["at"] < result.resizes[0]["at"]  # ready before the ranks were asked to stop
+    assert (found["store"], found["samples"]) == (LOCAL_STORE_URL, len(_digits_train(on_disk)))
+    assert found["device"] == "meta"
+    assert found["parameters"] == sum(v.numel() for v in result.state_dict.values())
+    assert result.history[-1]["step"] == 2 * (len(_digits_train(on_disk)) // 50)
+
+
+def _trainer_payload(config, **fields) -> bytes:
+    """What the controller hands a worker to prepare for one rank of the built-in trainer's
+    job on ``config``: its pickled `RankJob`; ``fields`` replace the `TrainJob`'s."""
+    train_job = TrainJob(
+        data=config.data.resolved(),
+        model=config.model,
+        training=config.training,
+        layout=Layout(world_size=1, pp=1, dp=1, batch_size=config.training.batch_size),
+    )
+    return cloudpickle.dumps(
+        RankJob(
+            fn=run_rank,
+            args=(replace(train_job, **fields),),
+            kwargs={},
+            name="prepared",
+            generation="prepared-0",
+            attempt=0,
+            max_failures=0,
+            event_topic="prepared-events",
+            heartbeat_topic="prepared-heartbeats",
+        )
+    )
+
+
+def test_a_worker_prepares_a_trainer_rank_by_its_store_and_model_and_names_what_fails(
+    cluster, make_config
+):
+    # What the controller asks each newcomer (workers/preparation.py), on a real worker: the
+    # store opened and read, the model built on the meta device; a model whose code this
+    # worker lacks (a library not installed on its machine) fails naming the field.
+    config = make_config()
+    prepare_store(cluster.client, config.data.resolved(), seed=config.training.seed)
+    client = cluster.client
+    worker = sorted(live_workers(client))[0]
+
+    def prepare(job_id: str, payload: bytes) -> object:
+        answers = client.run(
+            preparation.prepare, job_id, payload, None, 30.0, workers=[worker], on_error="return"
+        )
+        return answers[worker]
+
+    took = prepare("prepared-ok", _trainer_payload(config))
+    assert {"torch_s", "code_s", "data_s", "model_s"} <= set(took), took
+    found = client.run(preparation.prepared, workers=[worker])[worker]["prepared-ok"]
+    store = open_store(config.data.resolved().store_url)
+    model = build_model(
+        config.model, num_classes=store.num_classes, seed=0, input_shape=(3, 32, 32)
+    )
+    assert found["store"] == config.data.resolved().store_url
+    assert found["samples"] == len(store.train)
+    assert (found["device"], found["parameters"]) == (
+        "meta",
+        sum(p.numel() for p in model.parameters()),
+    )
+    missing = ModelConfig(name="a_library_not_installed_here:build")
+    failed = prepare("prepared-bad", _trainer_payload(config, model=missing))
+    assert isinstance(failed, preparation.PreparationFailed), failed
+    assert str(failed).startswith(
+        "model.name: a_library_not_installed_here:build cannot be built on this worker"
+    )
+    assert "prepared-bad" not in client.run(preparation.prepared, workers=[worker])[worker]
 
 
 @pytest.mark.equivalence

@@ -155,7 +155,17 @@ def test_what_the_emitters_send_parses_back_and_travels_as_plain_data():
         epoch=1, epochs=1, step=1, loss=1.0, r2=float("nan"), samples_per_s=1, lr=1
     )
     assert math.isnan(parse_record(msgpack.unpackb(msgpack.packb(undefined.to_event()))).r2)
-    documented = {"kind", "from", "to", "step", "cause", "pause_s", "redone_steps", "at"}
+    documented = {
+        "kind",
+        "from",
+        "to",
+        "step",
+        "cause",
+        "pause_s",
+        "redone_steps",
+        "at",
+        "broadcast_s",
+    }
     assert records[0].to_event().keys() == documented  # docs/guides/elastic.md#records
 
 

@@ -69,6 +69,10 @@ class _Kept:
 
 # job id -> this worker's kept state. A worker runs one rank of one job at a time.
 _kept: dict[str, _Kept] = {}
+# job id -> the seconds this worker's rank spent in its latest `receive` of that job's state
+# (the broadcast's share of a resize's pause: `received_s`). A few jobs remembered.
+_received_s: dict[str, float] = {}
+RECEIVED_KEPT = 64
 
 
 def keep(
@@ -175,6 +179,7 @@ def receive(
     backend: str,
 ) -> Received:
     """Load the source rank's kept state into ``state`` on every rank (collective)."""
+    started = time.perf_counter()
     kept = _kept.get(job_id)
     own_progress = kept.progress if kept is not None else None
     rank = dist.get_rank()
@@ -220,7 +225,18 @@ def receive(
             f"restores {sorted(state)}; every rank must restore the same names"
         )
     apply_state(state, tensors, header["values"])
+    _received_s[job_id] = time.perf_counter() - started
+    while len(_received_s) > RECEIVED_KEPT:
+        del _received_s[next(iter(_received_s))]
     return Received(step=source.step, progress=progress, own_progress=own_progress)
+
+
+def received_s(job_id: str, **_: Any) -> float | None:
+    """The seconds this worker's rank spent in its latest :func:`receive` of ``job_id``'s
+    state, None if it received none (run with ``Client.run``). A rank that reached the
+    broadcast before the others waited there for them too: the least among a generation's
+    ranks, the last to arrive, is the broadcast itself."""
+    return _received_s.get(job_id)
 
 
 def _stepped(kept: _Kept) -> Callable[..., None]:

@@ -219,6 +219,10 @@ class ResizedRecord(BaseRecord):
     pause_s: float | None  # from the last step before to the first step after
     redone_steps: int | None  # steps finished before that the new world trains again
     at: float  # when it was detected (epoch seconds)
+    # The pause's share spent broadcasting the state from a live rank in the new group (the
+    # least of the ranks' times in it: the last rank to arrive's); None: no live rank's state
+    # was broadcast (continued from a checkpoint), or not known.
+    broadcast_s: float | None = None
 
 
 class ResumedRecord(BaseRecord):

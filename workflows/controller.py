@@ -213,6 +213,7 @@ class Resize:
     pause_s: float | None = None  # the last step before to the first step after
     redone_steps: int | None = 0  # steps finished before that the new world does again
     reached: int | None = None  # the step the ranks stopped at together (not after a loss)
+    broadcast_s: float | None = None  # the pause's share broadcasting the state (a live rank's)
 
     def record(self) -> ResizedRecord:
         """The resize's record, as ``LaunchResult.resizes`` holds it (the job's topic gets it
@@ -225,6 +226,7 @@ class Resize:
             pause_s=self.pause_s,
             redone_steps=self.redone_steps,
             at=self.detected_at,
+            broadcast_s=self.broadcast_s,
         )
 
 
@@ -617,7 +619,25 @@ class JobController:
         self.unreported = None
         start = resize.stopped_at if not math.isnan(resize.stopped_at) else resize.detected_at
         resize.pause_s = max(0.0, first_step_at - start)
+        if not math.isnan(resize.stopped_at):  # a live rank's state, broadcast in the new group
+            resize.broadcast_s = self._broadcast_s()
         self.events.emit(resize.record().model_copy(update={"job_id": self.spec.job_id}))
+
+    def _broadcast_s(self) -> float | None:
+        """The latest generation's broadcast of a live rank's state, as the last of its ranks
+        to reach it spent in it (`live_recovery.received_s`); None if a rank cannot say."""
+        with contextlib.suppress(Exception):  # a figure of the record, never worth failing for
+            answers = run_bounded(
+                self.client,
+                live_recovery.received_s,
+                self.spec.job_id,
+                workers=self.workers,
+                timeout_s=RESIZE_TRY_S,
+            )
+            received = [a for a in answers.values() if isinstance(a, float)]
+            if received and len(received) == len(self.workers):
+                return min(received)
+        return None
 
     def _rank_job(
         self, generation: str, resume: tuple[Path, dict[str, Any]] | None, source: LiveSource | None

@@ -3,6 +3,7 @@
 Ray Train v2's ScalingConfig(num_workers=(min, max))), in the same run.
 
     python -m workflows.benchmarks.elastic [--step-ms 30] [--checkpoint-every 10]
+    python -m workflows.benchmarks.elastic --model gpt [--gpt-steps 4]
 
 A DDP job of 2:4 ranks (a 3-layer MLP; each step sleeps --step-ms besides, the compute of a
 real step) on a cluster of 2 workers: it grows 2 -> 4 when two workers join
@@ -16,10 +17,20 @@ workers (torchrun and Ray start new processes as well: their pause is longer sti
 Pause: from the last step before the change to the first step after. Redone: steps finished
 before it that are trained again after. Also measured: what the elastic job's per-step vote
 costs, steps/s of a 2:4 job on 2 workers against a fixed 2-rank one.
+
+``--model gpt``: a grow of the built-in trainer's job on a model of 28.7 M parameters instead
+(the built-in GPT, 9 blocks 512 wide, on windows of 64 bytes of the standard library's wsgiref
+package; DDP, SGD with momentum, global batch 6, elastic 2:3): warm (a worker forked from the
+local cluster's fork server joins, ``cluster.scale(3)``) and cold (a stock ``dask worker``
+joins a cluster of stock processes), each after --gpt-steps steps on 2 ranks. Beside each
+pause: the state's broadcast in the new group (``broadcast_s`` of the resize record: the
+parameters and the momentum, 230 MB, from a live rank to every rank), and the median interval
+between two steps before the change, the compute that the pause's first step after includes.
 """
 
 import argparse
 import contextlib
+import itertools
 import os
 import signal
 import tempfile
@@ -36,10 +47,13 @@ from distributed import Client
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.records import ReportRecord, ResizedRecord, parse_record
+from workers.records import ReportRecord, ResizedRecord, StepRecord, parse_record
 from workflows.benchmarks.stock_cluster import stock_cluster
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
+from workflows.config import RunConfig, load_config
+from workflows.driver import train
 from workflows.jobs import launch
+from workflows.launcher import JobStopped
 
 GLOBAL_BATCH = 96  # split evenly by 2, 3 and 4 ranks
 WAIT_S = 120.0
@@ -349,13 +363,131 @@ def vote_cost(cluster: TrainingCluster, folder: Path, steps: int) -> tuple[float
     return rates[0], rates[1]
 
 
+GPT = {"name": "gpt", "kwargs": {"dim": 512, "n_layers": 9, "n_heads": 8}}  # 28.7 M parameters
+
+
+def gpt_config(folder: Path) -> RunConfig:
+    """The built-in trainer's elastic 2:3 job on the GPT: a step a second or so on this CPU."""
+    return load_config(
+        {
+            "name": "elastic-gpt",
+            "launch": {"world_size": "2:3", "worker_wait_s": WAIT_S},
+            "data": {
+                "dataset": "text",
+                "root": "python:wsgiref",
+                "files": "*.py",
+                "sequence_length": 64,
+                "val_fraction": 0.1,
+                "store": str(folder / "gpt-store"),
+            },
+            "model": GPT,
+            "training": {
+                "strategy": "ddp",
+                "epochs": 1,
+                "batch_size": 6,  # global: 3 and 2 ranks each take an equal share
+                "lr": 0.01,
+                "momentum": 0.9,
+                "log_every_steps": 1,
+            },
+        }
+    )
+
+
+class TrainerSteps:
+    """Rank 0's step records of a built-in trainer's job with their arrival times, and its
+    resize records, with bounded waits."""
+
+    def __init__(self) -> None:
+        self.arrived: list[float] = []
+        self.resizes: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        typed = parse_record(record)
+        with self._changed:
+            if isinstance(typed, StepRecord):
+                self.arrived.append(time.time())
+            elif isinstance(typed, ResizedRecord):
+                self.resizes.append(record)
+            self._changed.notify_all()
+
+    def wait(self, what: str, ready: Any) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: ready(self), WAIT_S):
+                raise TimeoutError(f"not within {WAIT_S:g} s: {what}")
+
+
+def gpt_grow(config: RunConfig, cluster: Any, grow: Any, steps_before: int) -> dict[str, Any]:
+    """The GPT job on ``cluster`` (2 workers) until ``steps_before`` steps are done, then
+    ``grow()`` adds a worker; stopped after the new world's first step. Its resize record,
+    with ``step_s``: the median interval between two steps before the change."""
+    steps, stop = TrainerSteps(), threading.Event()
+
+    def run() -> None:
+        with contextlib.suppress(JobStopped):
+            train(config, cluster=cluster, on_event=steps, stop=stop)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        steps.wait(f"{steps_before} steps", lambda s: len(s.arrived) >= steps_before)
+        before = list(steps.arrived)
+        grow()
+        steps.wait("grown to 3", lambda s: any(r["to"] == 3 for r in s.resizes))
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+    intervals = sorted(b - a for a, b in itertools.pairwise(before[1:]))  # the first warms up
+    return steps.resizes[0] | {"step_s": intervals[len(intervals) // 2]}
+
+
+def gpt(steps_before: int, folder: Path) -> None:
+    """The warm and the cold grow of the GPT job, as a table."""
+    config = gpt_config(folder)
+    with start_cluster(n_workers=2, dashboard_port=0) as cluster:
+        warm = gpt_grow(config, cluster, lambda: cluster.cluster.scale(3), steps_before)
+    load = os.getloadavg()[0]
+    with stock_cluster(2) as stock:
+        cold = gpt_grow(config, stock.client, stock.add_worker, steps_before)
+    load = max(load, os.getloadavg()[0])
+    print(
+        f"built-in trainer, GPT of 28.7 M parameters, DDP 2:3, global batch 6; grown after "
+        f"{steps_before} steps on 2 ranks"
+    )
+    print(
+        "| grow 2 -> 3 | pause | of which the state's broadcast | a step before | pause less "
+        "that step |"
+    )
+    print("|---|---|---|---|---|")
+    for what, resize in (
+        ("warm: a forked worker joins", warm),
+        ("cold: a stock `dask worker` joins", cold),
+    ):
+        print(
+            f"| {what} | {resize['pause_s']:.2f} s | {resize['broadcast_s']:.2f} s | "
+            f"{resize['step_s']:.2f} s | {resize['pause_s'] - resize['step_s']:.2f} s |"
+        )
+    print(f"load average (1 min) up to {load:.1f} on {os.cpu_count()} cores")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-ms", type=float, default=30.0)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--vote-steps", type=int, default=300)
     parser.add_argument("--cold-only", action="store_true", help="only the stock processes' case")
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "gpt"),
+        default="mlp",
+        help="gpt: only the grow, warm and cold, of the built-in trainer's 28.7 M-parameter GPT",
+    )
+    parser.add_argument("--gpt-steps", type=int, default=4, help="steps before the GPT's grow")
     args = parser.parse_args()
+    if args.model == "gpt":
+        with tempfile.TemporaryDirectory() as folder:
+            gpt(args.gpt_steps, Path(folder))
+        return
     if args.cold_only:
         with tempfile.TemporaryDirectory() as folder:
             for resize in cold(args.step_ms / 1000, Path(folder)):
