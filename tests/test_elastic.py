@@ -374,6 +374,7 @@ def test_a_joining_worker_that_cannot_prepare_is_left_out_and_the_job_goes_on(tm
 LOCAL_STORE_PRELOAD = str(Path(__file__).with_name("machine_local_store.py"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_trainers_newcomer_opens_the_store_and_builds_the_model_first_one_without_it_is_left_out(
     make_config, cluster, tmp_path, caplog
