@@ -18,6 +18,7 @@ import torch.distributed as dist
 from distributed import get_worker
 
 from workers.checkpoint import list_checkpoints
+from workers.records import ResizedRecord, StepRecord
 from workflows import start_cluster
 from workflows.driver import train
 from workflows.run_directory import RunDirectory
@@ -94,12 +95,14 @@ def test_every_step_is_recorded_once_after_rank_0s_worker_is_sigkilled(
     written = [r for r in _written(run.path) if r["kind"] == "step"]
     assert [r["step"] for r in written] == list(range(1, LAST_STEP + 1))
     if recovery == "replica":
-        # Nothing redone: the step rank 0 never sent is its peer's record of it, saying so
-        # (rank 1's loss, of its share of the batch), in on_event's records too.
+        # Nothing redone: the steps rank 0 never got out (the one it died in, and any its
+        # worker had not sent yet) are its peer's records of them, saying so (rank 1's loss, of
+        # its share of the batch), in on_event's records too.
         assert recovered["resumed_from_step"] == DIES_AT
         assert [r["step"] for r in events if r["kind"] == "step"] == [r["step"] for r in written]
         stood_in = [(r["step"], r["reported_by_rank"]) for r in written if "reported_by_rank" in r]
-        assert stood_in == [(DIES_AT, 1)]
+        assert stood_in, "no stand-in: the step rank 0 died in is missing"
+        assert stood_in == [(step, 1) for step in range(stood_in[0][0], DIES_AT + 1)], stood_in
     else:
         # From step 5: the records of steps 6 and 7 are those of the parameters that survive,
         # trained again by the next attempt, not the lost attempt's (of its worker, killed).
@@ -136,3 +139,27 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_each_steps_record_once(
     kinds = [(r["kind"], r.get("step")) for r in written]
     assert kinds.index(("resumed", 6)) < kinds.index(("step", 7))
     assert [r["step"] for r in written if r["kind"] == "epoch"] == [8]
+
+
+def test_a_resize_that_trains_steps_again_keeps_the_redone_records_in_metrics_jsonl(
+    make_config, tmp_path
+):
+    # A resize's record comes once the new world's first step is done (its pause): here the
+    # old world reached step 4 and the new one continued from step 2 (a sharded job whose
+    # last checkpoint was older), its step 3 before the record, step 4 after.
+    def step(n: int, world: int) -> dict:
+        return StepRecord(epoch=1, step=n, loss=world + 0.5 / n).to_event()
+
+    resized = ResizedRecord.model_validate(
+        {"from": 2, "to": 3, "step": 2, "cause": "joined", "pause_s": 0.1}
+        | {"redone_steps": 2, "at": 0.0}
+    ).to_event()
+    old = [step(n, world=2) for n in (1, 2, 3, 4)]
+    config = make_config({"name": "history-resized"}, **BASE)
+    with RunDirectory.create(config, tmp_path / "run") as run:
+        for record in [*old, step(3, world=3), resized, step(4, world=3), step(5, world=3)]:
+            run.record(record)
+    written = [(r["kind"], r.get("step"), r.get("loss", 0) // 1) for r in _written(run.path)]
+    # Steps 3 and 4 once each, the new world's records, wherever they came.
+    kept = [("step", 1, 2), ("step", 2, 2), ("step", 3, 3), ("resized", 2, 0)]
+    assert written == [*kept, ("step", 4, 3), ("step", 5, 3)]

@@ -849,7 +849,9 @@ def _step_record(trainer: Trainer, epoch: int, loss: torch.Tensor | None, *, hoo
     not all-reduced: another rank's kept record stands in for the reporting rank's marked
     ``reported_by_rank`` (an all-reduce here, between the optimizer's step and
     ``step_done``, would leave a survivor of a lost peer stuck in it with a state of no
-    known step, which live recovery cannot use)."""
+    known step, which live recovery cannot use). Every rank reads its loss on the logged
+    steps: the reporting rank waits for it there anyway, and its peers meet it in the next
+    step's collectives."""
     if hooks.report is None and hooks.keep_step is None:
         return
     if loss is None:

@@ -22,6 +22,7 @@ from workers.records import (
     NumberedRecord,
     Record,
     ReportRecord,
+    StepRecord,
     parse_record,
 )
 
@@ -54,7 +55,7 @@ class EventRelay:
     The built-in trainer's step and epoch records of steps done again reach ``on_event`` again
     (those that count: ``metrics.jsonl`` keeps them in place of the first, see ``redone``);
     its reporting rank sends the steps its lost predecessor never sent (workers/train.py
-    ``RecentSteps``), which this relay passes on once.
+    ``RecentSteps``), which this relay passes on once, and only where rank 0 was lost.
     """
 
     _STOP = object()
@@ -63,6 +64,7 @@ class EventRelay:
         self.client, self.topic, self.on_event = client, topic, on_event
         self.reports: dict[tuple[int, int], list[dict[str, Any]]] = {}  # (attempt, rank) ->
         self._redone_after: dict[int, int] = {}  # attempt -> the step the next one continued from
+        self._rank_0_lost = False  # the attempt before the running one lost its rank 0
         self._seen: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
         self._reported = threading.Condition(self._lock)
@@ -80,6 +82,11 @@ class EventRelay:
         record = self._read(data)
         if record is None:
             return
+        if isinstance(record, StepRecord) and record.reported_by_rank is not None:
+            with self._lock:
+                if not self._rank_0_lost:
+                    # Rank 0 lived: its own record of the step is here or on its way.
+                    return
         if isinstance(record, ReportRecord):
             with self._lock:
                 self.reports.setdefault((record.attempt, record.rank), []).append(data)
@@ -157,6 +164,7 @@ class EventRelay:
         and waited for only where it reported each one."""
         with self._lock:
             self._redone_after[attempt] = step
+            self._rank_0_lost = rank_0_lost
             # The trainer's records (one per step, not numbered per attempt) of steps done
             # again: the next attempt's are delivered, not dropped as seen.
             self._seen -= {

@@ -472,6 +472,7 @@ class RunDirectory:
             return
         path = self.path / METRICS
         self._metrics.close()
+        self._metrics = None  # an interrupt here leaves it closed, not half open
         lines = path.read_text().splitlines(keepends=True)
         kept: list[str] = []
         later: set[tuple[str, int]] = set()
