@@ -21,6 +21,7 @@ from workers.checkpoint import list_checkpoints
 from workers.records import ResizedRecord, StepRecord
 from workflows import start_cluster
 from workflows.driver import train
+from workflows.events import EventRelay
 from workflows.run_directory import RunDirectory
 
 DIES_AT, LAST_STEP, EVERY = 7, 10, 5
@@ -163,3 +164,16 @@ def test_a_resize_that_trains_steps_again_keeps_the_redone_records_in_metrics_js
     # Steps 3 and 4 once each, the new world's records, wherever they came.
     kept = [("step", 1, 2), ("step", 2, 2), ("step", 3, 3), ("resized", 2, 0)]
     assert written == [*kept, ("step", 4, 3), ("step", 5, 3)]
+
+
+def test_a_stand_in_step_record_is_passed_on_only_where_rank_0_was_lost(cluster):
+    # A next world's reporting rank sends its replica's latest step records again; those its
+    # source made in rank 0's place count only where rank 0 was lost with them: after a resize
+    # (rank 0 alive) its own record is here or on its way, and it is the one kept.
+    delivered: list[dict] = []
+    with EventRelay(cluster.client, "history-stand-ins", delivered.append) as relay:
+        relay.continued_from(0, 4, rank_0_lost=False)
+        relay.emit(StepRecord(epoch=1, step=4, loss=0.5, reported_by_rank=1))
+        relay.continued_from(1, 6, rank_0_lost=True)
+        relay.emit(StepRecord(epoch=1, step=6, loss=0.25, reported_by_rank=1))
+    assert [(r["step"], r["reported_by_rank"]) for r in delivered] == [(6, 1)]
