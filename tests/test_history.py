@@ -170,10 +170,12 @@ def test_a_stand_in_step_record_is_passed_on_only_where_rank_0_was_lost(cluster)
     # A next world's reporting rank sends its replica's latest step records again; those its
     # source made in rank 0's place count only where rank 0 was lost with them: after a resize
     # (rank 0 alive) its own record is here or on its way, and it is the one kept.
+    # (emit also sends each record to the topic, whose copy comes back later: dropped as
+    # seen, or, the stand-in of step 8, as one where rank 0 lived.)
     delivered: list[dict] = []
     with EventRelay(cluster.client, "history-stand-ins", delivered.append) as relay:
-        relay.continued_from(0, 4, rank_0_lost=False)
+        relay.continued_from(0, 4, rank_0_lost=True)
         relay.emit(StepRecord(epoch=1, step=4, loss=0.5, reported_by_rank=1))
-        relay.continued_from(1, 6, rank_0_lost=True)
-        relay.emit(StepRecord(epoch=1, step=6, loss=0.25, reported_by_rank=1))
-    assert [(r["step"], r["reported_by_rank"]) for r in delivered] == [(6, 1)]
+        relay.continued_from(1, 8, rank_0_lost=False)
+        relay.emit(StepRecord(epoch=1, step=8, loss=0.25, reported_by_rank=1))
+    assert [(r["step"], r["reported_by_rank"]) for r in delivered] == [(4, 1)]
