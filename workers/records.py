@@ -84,7 +84,10 @@ class StepRecord(RankRecord):
     kind: Literal["step"] = "step"
     epoch: int  # counted from 1, as the epoch records count
     step: int
-    loss: float
+    loss: float  # the reporting rank's, of its share of the step's batch
+    # Set where the reporting rank's record was lost with its worker and a surviving rank's
+    # record of the step, its own loss, was sent in its place (workers/train.py RecentSteps).
+    reported_by_rank: int | None = None
 
 
 class EpochRecord(RankRecord):

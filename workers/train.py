@@ -187,6 +187,9 @@ class Hooks:
 
     # The job's metrics records ("start", "step", "epoch"); called on the reporting rank only.
     report: Callable[[dict[str, Any]], None] | None = None
+    # Each logged step's record, on every rank that knows the loss: kept with the rank's state
+    # so that a step the reporting rank finished but never sent is sent by the next attempt.
+    keep_step: Callable[[dict[str, Any]], None] | None = None
     # The step reached, after every step: the launcher's proof of life. Throttle it yourself.
     heartbeat: Callable[[int], None] | None = None
     checkpoints: Checkpoints | None = None
@@ -298,6 +301,8 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
             ctx.heartbeat(samples=(step - last_step[0]) * layout.per_rank_batch)
         last_step[0] = step
 
+    recent = RecentSteps()
+
     def step_done(position: Position) -> None:
         live_recovery.step_done(
             ctx.job_id,
@@ -308,6 +313,7 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
                 history=position.history,
                 sums=position.sums.values,
                 count=position.sums.count,
+                steps=recent.records,
             ),
         )
         ctx.boundary_passed(position.step)  # an elastic job's world changes here
@@ -334,12 +340,15 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
             layout=layout,
             hooks=Hooks(
                 report=ctx.emit,
+                keep_step=recent.keep,
                 heartbeat=heartbeat,
                 checkpoints=checkpoints,
                 step_done=step_done,
                 peak_memory=ctx.peak_memory_bytes,
             ),
-            restore=_continue(ctx, job.checkpoint),
+            restore=_continue(
+                ctx, job.checkpoint, recent=recent, reporting=ctx.rank == layout.reporting_rank
+            ),
         )
     # The pieces wait on this worker for the client to take them (workers/model_pieces.py):
     # the task's result, which Dask may spill to disk, carries only their names.
@@ -349,9 +358,42 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
     return replace(result, model_pieces=held)
 
 
-def _continue(ctx: RankContext, checkpoint: CheckpointConfig | None = None) -> Restore:
+class RecentSteps:
+    """A rank's latest step records, kept with its state (``live_recovery``): the steps the
+    reporting rank finished but never sent, its worker lost with them, are sent by the next
+    attempt's reporting rank from the surviving replica's records.
+
+    Only the latest: a lost worker takes with it the records Dask had not sent yet (it batches
+    a worker's events every few milliseconds) and the step in flight, a handful of steps.
+    """
+
+    KEPT = 64
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def keep(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        del self.records[: -self.KEPT]
+
+    def received(self, records: list[dict[str, Any]], *, step: int) -> list[dict[str, Any]]:
+        """The source's records up to ``step``, the one continued from: this rank's own from
+        now on (another loss soon after finds them here), and returned to be sent again (the
+        client drops those it has)."""
+        self.records = [r for r in records if r["step"] <= step][-self.KEPT :]
+        return list(self.records)
+
+
+def _continue(
+    ctx: RankContext,
+    checkpoint: CheckpointConfig | None = None,
+    *,
+    recent: RecentSteps | None = None,
+    reporting: bool = False,
+) -> Restore:
     """Load a surviving replica's kept state, else the attempt's checkpoint (if any); then keep
-    this rank's state for the next attempt."""
+    this rank's state for the next attempt. From a replica, the reporting rank sends again its
+    latest step records (``RecentSteps``)."""
     source = ctx.live_source
 
     def restore(state: CheckpointState) -> Progress:
@@ -370,6 +412,10 @@ def _continue(ctx: RankContext, checkpoint: CheckpointConfig | None = None) -> R
                 sums=[*sums.tolist(), float(own["count"])] if sums is not None else [],
                 history=got.progress["history"],
             )
+            if recent is not None:
+                resent = recent.received(got.progress.get("steps", []), step=got.step)
+                for record in resent if reporting else []:
+                    ctx.emit(record)
         elif ctx.resume_from is not None:
             start = load_checkpoint(
                 ctx.resume_from,
@@ -390,6 +436,7 @@ def _continue(ctx: RankContext, checkpoint: CheckpointConfig | None = None) -> R
             history=start.history,
             sums=sums,
             count=int(start.sums[-1]) if start.sums else 0,
+            steps=recent.records if recent is not None else [],
         )
         live_recovery.keep(ctx.job_id, _kept_state(state), step=start.step, progress=at_start)
         return start
@@ -688,10 +735,8 @@ def run_epoch(trainer: Trainer, epoch: int, *, hooks: Hooks) -> dict[str, Any]:
         loss = train_step(trainer, x, y, sums=sums)
         # Before the boundary: an elastic job's ranks may stop there, and the step's record
         # must go out all the same (metrics.jsonl had a hole at every resize).
-        if hooks.report and config.log_every_steps and trainer.step % config.log_every_steps == 0:
-            assert loss is not None  # the reporting rank holds the last stage
-            at_step = StepRecord(epoch=epoch + 1, step=trainer.step, loss=loss.item())
-            hooks.report(at_step.to_event())
+        if config.log_every_steps and trainer.step % config.log_every_steps == 0:
+            _step_record(trainer, epoch, loss, hooks=hooks)
         if hooks.step_done:
             _step_done(
                 trainer,
@@ -796,6 +841,30 @@ def close(trainer: Trainer, *, peak_memory_bytes: int | None = None) -> RankResu
     )
 
 
+def _step_record(trainer: Trainer, epoch: int, loss: torch.Tensor | None, *, hooks: Hooks) -> None:
+    """The step's record: to the client from the reporting rank, and kept on every rank that
+    knows the loss (``hooks.keep_step``). The loss is this rank's, of its share of the batch,
+    not all-reduced: another rank's kept record stands in for the reporting rank's marked
+    ``reported_by_rank`` (an all-reduce here, between the optimizer's step and
+    ``step_done``, would leave a survivor of a lost peer stuck in it with a state of no
+    known step, which live recovery cannot use). Every rank reads its loss on the logged
+    steps: the reporting rank waits for it there anyway, and its peers meet it in the next
+    step's collectives."""
+    if hooks.report is None and hooks.keep_step is None:
+        return
+    if loss is None:
+        assert hooks.report is None  # the reporting rank holds the last stage
+        return
+    at_step = {"epoch": epoch + 1, "step": trainer.step, "loss": loss.item()}
+    if hooks.report is not None:
+        record = StepRecord(**at_step).to_event()
+        hooks.report(record)
+    else:  # kept only: sent by the next attempt in place of the reporting rank's, so marked
+        record = StepRecord(**at_step, reported_by_rank=trainer.rank).to_event()
+    if hooks.keep_step is not None:
+        hooks.keep_step(record)
+
+
 def _step_done(trainer: Trainer, position: Position, *, hooks: Hooks) -> None:
     """``hooks.step_done``; where an elastic job's world changes at this step and no rank keeps
     the whole state (sharded), a checkpoint of it first, which the next world loads
@@ -842,10 +911,17 @@ def _progress(
     history: list,
     sums: torch.Tensor | None,
     count: int,
+    steps: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """What a rank keeps of where the loop is, for a replacement rank to start from (the
-    epoch's running sums, when there are any, are the keeping rank's own)."""
-    progress: dict[str, Any] = {"epoch": epoch, "batch": batch, "history": history}
+    epoch's running sums, when there are any, are the keeping rank's own; ``steps``, its
+    latest step records)."""
+    progress: dict[str, Any] = {
+        "epoch": epoch,
+        "batch": batch,
+        "history": history,
+        "steps": steps,
+    }
     if sums is not None:
         progress |= {"sums": sums, "count": count}
     return progress

@@ -22,6 +22,7 @@ from workers.records import (
     NumberedRecord,
     Record,
     ReportRecord,
+    StepRecord,
     parse_record,
 )
 
@@ -51,6 +52,10 @@ class EventRelay:
     attempt's records of steps the next attempt does again are left out of
     ``reports_before``, and a step rank 0 never reported (its worker lost after its peers had
     finished the step, or its last records lost with it) gets a surviving rank's record of it.
+    The built-in trainer's step and epoch records of steps done again reach ``on_event`` again
+    (those that count: ``metrics.jsonl`` keeps them in place of the first, see ``redone``);
+    its reporting rank sends the steps its lost predecessor never sent (workers/train.py
+    ``RecentSteps``), which this relay passes on once, and only where rank 0 was lost.
     """
 
     _STOP = object()
@@ -59,6 +64,7 @@ class EventRelay:
         self.client, self.topic, self.on_event = client, topic, on_event
         self.reports: dict[tuple[int, int], list[dict[str, Any]]] = {}  # (attempt, rank) ->
         self._redone_after: dict[int, int] = {}  # attempt -> the step the next one continued from
+        self._rank_0_lost = False  # the attempt before the running one lost its rank 0
         self._seen: set[tuple[Any, ...]] = set()
         self._lock = threading.Lock()
         self._reported = threading.Condition(self._lock)
@@ -76,6 +82,11 @@ class EventRelay:
         record = self._read(data)
         if record is None:
             return
+        if isinstance(record, StepRecord) and record.reported_by_rank is not None:
+            with self._lock:
+                if not self._rank_0_lost:
+                    # Rank 0 lived: its own record of the step is here or on its way.
+                    return
         if isinstance(record, ReportRecord):
             with self._lock:
                 self.reports.setdefault((record.attempt, record.rank), []).append(data)
@@ -139,8 +150,7 @@ class EventRelay:
                     record
                     for earlier in range(attempt)
                     for record in sorted(self.reports.get((earlier, rank), []), key=_seq)
-                    if (step := _step(record)) is None
-                    or step <= self._redone_after.get(earlier, step)
+                    if not redone(_step(record), self._redone_after.get(earlier))
                 ]
                 for rank in range(ranks)
             ]
@@ -154,6 +164,12 @@ class EventRelay:
         and waited for only where it reported each one."""
         with self._lock:
             self._redone_after[attempt] = step
+            self._rank_0_lost = rank_0_lost
+            # The trainer's records (one per step, not numbered per attempt) of steps done
+            # again: the next attempt's are delivered, not dropped as seen.
+            self._seen -= {
+                key for key in self._seen if key[0] in TRAINER_KINDS and redone(key[2], step)
+            }
             reported = {
                 _step(r) for a in range(attempt + 1) for r in self.reports.get((a, 0), [])
             } - {None}
@@ -217,6 +233,23 @@ class EventRelay:
         if self.on_event is not None:
             self._queue.put(self._STOP)
             self._thread.join(timeout=60)
+
+
+# The built-in trainer's records of the steps it trained, one per step (workers/records.py).
+TRAINER_KINDS = frozenset({"step", "epoch"})
+
+
+def redone(step: int | None, continued_from: int | None) -> bool:
+    """Whether a record of ``step`` is superseded: the job (an attempt after a failure or a
+    resize, or a run resumed from a checkpoint) continued from ``continued_from``, an earlier
+    step, so the parameters that survive were trained through ``step`` again (or never, if the
+    run ends before it), and the record of the redone step is the run's, not this one.
+
+    The one rule for what ``LaunchResult.metrics`` (``EventRelay.reports_before``) and the run
+    directory's ``metrics.jsonl`` (``workflows.run_directory.RunDirectory.record``) keep.
+    ``None``: a record of no step, or an attempt nothing continued from.
+    """
+    return step is not None and continued_from is not None and step > continued_from
 
 
 def _key(record: Record) -> tuple[Any, ...]:

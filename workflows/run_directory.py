@@ -2,7 +2,10 @@
 
 runs/<name>-<UTC time>/
   config.json     the resolved configuration
-  metrics.jsonl   one record per logged step and per epoch, as they arrive
+  metrics.jsonl   one record per logged step and per epoch, as they arrive; a step trained
+                  again (after a recovery or a resize from an earlier step, or --resume from
+                  a checkpoint older than the step reached) keeps the record of the redone
+                  step only, that of the parameters that survive
   attempts.jsonl  one record per attempt at training (a first start, each --resume), written
                   when it ends: finished, interrupted or failed, its wall seconds, the steps
                   from and to, its samples
@@ -35,13 +38,21 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from workers.records import EpochRecord, StepRecord, parse_record
+from workers.records import (
+    EpochRecord,
+    RecoveryRecord,
+    ResizedRecord,
+    ResumedRecord,
+    StepRecord,
+    parse_record,
+)
 from workers.spec.secrets import RedactingFilter
 from workflows.config import ConfigError, RunConfig
+from workflows.events import TRAINER_KINDS, redone
 from workflows.run_storage import (
     UNSENT,
     RunMirror,
@@ -56,6 +67,7 @@ if TYPE_CHECKING:  # the driver imports torch: a refused or finished run never n
     from workflows.driver import TrainResult
 
 CONFIG, SUMMARY, ATTEMPTS = "config.json", "summary.json", "attempts.jsonl"
+METRICS = "metrics.jsonl"
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
 
 logger = logging.getLogger(__name__)
@@ -75,6 +87,9 @@ class RunDirectory:
         self._sent = False  # this process's config.json reached the URL
         self._attempt: dict[str, Any] | None = None
         self._reached = 0
+        # Steps a resize trained again, (after, through): its record comes after the new
+        # world's first step, so each redone step's record replaces the first as it comes.
+        self._redo_windows: list[tuple[int, int]] = []
 
     @classmethod
     def create(
@@ -268,7 +283,7 @@ class RunDirectory:
             self.mirror.copy()  # config.json: the URL holds this run from now on
             self._sent = True
             self.mirror.start()
-        self._metrics = (self.path / "metrics.jsonl").open("a", buffering=1)
+        self._metrics = (self.path / METRICS).open("a", buffering=1)
         self._log_handler = logging.FileHandler(self.path / "run.log")
         self._log_handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -422,14 +437,56 @@ class RunDirectory:
         }
 
     def record(self, record: dict[str, Any]) -> None:
-        """Append one metrics record (an ``on_event`` handler for :func:`train`)."""
+        """Append one metrics record (an ``on_event`` handler for :func:`train`).
+
+        Each step once: where the job continues from an earlier step than it reached (a
+        recovery, a resize, a resumed run), the records of the steps after it are dropped
+        (``workflows.events.redone``, the rule ``LaunchResult.metrics`` follows), and the
+        records of those steps trained again take their place as they come.
+        """
+        typed = parse_record(record)
+        match typed:
+            case ResumedRecord(step=step) | RecoveryRecord(resumed_from_step=step):
+                self._drop(lambda record, _: redone(record["step"], step))
+            case ResizedRecord(step=step, redone_steps=int(again)) if again > 0:
+                # Sent once the new world's first step is done: its first records are here.
+                self._redo_windows.append((step, step + again))
+                self._drop(self._replaced)
         if self._metrics is not None:
             self._metrics.write(json.dumps(record) + "\n")  # as it travelled
-        typed = parse_record(record)
         if isinstance(typed, StepRecord | EpochRecord):
             self._reached = max(self._reached, typed.step)
+            if any(low < typed.step <= high for low, high in self._redo_windows):
+                self._drop(self._replaced)
         if isinstance(typed, EpochRecord):
             logger.info("epoch %s/%s: %s", typed.epoch, typed.epochs, record)
+
+    def _replaced(self, record: dict[str, Any], again: bool) -> bool:
+        """A record of a step a resize trained again, whose redone record came since."""
+        return again and any(low < record["step"] <= high for low, high in self._redo_windows)
+
+    def _drop(self, superseded: Callable[[dict[str, Any], bool], bool]) -> None:
+        """Rewrite metrics.jsonl without the trainer's records that ``superseded`` says are no
+        longer the run's, given each and whether one of its kind and step came after it."""
+        if self._metrics is None:
+            return
+        path = self.path / METRICS
+        self._metrics.close()
+        self._metrics = None  # an interrupt here leaves it closed, not half open
+        lines = path.read_text().splitlines(keepends=True)
+        kept: list[str] = []
+        later: set[tuple[str, int]] = set()
+        for line in reversed(lines):
+            record = _parsed(line)
+            if record is not None and record.get("kind") in TRAINER_KINDS:
+                key = (record["kind"], record["step"])
+                if superseded(record, key in later):
+                    continue
+                later.add(key)
+            kept.append(line)
+        if len(kept) < len(lines):
+            write_atomically(path, "".join(reversed(kept)))
+        self._metrics = path.open("a", buffering=1)
 
     def finish(self, result: "TrainResult") -> dict[str, Any]:
         """Write the final model and the summary; returns the summary. The attempt that trained
@@ -530,6 +587,15 @@ def write_atomically(path: Path, text: str) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(partial, path)
+
+
+def _parsed(line: str) -> dict[str, Any] | None:
+    """A metrics.jsonl line's record; None for one that is not (a line cut by a kill)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -46,6 +46,7 @@ MLFLOW_SCHEMES = ("sqlite:///", "http://", "https://")
 # wall-clock time), not what was measured.
 _POSITION = frozenset(
     {"kind", "epoch", "epochs", "step", "total_steps", "rank", "attempt", "seq", "time"}
+    | {"reported_by_rank"}  # who stood in for a lost rank 0 (workflows/events.py)
 )
 # Epoch-record metrics that are neither training nor validation figures.
 _TENSORBOARD_TAGS = {"samples_per_s": "perf/samples_per_s", "lr": "lr"}
