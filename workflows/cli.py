@@ -20,15 +20,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from workers.sources import SourceError, check_root, store_to_build
+from workers.spec.errors import ConfigError
+from workers.spec.run import RunConfig
 from workers.spec.secrets import RedactingFilter, redact
 from workers.spec.sections import LOSSES
-from workflows.config import ConfigError, RunConfig, load_config, read_raw_config
+from workflows.config import load_config, read_raw_config
 from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError
 from workflows.sweep_space import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:
-    from workflows.cluster import ClusterConfig, TrainingCluster
+    from workers.spec.cluster import ClusterConfig
+    from workflows.cluster import TrainingCluster
     from workflows.run_directory import RunDirectory
     from workflows.tracking import Tracker
 
@@ -187,7 +190,7 @@ class WorldSize(click.ParamType):
     name = "N|MIN:MAX"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int | tuple[int, int] | None:
-        from workflows.launcher import parse_world_size
+        from workers.spec.launch import parse_world_size
 
         try:
             return parse_world_size(value)
@@ -867,8 +870,9 @@ def launch(
     """Run SCRIPT on every rank, as torchrun would: an unmodified script that calls
     init_process_group() from the environment, ``-m package.module``, or
     ``package.module:function`` (called with a rank context, through the Python API)."""
-    from workflows.cluster import ClusterConfig, start_fork_server_early
-    from workflows.launcher import LaunchConfig
+    from workers.spec.cluster import ClusterConfig
+    from workers.spec.launch import LaunchConfig
+    from workflows.cluster import start_fork_server_early
 
     try:
         cluster = ClusterConfig(scheduler=scheduler, scheduler_file=scheduler_file, n_workers=None)

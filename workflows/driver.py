@@ -20,14 +20,16 @@ from workers.collection_shard import CollectionPlan
 from workers.optimizers import OptimizerFactory, ScheduleFactory
 from workers.records import ResumedRecord
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
+from workers.spec.errors import ConfigError
 from workers.spec.names import model_source
+from workers.spec.run import RunConfig
 from workers.spec.sections import LOSSES, DataConfig
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.collections import DataError, check_fixed_world, check_trainer_data, trainer_data
-from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
+from workflows.config import check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, LaunchResult, TrainingFailed, launch_on

@@ -17,10 +17,12 @@ from torch import nn
 
 from workers.data import zero_samples
 from workers.profiling import DeviceProfile, LayerProfile, profile_model
+from workers.spec.errors import ConfigError
 from workers.spec.layout import Layout
 from workers.spec.names import MODEL_LAYERS
 from workers.spec.plans import get_plan
 from workers.spec.plans.pipeline import PipelinePlan
+from workers.spec.run import RunConfig
 from workers.spec.sections import TrainingConfig
 from workers.stage_cuts import (
     check_cut,
@@ -29,7 +31,6 @@ from workers.stage_cuts import (
     even_split,
 )
 from workflows.cluster import live_workers
-from workflows.config import ConfigError, RunConfig
 from workflows.resolved_run import ResolvedRun
 
 # Per parameter byte a stage also holds its gradient and SGD's momentum buffer.

@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from workers.records import EpochRecord, StepRecord, parse_record
+from workers.spec.errors import ConfigError
+from workers.spec.run import RunConfig
 from workers.spec.secrets import RedactingFilter
-from workflows.config import ConfigError, RunConfig
 from workflows.run_storage import (
     UNSENT,
     RunMirror,

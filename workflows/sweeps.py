@@ -52,11 +52,13 @@ from distributed import Client
 
 from workers.records import EpochRecord, Record, ReportRecord, TrialRecord, parse_record
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root
+from workers.spec.errors import ConfigError
+from workers.spec.launch import WorkerSelection
+from workers.spec.run import RunConfig
 from workers.spec.secrets import redact, remember_url
 from workers.spec.sections import KEEP_CREDENTIALS
-from workflows.admission import WorkerSelection
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
-from workflows.config import ConfigError, RunConfig, load_config
+from workflows.config import load_config
 from workflows.launcher import JobStopped, select_workers
 from workflows.monitoring import sweep_topic
 from workflows.run_storage import checked_url, is_url
