@@ -23,6 +23,7 @@ from workers.records import ResumedRecord
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
 from workers.spec.errors import ConfigError
 from workers.spec.names import model_source
+from workers.spec.plans import get_plan
 from workers.spec.run import RunConfig
 from workers.spec.sections import LOSSES, DataConfig
 from workers.train import RankResult, TrainJob, run_rank
@@ -313,7 +314,7 @@ def _train_prepared(
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, config.data, seed=config.training.seed)
     settings, points = config.strategy_settings, None
-    if config.strategy_plan.staged:
+    if get_plan(config.training.strategy).staged:
         assert manifest is not None  # staged strategies take no collections (trainer_data)
         points = _cut_once(client, run, num_classes=manifest.num_classes, factory=call.factory)
         cut = config.pipeline.model_copy(update={"split_points": points})

@@ -385,7 +385,7 @@ def planned_layout(run: ResolvedRun) -> Layout:
     planned as the pipeline its [pipeline] section describes, on at least 2 stages, to compare.
     """
     config = run.config
-    if config.strategy_plan.staged:
+    if get_plan(config.training.strategy).staged:
         return run.layout
     dp = config.pipeline.dp
     world_size = dp * max(2, run.layout.world_size // dp)
@@ -395,7 +395,7 @@ def planned_layout(run: ResolvedRun) -> Layout:
 def _staged_plan(config: RunConfig) -> PipelinePlan:
     """The staged strategy a cut is planned for: the run's own, else the pipeline its
     [pipeline] section describes."""
-    plan = config.strategy_plan
+    plan = get_plan(config.training.strategy)
     return plan if isinstance(plan, PipelinePlan) else get_plan("pipeline")
 
 

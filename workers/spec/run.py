@@ -136,7 +136,7 @@ class RunConfig(Redacted):
                 f"data.image_size: {self.model.name} pools twice, so the size must be a "
                 f"multiple of 4 (got {self.data.image_size})"
             )
-        plan = self.strategy_plan
+        plan = self._plan
         plan.check_device(self.sections, kind=self.cluster.kind)
         plan.check_given_world(world)
         # An unknown world: the driver's resolve_run checks the layout once the cluster's
@@ -165,21 +165,22 @@ class RunConfig(Redacted):
         return self.checkpoint.run_id or self.name
 
     @property
-    def strategy_plan(self) -> StrategyPlan:
-        """The plan of ``training.strategy``: its settings, checks and degrees."""
+    def _plan(self) -> StrategyPlan:
+        """The plan of ``training.strategy``: its settings, checks and degrees (the spec's own:
+        the client asks ``workers.spec.plans.get_plan``)."""
         return get_plan(self.training.strategy)
 
     @property
     def strategy_settings(self) -> BaseModel | None:
         """What ``training.strategy``'s ``prepare`` is given (None: it takes nothing)."""
-        return self.strategy_plan.settings(self.sections)
+        return self._plan.settings(self.sections)
 
     @property
     def world_size(self) -> int | None:
         """The ranks of a fixed-size run (None: the cluster decides, or an elastic range)."""
         if self.launch.elastic:
             return None
-        return self.strategy_plan.world_size(self.launch.world_size)  # type: ignore[arg-type]
+        return self._plan.world_size(self.launch.world_size)  # type: ignore[arg-type]
 
     def elastic_layouts(self) -> dict[int, Layout] | None:
         """An elastic run's layout for each world of ``launch.world_size``'s range, the same
@@ -189,7 +190,7 @@ class RunConfig(Redacted):
             return None
         low, high = self.launch.world_size
         given = f"launch.world_size: {low}:{high}"
-        plan = self.strategy_plan
+        plan = self._plan
         if not plan.elastic:
             raise ValueError(
                 f"{given} is a range, but training.strategy {self.training.strategy!r} lays its "
@@ -241,6 +242,6 @@ class RunConfig(Redacted):
         """How ``world_size`` ranks share this run's model and batch; a :class:`ConfigError`
         naming the field where they cannot."""
         try:
-            return self.strategy_plan.layout(self.sections, world_size)
+            return self._plan.layout(self.sections, world_size)
         except ValueError as error:
             raise ConfigError(str(error)) from None
