@@ -141,7 +141,7 @@ class RunConfig(Redacted):
         plan.check_given_world(world)
         # An unknown world: the driver's resolve_run checks the layout once the cluster's
         # size is known.
-        cut = (info.context or {}).get(CUT_POINTS)
+        cut: CutPoints | None = (info.context or {}).get(CUT_POINTS)
         layer_names = partial(cut, self.sections, plan) if cut else None
         plan.check(self.sections, plan.world_size(world or workers), layer_names=layer_names)
         return self
