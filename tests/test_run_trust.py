@@ -181,17 +181,18 @@ def test_every_writer_of_a_bucket_uses_the_one_set_of_options_the_config_gives_i
     assert s3.filesystem().exists(f"{url.removeprefix('s3://')}/config.json")
     # A sweep's journal in the same bucket.
     optuna = pytest.importorskip("optuna")
-    from workflows.sweeps import sweep_spec
+    from workflows.sweeps import SweepRequest, sweep_spec
 
     in_the_bucket = {"checkpoint": options["checkpoint"] | {"directory": f"{url}/checkpoints"}}
     swept = make_config(in_the_bucket)
-    spec = sweep_spec(
+    request = SweepRequest(
         swept,
         {"training.lr": ("log", 1e-3, 1e-1)},
         n_trials=1,
         metric="val_loss",
         storage=f"{bucket}/study.log",
     )
+    spec = sweep_spec(request)
     optuna.create_study(storage=spec.storage, study_name="s")
     assert s3.filesystem().ls(f"{bucket.removeprefix('s3://')}/study.log.d")
     # Two sets for one bucket: which one would a writer take? Refused.

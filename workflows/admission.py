@@ -28,7 +28,6 @@ by priority, then first come, first served.
 
 import asyncio
 import contextlib
-import fnmatch
 import logging
 import re
 import threading
@@ -38,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Scheduler, SchedulerPlugin, Status
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.compat.distributed_private import raise_adaptive_target
+from workers.spec.launch import WorkerSelection
 
 if TYPE_CHECKING:
     from distributed.scheduler import WorkerState
@@ -59,54 +58,6 @@ LONG_POLL_S = 1.0  # one wait on the scheduler; the client checks its own bounds
 # the client goes away, so a release that cannot get through only waits for that.
 SCHEDULER_CALL_TIMEOUT_S = 30.0
 RELEASE_TIMEOUT_S = 5.0
-
-
-class WorkerSelection(BaseModel):
-    """Which of an existing cluster's workers may take ranks (all of them by default): the
-    ``[launch.workers]`` section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="only workers offering at least these (dask worker --resources 'GPU=1')",
-    )
-    name_pattern: str | None = Field(
-        default=None, description="only workers whose name matches this glob ('gpu-node-*')"
-    )
-
-    @field_validator("resources")
-    @classmethod
-    def _positive(cls, resources: dict[str, float]) -> dict[str, float]:
-        for name, amount in resources.items():
-            if amount <= 0:
-                raise ValueError(
-                    f"launch.workers.resources.{name}: {amount:g} selects every worker; give a "
-                    "positive amount or leave the resource out"
-                )
-        return resources
-
-    @field_validator("name_pattern")
-    @classmethod
-    def _not_empty(cls, pattern: str | None) -> str | None:
-        if pattern is not None and not pattern.strip():
-            raise ValueError("launch.workers.name_pattern: empty; leave it out to take every name")
-        return pattern
-
-    def matches(self, identity: dict[str, Any]) -> bool:
-        """Whether a worker, as the scheduler describes it, is eligible."""
-        offered = identity.get("resources") or {}
-        if any(offered.get(name, 0) < amount for name, amount in self.resources.items()):
-            return False
-        return self.name_pattern is None or fnmatch.fnmatchcase(
-            str(identity.get("name")), self.name_pattern
-        )
-
-    def describe(self) -> str:
-        parts = [f"resources {self.resources}"] if self.resources else []
-        if self.name_pattern is not None:
-            parts.append(f"name matching {self.name_pattern!r}")
-        return " and ".join(parts) or "any"
 
 
 @dataclass(frozen=True)

@@ -47,16 +47,17 @@ from workers.inference import (
     zarr_columns,
 )
 from workers.sources import InputPlan, SourceError
+from workers.spec.errors import ConfigError
+from workers.spec.launch import LaunchConfig, WorkerSelection
 from workers.spec.names import model_source
-from workflows.admission import Admission, Request, WorkerSelection
+from workers.spec.predict import PredictConfig
+from workers.spec.run import RunConfig
+from workflows.admission import Admission, Request
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
-from workflows.config import ConfigError, RunConfig
 from workflows.confusion import confusion_metrics, plot_confusion_matrix
 from workflows.job_spec import JobSpec
-from workflows.launcher import LaunchConfig
 from workflows.prediction_request import (
-    PredictConfig,
     PreparedPrediction,
     TrainedModel,
     load_predict_config,

@@ -20,16 +20,21 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from workers.sources import SourceError, check_root, store_to_build
+from workers.spec.errors import ConfigError
+from workers.spec.run import RunConfig
 from workers.spec.secrets import RedactingFilter, redact
 from workers.spec.sections import LOSSES
-from workflows.config import ConfigError, RunConfig, load_config, read_raw_config
+from workflows.config import load_config, read_raw_config
 from workflows.interrupts import DroppedInterrupts
 from workflows.launcher import LaunchError
 from workflows.sweep_space import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:
-    from workflows.cluster import ClusterConfig, TrainingCluster
+    from workers.spec.cluster import ClusterConfig
+    from workflows.cluster import TrainingCluster
     from workflows.run_directory import RunDirectory
+    from workflows.sweep_directory import SweepDirectory
+    from workflows.sweeps import SweepRequest, SweepSpec
     from workflows.tracking import Tracker
 
 EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
@@ -187,7 +192,7 @@ class WorldSize(click.ParamType):
     name = "N|MIN:MAX"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int | tuple[int, int] | None:
-        from workflows.launcher import parse_world_size
+        from workers.spec.launch import parse_world_size
 
         try:
             return parse_world_size(value)
@@ -226,8 +231,13 @@ def _read(
     overrides: tuple[str, ...],
     scheduler: str | None = None,
     scheduler_file: str | None = None,
+    *,
+    world_size: int | tuple[int, int] | None = None,
+    step_records: bool = False,
 ) -> dict[str, Any]:
-    """CONFIG's sections with the overrides applied, not yet validated."""
+    """CONFIG's sections with the overrides and the command's options applied, not yet
+    validated. ``step_records``: a progress bar is fed by step records, so
+    ``training.log_every_steps`` is 5 unless the config sets it."""
     try:
         raw = read_raw_config(config, overrides, overrides_named="--set")
     except ConfigError as error:
@@ -242,6 +252,11 @@ def _read(
             "scheduler_file": scheduler_file,
             "n_workers": None,
         }
+    if world_size is not None and isinstance(raw.get("launch", {}), dict):
+        raw["launch"] = raw.get("launch", {}) | {"world_size": world_size}
+    training = raw.get("training", {})
+    if step_records and isinstance(training, dict) and not training.get("log_every_steps"):
+        raw["training"] = {**training, "log_every_steps": 5}
     return raw
 
 
@@ -474,66 +489,34 @@ def run(
 ) -> None:
     """Train as CONFIG says: one line per epoch, results in the run directory."""
     # The config first: a mistyped path or field is told at once, not after importing torch.
-    # It is validated once, with the run directory's folders filled in (a staged model's cut
-    # is traced to be checked: seconds, for a torchvision model).
-    raw = _read(config, overrides, scheduler, scheduler_file)
-    if world_size is not None and isinstance(raw.get("launch", {}), dict):
-        raw["launch"] = raw.get("launch", {}) | {"world_size": world_size}
+    terminal = sys.stdout.isatty()  # a progress bar, fed by step records
+    raw = _read(
+        config, overrides, scheduler, scheduler_file, world_size=world_size, step_records=terminal
+    )
+    progress = _progress_bar() if terminal else None
     from workflows.run_directory import RunDirectory
 
-    progress = None
-    if sys.stdout.isatty():
-        from workflows.progress import EpochProgress
-
-        progress = EpochProgress(file=sys.stdout)
-        training = raw.get("training", {})
-        if isinstance(training, dict) and not training.get("log_every_steps"):
-            # Step records feed the bar; under cron (no terminal) only epoch lines are written.
-            raw["training"] = {**training, "log_every_steps": 5}
-    try:
-        path = RunDirectory.path_of(
-            output, raw.get("name", RunConfig.model_fields["name"].default), resume=resume
-        )
-        resolved = _validated(RunDirectory.with_its_folders(raw, path))
-        run_directory = RunDirectory.create(resolved, path, resume=resume)
+    try:  # validated once, with the run directory's folders filled in
+        run_directory = RunDirectory.open(raw, output, resume=resume)
     except (ConfigError, OSError) as error:
         _fail(EXIT_INVALID, str(error))
     if run_directory.finished is not None:
         # Training again would redo nothing and overwrite the run's figures with those of an
         # empty attempt: the directory is left exactly as it is.
-        done = run_directory.finished
-        _echo(
-            f"{run_directory.location} finished already ({done.get('steps')} steps, "
-            f"{done.get('samples_per_s') or 0:.0f} samples/s, {done.get('wall_s') or 0:.1f} s): "
-            "nothing to resume"
-        )
+        _echo_finished(run_directory)
         return
+    resolved = run_directory.config
     _check_data_root(resolved)
     _start_worker_imports(resolved)
     from workflows.collections import DataError
-    from workflows.driver import print_progress, train
+    from workflows.driver import train
     from workflows.tracking import TrackingError
 
-    def on_event(record: dict) -> None:
-        run_directory.record(record)
-        if progress:
-            progress(record)
-        else:
-            print_progress(record)
-
-    def interrupted() -> str:
-        # Asked when the interrupt comes: --resume is offered only for a directory it takes.
-        path = run_directory.location
-        if not run_directory.claimed:
-            return f"interrupted before the run started; nothing was written to {path}"
-        return f"interrupted; partial results in {path}; continue with --output {path} --resume"
-
+    on_event = _run_events(run_directory, progress)
+    failures = (LaunchError, TrackingError, DataError)
     # The directory is written before the cluster starts, and named only once written: a run
     # stopped from then on, even while its cluster starts, is one that --resume continues.
-    with (
-        _exit_codes("training", LaunchError, TrackingError, DataError, interrupted=interrupted),
-        run_directory,
-    ):
+    with _exit_codes("training", *failures, interrupted=_interrupted(run_directory)), run_directory:
         _echo(f"run directory: {run_directory.location}")
         with (
             _cluster_for(run_directory, resolved) as cluster,
@@ -554,6 +537,52 @@ def run(
         f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f} s; results in "
         f"{run_directory.location}"
     )
+
+
+def _progress_bar() -> Callable[[dict], None]:
+    """A terminal's progress bar, fed by step records (under cron, with no terminal, only
+    epoch lines are written)."""
+    from workflows.progress import EpochProgress
+
+    return EpochProgress(file=sys.stdout)
+
+
+def _echo_finished(run_directory: "RunDirectory") -> None:
+    done = run_directory.finished or {}
+    _echo(
+        f"{run_directory.location} finished already ({done.get('steps')} steps, "
+        f"{done.get('samples_per_s') or 0:.0f} samples/s, {done.get('wall_s') or 0:.1f} s): "
+        "nothing to resume"
+    )
+
+
+def _run_events(
+    run_directory: "RunDirectory", progress: Callable[[dict], None] | None
+) -> Callable[[dict], None]:
+    """Each record into the run directory, then to the progress bar, or as an epoch line."""
+    from workflows.driver import print_progress
+
+    def on_event(record: dict) -> None:
+        run_directory.record(record)
+        if progress:
+            progress(record)
+        else:
+            print_progress(record)
+
+    return on_event
+
+
+def _interrupted(run_directory: "RunDirectory") -> Callable[[], str]:
+    """What an interrupt says, asked when it comes: --resume is offered only for a directory
+    it takes."""
+
+    def interrupted() -> str:
+        path = run_directory.location
+        if not run_directory.claimed:
+            return f"interrupted before the run started; nothing was written to {path}"
+        return f"interrupted; partial results in {path}; continue with --output {path} --resume"
+
+    return interrupted
 
 
 @main.command()
@@ -724,61 +753,28 @@ def sweep(
 ) -> None:
     """Sweep CONFIG's values: one training run per trial, chosen by Optuna, several at once;
     trials.csv and best.json in the sweep's directory."""
-    from workflows.run_storage import checked_url
-    from workflows.sweep_directory import SweepDirectory
-
     resolved = _load(config, overrides, scheduler)
     _check_data_root(resolved)
-    try:
-        if output is not None:  # a folder here: a URL there is a typo (Path made s3:// s3:/)
-            output = Path(checked_url("--output", str(output)))
-        directory = SweepDirectory.open(
-            resolved.name, output, study_name=study_name, storage=storage
-        )
-    except ConfigError as error:
-        _fail(EXIT_INVALID, str(error))
+    directory = _sweep_directory(resolved.name, output, study_name, storage)
     _start_worker_imports(resolved)
-    from workflows.sweeps import finished_study, run_sweep, sweep_spec
+    from workflows.sweeps import SweepRequest, run_sweep
 
-    checkpoints = None if resolved.checkpoint.directory else directory.checkpoints
-    settings = {"n_trials": n_trials, "metric": metric, "mode": mode}
-    choices = {"trial_world_size": trial_world_size, "sampler": sampler, "pruner": pruner}
-    request = {"config": resolved.model_dump(mode="json"), "space": space, **settings, **choices}
-    _quiet_optuna()
-    finished = None
-    try:
-        if storage is None:  # written first: the study is a journal file in the directory
-            directory.write_request(request)
-        spec = sweep_spec(
-            resolved,
-            space,
-            **settings,
-            **choices,
-            max_concurrent=max_concurrent,
-            storage=directory.storage,
-            study_name=directory.study_name,
-            checkpoint_dir=checkpoints,
-        )
-        if storage is not None:  # a study of its own storage may be done already
-            finished = finished_study(spec)
-            if finished is None:
-                directory.write_request(request)
-    except (ValueError, ImportError, OSError) as error:
-        directory.release()
-        _fail(EXIT_INVALID, str(error))
-    if finished is not None:
-        # The same command again: no cluster, no sweep directory, nothing run.
-        best = finished.best_trial
-        outcome = (
-            f"best trial {best.number}, {metric} {best.value:.4f}, {_described(best.params)}"
-            if best is not None
-            else "no trial completed"
-        )
-        _echo(
-            f"study {directory.study_name} in {storage} finished already ({len(finished.trials)} "
-            f"trials; {outcome}): nothing to run; more --trials continue it, another "
-            "--study-name starts a fresh one"
-        )
+    request = SweepRequest(
+        resolved,
+        space,
+        n_trials=n_trials,
+        metric=metric,
+        mode=mode,
+        trial_world_size=trial_world_size,
+        max_concurrent=max_concurrent,
+        sampler=sampler,
+        pruner=pruner,
+        storage=directory.storage,
+        study_name=directory.study_name,
+        checkpoint_dir=None if resolved.checkpoint.directory else directory.checkpoints,
+    )
+    spec = _checked_sweep(request, directory, own_storage=storage)
+    if spec is None:  # the same command again: no cluster, no sweep directory, nothing run
         return
     interrupted = f"interrupted; continue the sweep with --output {directory.path}"
     with (
@@ -796,6 +792,68 @@ def sweep(
         f"done: best trial {best.number}, {metric} {best.value:.4f}, {_described(best.params)}; "
         f"results in {directory.path}"
     )
+
+
+def _sweep_directory(
+    name: str, output: Path | None, study_name: str | None, storage: str | None
+) -> "SweepDirectory":
+    """The sweep's directory: ``--output``, or a new one named after the config."""
+    from workflows.run_storage import checked_url
+    from workflows.sweep_directory import SweepDirectory
+
+    try:
+        if output is not None:  # a folder here: a URL there is a typo (Path made s3:// s3:/)
+            output = Path(checked_url("--output", str(output)))
+        return SweepDirectory.open(name, output, study_name=study_name, storage=storage)
+    except ConfigError as error:
+        _fail(EXIT_INVALID, str(error))
+
+
+def _checked_sweep(
+    request: "SweepRequest", directory: "SweepDirectory", own_storage: str | None
+) -> "SweepSpec | None":
+    """The sweep checked before its cluster starts, and its request written into its
+    directory; None when the study in ``--storage`` (``own_storage``) finished already,
+    which is said."""
+    from workflows.sweeps import finished_study, sweep_spec
+
+    written = {
+        "config": request.target.model_dump(mode="json"),
+        "space": request.space,
+        "n_trials": request.n_trials,
+        "metric": request.metric,
+        "mode": request.mode,
+        "trial_world_size": request.trial_world_size,
+        "sampler": request.sampler,
+        "pruner": request.pruner,
+    }
+    _quiet_optuna()
+    finished = None
+    try:
+        if own_storage is None:  # written first: the study is a journal file in the directory
+            directory.write_request(written)
+        spec = sweep_spec(request)
+        if own_storage is not None:  # a study of its own storage may be done already
+            finished = finished_study(spec)
+            if finished is None:
+                directory.write_request(written)
+    except (ValueError, ImportError, OSError) as error:
+        directory.release()
+        _fail(EXIT_INVALID, str(error))
+    if finished is None:
+        return spec
+    best = finished.best_trial
+    outcome = (
+        f"best trial {best.number}, {request.metric} {best.value:.4f}, {_described(best.params)}"
+        if best is not None
+        else "no trial completed"
+    )
+    _echo(
+        f"study {directory.study_name} in {own_storage} finished already "
+        f"({len(finished.trials)} trials; {outcome}): nothing to run; more --trials continue it, "
+        "another --study-name starts a fresh one"
+    )
+    return None
 
 
 def _quiet_optuna() -> None:
@@ -867,8 +925,9 @@ def launch(
     """Run SCRIPT on every rank, as torchrun would: an unmodified script that calls
     init_process_group() from the environment, ``-m package.module``, or
     ``package.module:function`` (called with a rank context, through the Python API)."""
-    from workflows.cluster import ClusterConfig, start_fork_server_early
-    from workflows.launcher import LaunchConfig
+    from workers.spec.cluster import ClusterConfig
+    from workers.spec.launch import LaunchConfig
+    from workflows.cluster import start_fork_server_early
 
     try:
         cluster = ClusterConfig(scheduler=scheduler, scheduler_file=scheduler_file, n_workers=None)

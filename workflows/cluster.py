@@ -24,18 +24,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import dask
 from distributed import Client, LocalCluster, Nanny
 from distributed.core import Status
 from distributed.security import Security
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.compat.distributed_private import adaptive_of
 from workers.device_policy import policy_for
 from workers.preparation import RANK_MODULES
-from workflows.security import SecurityConfig
+from workers.spec.cluster import ClusterConfig
+from workflows.security import build_security
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,7 +183,7 @@ def _stop_fork_server() -> None:
         os.waitpid(pid, 0)
 
 
-def start_fork_server_early(config: "ClusterConfig") -> None:
+def start_fork_server_early(config: ClusterConfig) -> None:
     """Start the fork server that ``config``'s local workers will be forked from, without
     waiting for it. Its imports (torch and what ranks use: ~6 s of one core, most of a local
     cluster's start) then run beside the caller's own; the CLI calls this as soon as the config
@@ -205,7 +205,7 @@ class _LocalWorkers:
     fork: bool
 
     @classmethod
-    def of(cls, config: "ClusterConfig") -> "_LocalWorkers":
+    def of(cls, config: ClusterConfig) -> "_LocalWorkers":
         from distributed.worker_memory import parse_memory_limit
 
         gpus = count_gpus() if config.kind in ("auto", "cuda") else 0
@@ -216,78 +216,6 @@ class _LocalWorkers:
         # A small worker is spawned: forked, it would start with torch loaded (~400 MB).
         fork = config.fork_workers and (not memory or memory >= FORK_MIN_MEMORY)
         return cls(gpus=gpus, count=count, memory=memory, fork=fork)
-
-
-class ClusterConfig(BaseModel):
-    """Which cluster to run on, or how to start one: the ``[cluster]`` section.
-
-    Attributes:
-        dashboard_host: the address a local cluster's dashboard listens on (loopback: reach
-            it through an ssh tunnel)
-        connect_timeout_s: how long to try to reach an existing scheduler, in seconds
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    scheduler: str | None = Field(
-        default=None, description="address of an existing scheduler; none starts a local cluster"
-    )
-    scheduler_file: str | None = Field(
-        default=None,
-        description="an existing scheduler's file (dask scheduler --scheduler-file), read at start",
-    )
-    kind: Literal["auto", "cuda", "cpu"] = Field(
-        default="auto", description="auto: one worker per GPU when NVML sees GPUs, else CPU"
-    )
-    n_workers: int | None = Field(
-        default=None, ge=1, description="local workers (default: one per GPU, or 2 on CPU)"
-    )
-    memory_limit: str | float | int = Field(default="auto", description="per local worker")
-    dashboard_host: str = "127.0.0.1"
-    dashboard_port: int = Field(default=8787, ge=0, le=65535, description="0: any free port")
-    connect_timeout_s: float = Field(default=30.0, gt=0)
-    fork_workers: bool = Field(
-        default=True,
-        description="start local workers from a fork server that has imported torch: a lost "
-        "worker is back in about 0.15 s instead of 4-5 s",
-    )
-    start_timeout_s: float = Field(
-        default=60.0, gt=0, description="a local cluster's start, its workers included"
-    )
-    tune_malloc: bool = Field(
-        default=True, description="keep freed memory in local workers for reuse (faster on CPU)"
-    )
-    security: SecurityConfig = SecurityConfig()
-
-    @model_validator(mode="after")
-    def _local_or_remote(self) -> "ClusterConfig":
-        if self.scheduler is not None and self.scheduler_file is not None:
-            raise ValueError(
-                "cluster.scheduler_file: give the scheduler's address or its file, not both"
-            )
-        existing = self.scheduler is not None or self.scheduler_file is not None
-        if existing and self.n_workers is not None:
-            raise ValueError(
-                "cluster.n_workers: cannot size an existing cluster; drop n_workers or scheduler"
-            )
-        if existing and self.security.temporary:
-            raise ValueError(
-                "cluster.security.temporary: a temporary certificate set exists only in this "
-                "process, so an existing cluster cannot share it; give tls_ca_file, tls_cert "
-                "and tls_key"
-            )
-        plain = (self.scheduler or "").startswith("tcp://")
-        if plain and self.security.enabled and self.security.require_encryption:
-            raise ValueError(
-                f"cluster.scheduler: {self.scheduler} is plain tcp://, but cluster.security "
-                "requires TLS; use the scheduler's tls:// address"
-            )
-        return self
-
-    @property
-    def existing(self) -> bool:
-        """Connect to a cluster started elsewhere rather than start one here."""
-        return self.scheduler is not None or self.scheduler_file is not None
 
 
 def count_gpus() -> int:
@@ -349,7 +277,7 @@ class TrainingCluster:
         self.cluster: LocalCluster | None = None
         self.kind = "remote"
         _refuse_an_unguarded_script(local=not config.existing)
-        security = config.security.build()
+        security = build_security(config.security)
         try:
             if not config.existing:
                 workers = _LocalWorkers.of(config)

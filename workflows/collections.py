@@ -26,8 +26,8 @@ from distributed import Client, Future, futures_of
 
 from workers.collection_shard import CollectionPlan, Piece, SplitPlan
 from workers.futures import wait_futures
-from workflows.config import ConfigError
-from workflows.launcher import LaunchConfig
+from workers.spec.errors import ConfigError
+from workers.spec.launch import LaunchConfig
 
 logger = logging.getLogger(__name__)
 SPLITS = ("train", "val")

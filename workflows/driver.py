@@ -15,19 +15,23 @@ from typing import Any
 
 import torch
 from distributed import Client
+from pydantic import BaseModel
 
 from workers.collection_shard import CollectionPlan
 from workers.optimizers import OptimizerFactory, ScheduleFactory
 from workers.records import ResumedRecord
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root, get_source
+from workers.spec.errors import ConfigError
 from workers.spec.names import model_source
+from workers.spec.plans import get_plan
+from workers.spec.run import RunConfig
 from workers.spec.sections import LOSSES, DataConfig
 from workers.train import RankResult, TrainJob, run_rank
 from workflows.array_store import write_array_store
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.collections import DataError, check_fixed_world, check_trainer_data, trainer_data
-from workflows.config import ConfigError, RunConfig, check_model, load_config, model_builder
+from workflows.config import check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, LaunchResult, TrainingFailed, launch_on
@@ -203,16 +207,8 @@ def train(
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
             run = resolve_run(client, config)
-            result = _train_on(
-                client,
-                run,
-                handler,
-                called_at=called_at,
-                data=data,
-                factory=model,
-                components=(optimizer, lr_schedule),
-                stop=stop,
-            )
+            call = _TrainCall(client, handler, called_at, model, (optimizer, lr_schedule), stop)
+            result = _train_on(call, run, data)
         finally:
             if owned:
                 cluster.close()
@@ -225,30 +221,30 @@ def train(
 Components = tuple[OptimizerFactory | None, ScheduleFactory | None]
 
 
+@dataclass(frozen=True)
+class _TrainCall:
+    """What one ``train`` call fixes for every step after it resolved the run: the cluster's
+    client, who hears the records, when it was called, the code it was given in Python (a
+    model factory, an optimizer and a schedule) and what stops it."""
+
+    client: Client
+    on_event: EventHandler | None
+    called_at: float
+    factory: Callable[..., torch.nn.Module] | None = None
+    components: Components = (None, None)
+    stop: threading.Event | None = None
+
+
 def _train_on(
-    client: Client,
-    run: ResolvedRun,
-    on_event: EventHandler | None,
-    *,
-    called_at: float,
-    data: Mapping[str, tuple[Any, Any]] | None = None,
-    factory: Callable[..., torch.nn.Module] | None = None,
-    components: Components = (None, None),
-    stop: threading.Event | None = None,
+    call: _TrainCall, run: ResolvedRun, data: Mapping[str, tuple[Any, Any]] | None = None
 ) -> TrainResult:
+    """Train ``run`` from its store, or from the Dask collections ``data`` (given, or read by
+    a source read as collections): written into a store, or read where they lie."""
     config = run.config
     if data is None and config.data.dataset in COLLECTION_SOURCES:
         data = _read_collections(config)
     if data is None:
-        return _train_prepared(
-            client,
-            run,
-            on_event,
-            called_at=called_at,
-            factory=factory,
-            components=components,
-            stop=stop,
-        )
+        return _train_prepared(call, run)
     classification = config.training.resolved_task == "classification"
     if config.data.collections == "store":
         # Written into a store by Dask tasks, then read chunk by chunk: larger than memory.
@@ -256,24 +252,18 @@ def _train_on(
         # Unless data.store names one, collections go to a store of their own (named by their
         # fingerprint), never over the store of the dataset the config leaves as its default.
         target = config.data if run.store_named else config.data.model_copy(update={"store": None})
-        manifest = write_array_store(client, data, target, classification=classification)
-        return _train_prepared(
-            client,
-            run.with_data(config.data.model_copy(update={"store": manifest.url})),
-            on_event,
-            called_at=called_at,
-            factory=factory,
-            components=components,
-            manifest=manifest,
-            stop=stop,
-        )
+        manifest = write_array_store(call.client, data, target, classification=classification)
+        stored = run.with_data(config.data.model_copy(update={"store": manifest.url}))
+        return _train_prepared(call, stored, manifest=manifest)
     check_fixed_world(run.launch)  # an elastic run reads a store
     # The collections go where the ranks will run: the job holds its workers first.
-    hold = JobHold(client, run.launch, name=config.name, on_event=on_event, stop=stop)
+    hold = JobHold(
+        call.client, run.launch, name=config.name, on_event=call.on_event, stop=call.stop
+    )
     with (
         hold,
         trainer_data(
-            client,
+            call.client,
             data,
             config.training.strategy,
             run.launch,
@@ -281,17 +271,7 @@ def _train_on(
             workers=hold.workers(),
         ) as prepared,
     ):
-        return _train_prepared(
-            client,
-            run,
-            on_event,
-            called_at=called_at,
-            collections=prepared.plan,
-            factory=factory,
-            components=components,
-            stop=stop,
-            hold=hold,
-        )
+        return _train_prepared(call, run, collections=prepared.plan, hold=hold)
 
 
 def _read_collections(config: RunConfig) -> dict[str, tuple[Any, Any]]:
@@ -318,59 +298,29 @@ def _known_classes(
 
 
 def _train_prepared(
-    client: Client,
+    call: _TrainCall,
     run: ResolvedRun,
-    on_event: EventHandler | None,
     *,
-    called_at: float,
     collections: CollectionPlan | None = None,
-    factory: Callable[..., torch.nn.Module] | None = None,
-    components: Components = (None, None),
     manifest: StoreManifest | None = None,
-    stop: threading.Event | None = None,
     hold: JobHold | None = None,
 ) -> TrainResult:
     """Train ``run``'s ranks from ``collections``, or from the store ``manifest`` describes, or
     else from the store that preprocessing its data builds (or finds complete)."""
-    config, layout, data = run.config, run.layout, run.config.data
-    if (
-        factory is not None
-        or not config.model.builtin
-        or config.training.loss not in LOSSES
-        or not config.training.checked_without_torch
-    ):
-        # The model's, the loss's and the optimizer's code, checked before the store is built
-        # or a rank starts.
-        check_model(
-            config, num_classes=_known_classes(data, collections, manifest), factory=factory
-        )
-        # Modules named by import path that the workers lack travel to them; a factory given
-        # in Python travels inside the job, and launch_on ships what that refers to.
-        ship_modules(client, _imported_modules(config))
+    client, on_event, called_at, stop = call.client, call.on_event, call.called_at, call.stop
+    config = run.config
+    _check_code(call, config, collections, manifest)
     if collections is None and manifest is None:
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
-        manifest = prepare_store(client, data, seed=config.training.seed)
+        manifest = prepare_store(client, config.data, seed=config.training.seed)
     settings, points = config.strategy_settings, None
-    if config.strategy_plan.staged:
+    if get_plan(config.training.strategy).staged:
         assert manifest is not None  # staged strategies take no collections (trainer_data)
-        points = _cut_once(client, run, num_classes=manifest.num_classes, factory=factory)
+        points = _cut_once(client, run, num_classes=manifest.num_classes, factory=call.factory)
         cut = config.pipeline.model_copy(update={"split_points": points})
         settings = settings.model_copy(update={"pipeline": cut})
-    checkpoint = config.checkpoint
-    checkpoints = checkpoint.directory
-    job = TrainJob(
-        data=data,
-        model=config.model,
-        training=config.training,
-        layout=layout,
-        settings=settings,
-        checkpoint=checkpoint if checkpoints else None,
-        collections=collections,
-        factory=factory,
-        optimizer=components[0],
-        lr_schedule=components[1],
-        layouts=run.layouts,
-    )
+    job = _train_job(call, run, settings, collections)
+    checkpoints = config.checkpoint.directory
     launched_at = time.time()
     launched = launch_on(
         client,
@@ -401,6 +351,52 @@ def _train_prepared(
         store=manifest,
         split_points=points,
         times=(called_at, launched_at),
+    )
+
+
+def _check_code(
+    call: _TrainCall,
+    config: RunConfig,
+    collections: CollectionPlan | None,
+    manifest: StoreManifest | None,
+) -> None:
+    """The model's, the loss's and the optimizer's code, checked before the store is built or a
+    rank starts, where torch must build them to tell (built-in ones are checked without)."""
+    if (
+        call.factory is not None
+        or not config.model.builtin
+        or config.training.loss not in LOSSES
+        or not config.training.checked_without_torch
+    ):
+        num_classes = _known_classes(config.data, collections, manifest)
+        check_model(config, num_classes=num_classes, factory=call.factory)
+        # Modules named by import path that the workers lack travel to them; a factory given
+        # in Python travels inside the job, and launch_on ships what that refers to.
+        ship_modules(call.client, _imported_modules(config))
+
+
+def _train_job(
+    call: _TrainCall,
+    run: ResolvedRun,
+    settings: BaseModel | None,
+    collections: CollectionPlan | None,
+) -> TrainJob:
+    """What every rank of ``run`` is given: its sections, its layout, the strategy's settings
+    (a staged run's with its cut), its data and the code given in Python."""
+    config = run.config
+    checkpoint = config.checkpoint
+    return TrainJob(
+        data=config.data,
+        model=config.model,
+        training=config.training,
+        layout=run.layout,
+        settings=settings,
+        checkpoint=checkpoint if checkpoint.directory else None,
+        collections=collections,
+        factory=call.factory,
+        optimizer=call.components[0],
+        lr_schedule=call.components[1],
+        layouts=run.layouts,
     )
 
 

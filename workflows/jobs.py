@@ -33,16 +33,18 @@ from pydantic import ValidationError
 from workers.collection_shard import CollectionPlan
 from workers.rank_context import RankJob, RankOutcome
 from workers.records import BaseRecord, QueuedRecord
+from workers.spec.errors import ConfigError, one_line
+from workers.spec.launch import LaunchConfig
+from workers.spec.tracking import TrackingConfig
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.collections import check_fixed_world, prepared_data
-from workflows.config import ConfigError, one_line
 from workflows.controller import JobController, TrainingFailed
 from workflows.events import EventHandler, EventRelay
 from workflows.interrupts import DroppedInterrupts
 from workflows.job_spec import JobSpec
-from workflows.launcher import LaunchConfig, admit, hold_workers
+from workflows.launcher import admit, hold_workers
 from workflows.monitoring import keep_training_metrics
-from workflows.tracking import Tracker, TrackingConfig
+from workflows.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 __all__ = ["JobHold", "LaunchResult", "TrainingFailed", "launch", "launch_on"]

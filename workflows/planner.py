@@ -17,10 +17,12 @@ from torch import nn
 
 from workers.data import zero_samples
 from workers.profiling import DeviceProfile, LayerProfile, MicroBatch, profile_model
+from workers.spec.errors import ConfigError
 from workers.spec.layout import Layout
 from workers.spec.names import MODEL_LAYERS
 from workers.spec.plans import get_plan
 from workers.spec.plans.pipeline import PipelinePlan
+from workers.spec.run import RunConfig
 from workers.spec.sections import TrainingConfig
 from workers.stage_cuts import (
     check_cut,
@@ -29,7 +31,6 @@ from workers.stage_cuts import (
     even_split,
 )
 from workflows.cluster import live_workers
-from workflows.config import ConfigError, RunConfig
 from workflows.resolved_run import ResolvedRun
 
 # Per parameter byte a stage also holds its gradient and SGD's momentum buffer.
@@ -391,7 +392,7 @@ def planned_layout(run: ResolvedRun) -> Layout:
     planned as the pipeline its [pipeline] section describes, on at least 2 stages, to compare.
     """
     config = run.config
-    if config.strategy_plan.staged:
+    if get_plan(config.training.strategy).staged:
         return run.layout
     dp = config.pipeline.dp
     world_size = dp * max(2, run.layout.world_size // dp)
@@ -401,7 +402,7 @@ def planned_layout(run: ResolvedRun) -> Layout:
 def _staged_plan(config: RunConfig) -> PipelinePlan:
     """The staged strategy a cut is planned for: the run's own, else the pipeline its
     [pipeline] section describes."""
-    plan = config.strategy_plan
+    plan = get_plan(config.training.strategy)
     return plan if isinstance(plan, PipelinePlan) else get_plan("pipeline")
 
 

@@ -21,7 +21,7 @@ from workers.sources import (
     get_source,
     look_at_root,
 )
-from workflows.config import ConfigError
+from workers.spec.errors import ConfigError
 from workflows.run_storage import checked_url
 from workflows.stores import read_manifest
 

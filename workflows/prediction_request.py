@@ -15,73 +15,25 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import fsspec
 import numpy as np
 from fsspec import AbstractFileSystem
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workers.inference import ModelSpec, ScoreJob, input_shape
 from workers.model_sources import ModelError
 from workers.sources import InputPlan, InputRequest
-from workflows.cluster import ClusterConfig
-from workflows.config import ConfigError, RunConfig, load_config, one_line, read_raw_config
+from workers.spec.cluster import ClusterConfig
+from workers.spec.errors import ConfigError
+from workers.spec.predict import PredictConfig
+from workers.spec.run import RunConfig
+from workers.spec.tracking import TrackingConfig
+from workflows.config import load_config, read_raw_config
 from workflows.prediction_input import plan_input
 from workflows.run_storage import checked_url
 from workflows.stores import read_manifest
-from workflows.tracking import TrackingConfig
 from workflows.trust import CONFIG_SIGNATURE, check_config_trusted
-
-
-class PredictConfig(BaseModel):
-    """How to score: the ``[predict]`` section of a config file, or ``--set predict.KEY=V``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    batch_size: int = Field(default=256, ge=1, description="images per forward pass per device")
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32", description="autocast dtype for the forward pass"
-    )
-    outputs: Literal["class", "probabilities", "top_k"] = Field(
-        default="probabilities",
-        description="class and confidence only; or every class's probability; or the top k",
-    )
-    top_k: int = Field(default=3, ge=1, description="outputs = 'top_k': how many classes")
-    format: Literal["parquet", "zarr"] = Field(
-        default="parquet", description="predictions.parquet, or predictions.zarr arrays"
-    )
-    partition_size: int = Field(default=1024, ge=1, description="samples per predict task")
-    split: Literal["val", "train"] = Field(
-        default="val", description="which split of a dataset store (or of train/ and val/)"
-    )
-    evaluate: bool | None = Field(
-        default=None,
-        description="metrics from the labels: None when the input's labels name the model's "
-        "classes, True to insist, False never",
-    )
-    threads_per_worker: int | None = Field(
-        default=None, ge=1, description="torch threads per worker while scoring"
-    )
-    timeout_s: float = Field(default=3600.0, gt=0, description="bound on the whole scoring")
-    queue_timeout_s: float = Field(
-        default=3600.0,
-        gt=0,
-        description="on a shared cluster, how long the job may wait for a free worker",
-    )
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> "PredictConfig":
-        """Validate, with errors as one line naming ``predict.<field>``."""
-
-        class _Section(BaseModel):
-            model_config = ConfigDict(extra="forbid")
-            predict: PredictConfig = PredictConfig()
-
-        try:
-            return _Section.model_validate({"predict": raw or {}}).predict
-        except ValidationError as error:
-            raise ConfigError(one_line(error)) from None
 
 
 def load_predict_config(

@@ -10,10 +10,12 @@ from dataclasses import dataclass, replace
 
 from distributed import Client
 
+from workers.spec.errors import ConfigError
+from workers.spec.launch import LaunchConfig
 from workers.spec.layout import Layout
+from workers.spec.run import RunConfig
 from workers.spec.sections import DataConfig
-from workflows.config import ConfigError, RunConfig
-from workflows.launcher import LaunchConfig, ranks_for
+from workflows.launcher import ranks_for
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,10 @@ from workers.records import (
     StepRecord,
     parse_record,
 )
+from workers.spec.errors import ConfigError
+from workers.spec.run import RunConfig
 from workers.spec.secrets import RedactingFilter
-from workflows.config import ConfigError, RunConfig
+from workflows.config import load_config
 from workflows.events import TRAINER_KINDS, redone
 from workflows.run_storage import (
     UNSENT,
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # the driver imports torch: a refused or finished run never n
 CONFIG, SUMMARY, ATTEMPTS = "config.json", "summary.json", "attempts.jsonl"
 METRICS = "metrics.jsonl"
 CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
+_DEFAULT_NAME = RunConfig.model_fields["name"].default
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,23 @@ class RunDirectory:
         if isinstance(where, str):
             return cls._create_mirrored(config, where, resume=resume)
         return cls._create_at(cls(where, config), where, resume=resume)
+
+    @classmethod
+    def open(
+        cls, raw: dict[str, Any], output: str | Path | None = None, *, resume: bool = False
+    ) -> Self:
+        """The run directory of a config's sections ``raw`` (before validation) at ``output``,
+        made once for ``dask-train run``: where it is (:meth:`path_of`), the config validated
+        once with the folders the run keeps there filled in (:meth:`with_its_folders`; a staged
+        model's cut is traced to be checked), and the directory checked as :meth:`create`
+        checks it. A config that does not validate is a :class:`ConfigError` that says so
+        (``invalid config: ...``)."""
+        where = cls.path_of(output, raw.get("name", _DEFAULT_NAME), resume=resume)
+        try:
+            config = load_config(cls.with_its_folders(raw, where))
+        except ConfigError as error:
+            raise ConfigError(f"invalid config: {error}") from None
+        return cls.create(config, where, resume=resume)
 
     @classmethod
     def _create_mirrored(cls, config: RunConfig, url: str, *, resume: bool) -> Self:

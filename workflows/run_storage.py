@@ -30,8 +30,8 @@ from typing import Any
 
 import fsspec
 
+from workers.spec.errors import ConfigError
 from workers.spec.locations import checked_location
-from workflows.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

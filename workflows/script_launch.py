@@ -17,11 +17,12 @@ from typing import Any
 
 from workers.records import OutputRecord, ReportRecord, ResumedRecord, parse_record
 from workers.script_runner import ScriptResult, ScriptSpec, run_script
-from workflows.cluster import ClusterConfig, start_cluster
+from workers.spec.cluster import ClusterConfig
+from workers.spec.errors import ConfigError
+from workers.spec.launch import LaunchConfig
+from workflows.cluster import start_cluster
 from workflows.code_shipping import ship_modules
-from workflows.config import ConfigError
 from workflows.jobs import LaunchResult, launch_on
-from workflows.launcher import LaunchConfig
 
 
 class ScriptNotFound(ValueError):

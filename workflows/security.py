@@ -1,4 +1,5 @@
-"""TLS for the cluster: the ``cluster.security`` section and the ``Security`` it builds.
+"""TLS for the cluster: the ``Security`` that the ``cluster.security`` section
+(``workers/spec/security.py``) builds.
 
 Either certificate files (one CA, one certificate and key used by every role, as the stock
 ``dask scheduler/worker --tls-ca-file --tls-cert --tls-key`` options take them) or a temporary
@@ -10,80 +11,31 @@ ranks' traffic on a private network (``launch.socket_ifname``).
 """
 
 from pathlib import Path
-from typing import Self
 
 from distributed.security import Security
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.spec.security import SecurityConfig
 
 
-class SecurityConfig(BaseModel):
-    """How Dask's connections are secured; all empty (the default) means plain TCP."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tls_ca_file: str | None = Field(
-        default=None, description="CA certificate that signed every peer's certificate"
+def build_security(config: SecurityConfig) -> Security | None:
+    """The ``Security`` for client, scheduler and workers; ``None`` when TLS is off (Dask's
+    own ``distributed.comm.tls`` configuration, if any, then applies)."""
+    if config.temporary:
+        return _temporary(config.require_encryption)
+    if config.tls_ca_file is None:
+        return None
+    cert = str(Path(str(config.tls_cert)).expanduser())
+    key = str(Path(config.tls_key).expanduser()) if config.tls_key else None
+    return Security(
+        require_encryption=config.require_encryption,
+        tls_ca_file=str(Path(config.tls_ca_file).expanduser()),
+        tls_client_cert=cert,
+        tls_client_key=key,
+        tls_scheduler_cert=cert,
+        tls_scheduler_key=key,
+        tls_worker_cert=cert,
+        tls_worker_key=key,
     )
-    tls_cert: str | None = Field(
-        default=None, description="this client's (and local workers') cert"
-    )
-    tls_key: str | None = Field(default=None, description="its private key; none: in tls_cert")
-    temporary: bool = Field(
-        default=False, description="a self-signed set made in memory (local clusters only)"
-    )
-    require_encryption: bool = Field(
-        default=True, description="refuse plain tcp:// connections once TLS is on"
-    )
-
-    @model_validator(mode="after")
-    def _files_or_temporary(self) -> Self:
-        files = {
-            "tls_ca_file": self.tls_ca_file,
-            "tls_cert": self.tls_cert,
-            "tls_key": self.tls_key,
-        }
-        given = [name for name, value in files.items() if value]
-        if self.temporary and given:
-            raise ValueError(
-                f"cluster.security.temporary: a temporary certificate set replaces files; "
-                f"drop temporary or {', '.join(given)}"
-            )
-        if given:
-            for name in ("tls_ca_file", "tls_cert"):
-                if not files[name]:
-                    raise ValueError(
-                        f"cluster.security.{name}: TLS with certificate files needs tls_ca_file "
-                        "and tls_cert (and tls_key unless the key is inside tls_cert)"
-                    )
-        for name in given:
-            path = Path(str(files[name])).expanduser()
-            if not path.is_file():
-                raise ValueError(f"cluster.security.{name}: {path}: no such file")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.temporary or self.tls_ca_file is not None
-
-    def build(self) -> Security | None:
-        """The ``Security`` for client, scheduler and workers; ``None`` when TLS is off (Dask's
-        own ``distributed.comm.tls`` configuration, if any, then applies)."""
-        if self.temporary:
-            return _temporary(self.require_encryption)
-        if self.tls_ca_file is None:
-            return None
-        cert = str(Path(str(self.tls_cert)).expanduser())
-        key = str(Path(self.tls_key).expanduser()) if self.tls_key else None
-        return Security(
-            require_encryption=self.require_encryption,
-            tls_ca_file=str(Path(self.tls_ca_file).expanduser()),
-            tls_client_cert=cert,
-            tls_client_key=key,
-            tls_scheduler_cert=cert,
-            tls_scheduler_key=key,
-            tls_worker_cert=cert,
-            tls_worker_key=key,
-        )
 
 
 def _temporary(require_encryption: bool) -> Security:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from workers.spec.errors import ConfigError
 from workers.spec.secrets import MASK, mask_url, redact_value
-from workflows.config import ConfigError
 from workflows.sweeps import SweepResult, config_study
 
 REQUEST, TRIALS, BEST = "sweep.json", "trials.csv", "best.json"

@@ -52,11 +52,13 @@ from distributed import Client
 
 from workers.records import EpochRecord, Record, ReportRecord, TrialRecord, parse_record
 from workers.sources import COLLECTION_SOURCES, SourceError, check_root
+from workers.spec.errors import ConfigError
+from workers.spec.launch import WorkerSelection
+from workers.spec.run import RunConfig
 from workers.spec.secrets import redact, remember_url
 from workers.spec.sections import KEEP_CREDENTIALS
-from workflows.admission import WorkerSelection
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
-from workflows.config import ConfigError, RunConfig, load_config
+from workflows.config import load_config
 from workflows.launcher import JobStopped, select_workers
 from workflows.monitoring import sweep_topic
 from workflows.run_storage import checked_url, is_url
@@ -306,6 +308,27 @@ class ConfigTrials:
 Trials = FunctionTrials | ConfigTrials
 
 
+@dataclass(frozen=True)
+class SweepRequest:
+    """What :func:`sweep` (or ``dask-train sweep``) is asked, as given: :func:`sweep_spec`
+    checks it. The fields are :func:`sweep`'s arguments of the same names; ``target`` is its
+    ``fn_or_config``, and ``kwargs`` its keywords for each trial."""
+
+    target: Any
+    space: Mapping[str, Any]
+    n_trials: int
+    metric: str
+    mode: str = "min"
+    trial_world_size: int | None = None
+    max_concurrent: int | None = None
+    sampler: Any = "tpe"
+    pruner: Any = None
+    storage: Any = None
+    study_name: str | None = None
+    checkpoint_dir: str | Path | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class SweepSpec:
     """A sweep's request, validated."""
@@ -404,14 +427,14 @@ def sweep(
 
     A trial that raises is recorded as FAIL; the sweep goes on.
     """
-    spec = sweep_spec(
+    request = SweepRequest(
         fn_or_config,
         space,
         n_trials=n_trials,
-        trial_world_size=trial_world_size,
-        max_concurrent=max_concurrent,
         metric=metric,
         mode=mode,
+        trial_world_size=trial_world_size,
+        max_concurrent=max_concurrent,
         sampler=sampler,
         pruner=pruner,
         storage=storage,
@@ -419,6 +442,7 @@ def sweep(
         checkpoint_dir=checkpoint_dir,
         kwargs=kwargs,
     )
+    spec = sweep_spec(request)
     return run_sweep(spec, cluster=cluster, on_trial=on_trial)
 
 
@@ -466,40 +490,24 @@ def _optuna() -> ModuleType:
     return optuna
 
 
-def sweep_spec(
-    target: Any,
-    space: Mapping[str, Any],
-    *,
-    n_trials: int,
-    trial_world_size: int | None = None,
-    max_concurrent: int | None = None,
-    metric: str,
-    mode: str = "min",
-    sampler: Any = "tpe",
-    pruner: Any = None,
-    storage: Any = None,
-    study_name: str | None = None,
-    checkpoint_dir: str | Path | None = None,
-    kwargs: dict[str, Any] | None = None,
-) -> SweepSpec:
+def sweep_spec(request: SweepRequest) -> SweepSpec:
     """:func:`sweep`'s arguments checked before anything starts: a ``ValueError`` naming the
     field, or an ``ImportError`` without Optuna."""
     optuna = _optuna()
-    _count("n_trials", n_trials)
-    if trial_world_size is not None:
-        _count("trial_world_size", trial_world_size)
-    if max_concurrent is not None:
-        _count("max_concurrent", max_concurrent)
-    if not isinstance(metric, str) or not metric:
-        raise ValueError(f"metric: the name of a reported figure, e.g. 'val_loss'; got {metric!r}")
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode: 'min' or 'max', got {mode!r}")
-    if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
-        raise ValueError(f"study_name: a non-empty name, got {study_name!r}")
-    distributions = search_space(space)
+    _check_settings(request)
+    n_trials, storage, study_name = request.n_trials, request.storage, request.study_name
+    distributions = search_space(request.space)
     # A string: a folder, or a URL (s3://...), which Path would mangle.
-    folder = str(checkpoint_dir).rstrip("/") if checkpoint_dir is not None else None
-    trials = _trials(target, distributions, trial_world_size, metric, folder, kwargs or {})
+    given = request.checkpoint_dir
+    folder = str(given).rstrip("/") if given is not None else None
+    trials = _trials(
+        request.target,
+        distributions,
+        request.trial_world_size,
+        request.metric,
+        folder,
+        request.kwargs,
+    )
     if study_name is None:
         # Stored: the same call again finds its study. In memory there is nothing to find,
         # and a name of its own keeps its trials' checkpoint folders apart from earlier ones.
@@ -513,11 +521,11 @@ def sweep_spec(
         space=distributions,
         n_trials=n_trials,
         trial_world_size=trials.world_size,
-        max_concurrent=max_concurrent,
-        metric=metric,
-        direction="minimize" if mode == "min" else "maximize",
-        sampler=_sampler(optuna, sampler, distributions, n_trials),
-        pruner=_pruner(optuna, pruner),
+        max_concurrent=request.max_concurrent,
+        metric=request.metric,
+        direction="minimize" if request.mode == "min" else "maximize",
+        sampler=_sampler(optuna, request.sampler, distributions, n_trials),
+        pruner=_pruner(optuna, request.pruner),
         storage=_storage(
             optuna,
             storage,
@@ -527,6 +535,22 @@ def sweep_spec(
         ),
         study_name=study_name,
     )
+
+
+def _check_settings(request: SweepRequest) -> None:
+    """The request's counts, metric, mode and study name: a ``ValueError`` naming the field."""
+    _count("n_trials", request.n_trials)
+    if request.trial_world_size is not None:
+        _count("trial_world_size", request.trial_world_size)
+    if request.max_concurrent is not None:
+        _count("max_concurrent", request.max_concurrent)
+    metric, mode, study_name = request.metric, request.mode, request.study_name
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric: the name of a reported figure, e.g. 'val_loss'; got {metric!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode: 'min' or 'max', got {mode!r}")
+    if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
+        raise ValueError(f"study_name: a non-empty name, got {study_name!r}")
 
 
 def default_study_name(trials: "Trials") -> str:

@@ -14,7 +14,6 @@ metrics keep the names of ``metrics.jsonl`` (``loss``, ``val_accuracy``, ...).
 """
 
 import contextlib
-import importlib.util
 import logging
 import math
 import tempfile
@@ -22,8 +21,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.records import (
     EpochRecord,
@@ -35,12 +32,11 @@ from workers.records import (
     parse_record,
 )
 from workers.spec.secrets import redact
-from workers.spec.sections import Location
+from workers.spec.tracking import TrackingConfig
 
 logger = logging.getLogger(__name__)
 EventHandler = Callable[[dict[str, Any]], None]
 
-MLFLOW_SCHEMES = ("sqlite:///", "http://", "https://")
 # Record fields that say where a record sits, not what was measured.
 # Where a record stands and where it came from (a ctx.report's rank, attempt, sequence number and
 # wall-clock time), not what was measured.
@@ -56,64 +52,6 @@ _MAX_PARAM = 6000
 
 class TrackingError(RuntimeError):
     """A tracking store that cannot be opened; the message names the field."""
-
-
-class TrackingConfig(BaseModel):
-    """Where a run's metrics go besides ``metrics.jsonl``: TensorBoard, MLflow, or neither."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tensorboard: str | None = Field(
-        default=None,
-        description="a folder for TensorBoard's event files; `dask-train run` uses "
-        "<run dir>/tensorboard",
-    )
-    mlflow_uri: Location = Field(
-        default=None,
-        description="sqlite:///path/mlflow.db or http(s)://host:port; needs the [mlflow] extra",
-    )
-    experiment: str | None = Field(
-        default=None,
-        description="the MLflow experiment (needs mlflow_uri); unset: the config's name",
-    )
-
-    @field_validator("tensorboard", "experiment")
-    @classmethod
-    def _not_blank(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("must not be empty (leave it out to turn it off)")
-        return value
-
-    @field_validator("mlflow_uri")
-    @classmethod
-    def _mlflow_uri(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        if not value.startswith(MLFLOW_SCHEMES):
-            # MLflow 3 refuses the plain file store unless told otherwise: SQLite is the local
-            # store that works out of the box.
-            raise ValueError(
-                f"{value!r} is not a tracking store this accepts; use sqlite:///path/mlflow.db "
-                "for a local store or http(s)://host:port for an MLflow server"
-            )
-        if value.startswith("sqlite:///") and not value.removeprefix("sqlite:///"):
-            raise ValueError("sqlite:/// needs a database file, e.g. sqlite:///runs/mlflow.db")
-        if importlib.util.find_spec("mlflow") is None:
-            raise ValueError(
-                "MLflow is not installed; pip install 'dask-train[mlflow]' (or mlflow-skinny, "
-                "sqlalchemy and alembic)"
-            )
-        return value
-
-    @model_validator(mode="after")
-    def _experiment_needs_mlflow(self) -> Self:
-        if self.experiment is not None and self.mlflow_uri is None:
-            raise ValueError("tracking.experiment: set tracking.mlflow_uri too, or leave it out")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.tensorboard is not None or self.mlflow_uri is not None
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

@@ -16,8 +16,8 @@ own constructors, and stay allowed.
 import hmac
 from typing import Any
 
+from workers.spec.errors import ConfigError
 from workers.spec.names import model_source
-from workflows.config import ConfigError
 
 # The signature of a run's config.json, written beside it by a run with a signing key.
 CONFIG_SIGNATURE = "config.json.hmac"

@@ -1,9 +1,9 @@
 """MkDocs hook: the configuration reference, generated from the pydantic models at build time.
 
 ``docs/reference/configuration.md`` holds the marker ``<!-- configuration-tables -->``; this hook
-replaces it with one table per section of :class:`workflows.config.RunConfig` (nested sections
+replaces it with one table per section of :class:`workers.spec.run.RunConfig` (nested sections
 included) and one for the ``[predict]`` section
-(:class:`workflows.prediction_request.PredictConfig`): key, type, default and the field's
+(:class:`workers.spec.predict.PredictConfig`): key, type, default and the field's
 ``description``. A field without a description takes its
 entry in its model's docstring ``Attributes:`` section. Nothing here is written by hand, so a
 renamed or added key shows up on the next build.
@@ -32,8 +32,8 @@ MARKER = "<!-- configuration-tables -->"
 
 def sections() -> list[tuple[str, type[BaseModel]]]:
     """Every section as (dotted name, model), in the order of the models' fields."""
-    from workflows.config import RunConfig
-    from workflows.prediction_request import PredictConfig
+    from workers.spec.predict import PredictConfig
+    from workers.spec.run import RunConfig
 
     found: list[tuple[str, type[BaseModel]]] = [("", RunConfig)]
 

@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.models import build_model
+from workers.spec.run import RunConfig
 from workflows.cluster import TUNED_MALLOC, TrainingCluster, count_gpus, start_cluster
-from workflows.config import RunConfig, load_config
+from workflows.config import load_config
 from workflows.driver import train
 from workflows.jobs import launch
 

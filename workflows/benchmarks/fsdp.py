@@ -48,8 +48,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from workers.spec.run import RunConfig
 from workflows.cluster import start_cluster
-from workflows.config import RunConfig, load_config
+from workflows.config import load_config
 from workflows.driver import train
 from workflows.planner import plan
 from workflows.resolved_run import resolve_run

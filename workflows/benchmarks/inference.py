@@ -36,7 +36,8 @@ import torch
 from workers.data import DataConfig
 from workers.inference import score
 from workers.models import build_model
-from workflows.batch_predict import PredictConfig, PreparedPrediction, predict, prepare
+from workers.spec.predict import PredictConfig
+from workflows.batch_predict import PreparedPrediction, predict, prepare
 from workflows.cluster import TUNED_MALLOC, start_cluster
 from workflows.preprocess import prepare_store
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from workers.models import build_model
+from workers.spec.run import RunConfig
 from workflows.cluster import start_cluster
-from workflows.config import RunConfig, load_config
+from workflows.config import load_config
 from workflows.driver import train
 from workflows.jobs import TrainingFailed
 

@@ -35,11 +35,11 @@ from torch.nn.parallel import DistributedDataParallel
 from workers.models import build_model
 from workers.records import OutputRecord, ReportRecord, parse_record
 from workers.script_runner import ScriptSpec, run_script
+from workers.spec.launch import LaunchConfig
 from workflows.benchmarks.ddp_vs_torchrun import benchmark_config, run_torchrun
 from workflows.cluster import start_cluster
 from workflows.driver import train
 from workflows.jobs import launch, launch_on
-from workflows.launcher import LaunchConfig
 
 SCRIPT = "workflows.benchmarks.torchrun_rank"
 

@@ -18,8 +18,9 @@ import argparse
 import statistics
 import tempfile
 
+from workers.spec.run import RunConfig
 from workflows.cluster import start_cluster
-from workflows.config import RunConfig, load_config
+from workflows.config import load_config
 from workflows.driver import TrainResult, train
 
 

@@ -60,11 +60,13 @@ import torch
 
 from workers.data import open_store
 from workers.malloc import SHARDED_MMAP_THRESHOLD
+from workers.spec.cluster import ClusterConfig
+from workers.spec.launch import LaunchConfig
+from workers.spec.run import RunConfig
 from workers.strategies import get_strategy
-from workflows.cluster import TUNED_MALLOC, ClusterConfig, start_cluster
-from workflows.config import RunConfig, load_config
+from workflows.cluster import TUNED_MALLOC, start_cluster
+from workflows.config import load_config
 from workflows.driver import train
-from workflows.launcher import LaunchConfig
 from workflows.script_launch import launch_script
 
 SCRIPTS = Path(__file__).resolve().parent / "torchrun_scripts"

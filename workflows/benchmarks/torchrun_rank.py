@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from workers.devices import local_device
 from workers.process_group import Membership
+from workers.spec.run import RunConfig
 from workers.train import TrainJob, train
-from workflows.config import RunConfig
 
 
 def main() -> None:
