@@ -31,7 +31,7 @@ from distributed import Client
 from pydantic import ValidationError
 
 from workers.collection_shard import CollectionPlan
-from workers.rank_context import RankJob, RankOutcome
+from workers.rank_context import RankJob
 from workers.records import BaseRecord, QueuedRecord
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.collections import check_fixed_world, prepared_data
@@ -63,7 +63,6 @@ class LaunchResult:
         wall_s: From the call to the last rank's return.
         first_step_s: From the call to the first report or heartbeat of any rank.
         attempts: 1, plus one per restart or resize (each is a generation of the group).
-        outcomes: Each rank's outcome (return value and reports), in rank order.
         job_id: The job's label on ``/metrics`` and the Training page: ``<name>-<8 hex>``.
         resizes: One dict per change of an elastic job's world (``resized`` records):
             ``from``, ``to``, ``step``, ``cause`` (``joined``, ``yielded``, ``retired``,
@@ -79,7 +78,6 @@ class LaunchResult:
     wall_s: float  # from the call to the last rank's return
     first_step_s: float  # from the call to the first report or heartbeat of any rank
     attempts: int = 1
-    outcomes: list[RankOutcome] = field(default_factory=list, repr=False)
     job_id: str = ""  # the job's label on /metrics and the Training page: <name>-<8 hex>
     resizes: list[dict[str, Any]] = field(default_factory=list)  # an elastic job's changes
 
@@ -395,7 +393,6 @@ def launch_on(
         wall_s=wall_s,
         first_step_s=finished.first_step_at - called_at,
         attempts=finished.attempts,
-        outcomes=outcomes,
         job_id=spec.job_id,
         resizes=[r.record().to_event() for r in finished.resizes],
     )
