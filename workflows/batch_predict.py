@@ -48,7 +48,7 @@ from workers.inference import (
 )
 from workers.sources import InputPlan, SourceError
 from workers.spec.names import model_source
-from workflows.admission import Admission, Request, WorkerSelection
+from workflows.admission import Admission, Request, Waits, WorkerSelection
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.config import ConfigError, RunConfig
@@ -211,9 +211,11 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     with Admission(
         client,
         request,
-        queue_timeout_s=prepared.settings.queue_timeout_s,
-        worker_wait_s=LaunchConfig().worker_wait_s,
-        queue_field="predict.queue_timeout_s",
+        Waits(
+            queue_timeout_s=prepared.settings.queue_timeout_s,
+            worker_wait_s=LaunchConfig().worker_wait_s,
+            queue_field="predict.queue_timeout_s",
+        ),
     ) as admission:
         return _score(client, prepared, admission.hold(), started=started)
 

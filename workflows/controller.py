@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
 from distributed import Client
@@ -63,6 +63,7 @@ from workflows.cluster import live_workers
 from workflows.code_shipping import ship_code
 from workflows.events import EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
+from workflows.job_request import JobRequest
 from workflows.job_spec import JobSpec
 from workflows.launcher import (
     GroupFormationError,
@@ -73,6 +74,7 @@ from workflows.launcher import (
     ProcessGroup,
     RankFailed,
     RankHung,
+    RankWatch,
     WorkerLost,
     run_bounded,
 )
@@ -241,43 +243,34 @@ class Finished:
     resumed: ResumedRecord | None = None  # the earlier run's checkpoint it continued from
 
 
+class Hold(Protocol):
+    """A job's place in the scheduler's queue, as the controller reads it
+    (`workflows.jobs.JobHold`): who the job is, its hold on workers, and its stop event."""
+
+    client: Client
+    spec: JobSpec
+    admission: Admission
+    stop: threading.Event | None
+
+
 class JobController:
     """Runs one job's generations until it is done (see the module's text).
 
-    ``hold`` is the job's place in the scheduler's queue (`workflows.jobs.JobHold`), ``events``
-    its relay of records; ``job`` the `RankJob` every rank receives, whose generation-specific
-    fields the controller fills in for each generation.
+    ``request`` is what the job asks for, ``hold`` its place in the scheduler's queue
+    (`workflows.jobs.JobHold`), ``events`` its relay of records; ``job`` the `RankJob` every
+    rank receives, whose generation-specific fields the controller fills in for each generation.
     """
 
     def __init__(
-        self,
-        client: Client,
-        spec: JobSpec,
-        *,
-        settings: LaunchConfig,
-        admission: Admission,
-        events: EventRelay,
-        job: RankJob,
-        task_prefix: str,
-        checkpoint_dir: str | None,
-        signing_key_file: str | None,
-        retry_code_errors: bool,
-        stop: threading.Event | None,
-        fn: Callable[..., Any],
-        queued_once: Callable[[], bool],
-        step_boundaries: bool = True,
-        storage_options: dict[str, Any] | None = None,
+        self, request: JobRequest, *, hold: "Hold", events: EventRelay, job: RankJob
     ) -> None:
-        self.client, self.spec, self.settings = client, spec, settings
-        self.storage_options = storage_options  # checkpoint_dir's fsspec filesystem's
-        self.admission, self.events, self.job = admission, events, job
-        self.task_prefix, self.checkpoint_dir = task_prefix, checkpoint_dir
-        self.signing_key_file, self.stop, self.fn = signing_key_file, stop, fn
-        self._queued_once = queued_once
+        self.request, self.events, self.job = request, events, job
+        self.client, self.spec, self.admission = hold.client, hold.spec, hold.admission
+        self.settings, self.stop = request.settings, hold.stop
         # Ranks that pass step boundaries resize there; others (scripts) restart, as under
         # torchrun, from their own checkpoints.
-        self.step_boundaries = step_boundaries
-        self.policy = FailurePolicy(settings.max_failures, retry_code_errors)
+        self.step_boundaries = request.step_boundaries
+        self.policy = FailurePolicy(request.settings.max_failures, request.retry_code_errors)
         self.state = State.QUEUED
         self.transitions: list[Transition] = [Transition(State.QUEUED, time.time())]
         self.recoveries: list[Recovery] = []
@@ -414,10 +407,11 @@ class JobController:
 
     def generation(self) -> None:
         """Form one generation over the held workers, run every rank, and decide what next."""
-        directory = self.checkpoint_dir
+        request = self.request
+        directory = request.checkpoint_dir
         resume = (
             latest_good_checkpoint(
-                directory, self.signing_key_file, self.storage_options, run_id=self.job.run_id
+                directory, request.signing_key_file, request.storage_options, run_id=request.run_id
             )
             if directory
             else None
@@ -449,7 +443,7 @@ class JobController:
             with group:
                 assert group.spec is not None
                 self.workers = group.workers
-                if self.attempt == 0 and self._queued_once():
+                if self.attempt == 0 and self.admission.queued_once:
                     self.events.emit(
                         AdmittedRecord(job_id=self.spec.job_id, waited_s=self.admission.waited_s)
                     )
@@ -478,12 +472,14 @@ class JobController:
                 outcomes = group.run(
                     run_pickled,
                     payload,
-                    name=f"{self.task_prefix}-{self.spec.name}",
-                    heartbeats=heartbeats,
-                    stop=self.stop,
-                    restart=restart,
-                    left_gracefully=watcher.left_gracefully if watcher else None,
-                    on_poll=lambda: self._report_resize(heartbeats.first_step_at),
+                    name=f"{self.request.task_prefix}-{self.spec.name}",
+                    watch=RankWatch(
+                        heartbeats=heartbeats,
+                        stop=self.stop,
+                        restart=restart,
+                        left_gracefully=watcher.left_gracefully if watcher else None,
+                        on_poll=lambda: self._report_resize(heartbeats.first_step_at),
+                    ),
                 )
                 if watcher is not None:
                     watcher.close()
@@ -554,7 +550,9 @@ class JobController:
             logger.warning("job %s: %s; going on without it", self.spec.job_id, error)
             self.failure = Failure(str(error), error.detected_at, started)
         else:
-            self.failure = _next_failure(error, started, self.policy, self.failures, self.fn)
+            self.failure = _next_failure(
+                error, started, self.policy, self.failures, self.request.fn
+            )
             self.failures += 1
         if self.settings.elastic:
             before = len(self.workers)
