@@ -37,11 +37,13 @@ from workflows.collections import check_fixed_world, prepared_data
 from workflows.config import ConfigError, one_line
 from workflows.controller import Finished, JobController, TrainingFailed
 from workflows.events import EventHandler, EventRelay
+from workflows.failure_policy import FailurePolicy
 from workflows.interrupts import DroppedInterrupts
 from workflows.job_request import JobRequest
 from workflows.job_spec import JobSpec
 from workflows.launcher import LaunchConfig, admit, hold_workers
 from workflows.monitoring import keep_training_metrics
+from workflows.scaling_policy import scaling_policy
 from workflows.tracking import Tracker, TrackingConfig
 
 logger = logging.getLogger(__name__)
@@ -329,6 +331,10 @@ def launch_on(
             hold=hold,
             events=events,
             job=request.rank_job(hold.spec, data),
+            failure_policy=FailurePolicy(
+                request.settings.max_failures, retry_code_errors=request.retry_code_errors
+            ),
+            scaling_policy=scaling_policy(hold.admission.request),
         )
         finished = controller.run()
     return _launch_result(request, hold.spec, finished, events, ended_at=time.time())
