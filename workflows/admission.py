@@ -138,6 +138,17 @@ class Request:
         if self.lease_s <= 0:
             raise ValueError(f"launch.lease_s: must be positive, got {self.lease_s}")
 
+    @property
+    def world_size(self) -> int:
+        """A fixed job's number of ranks, as its request decided it (one size: ``minimum`` is
+        ``maximum``; see `workflows.launcher.requested_ranks`)."""
+        if self.elastic or self.minimum != self.maximum:
+            raise ValueError(
+                f"job {self.job_id}: {self.minimum}:{self.maximum} workers is a range, not one "
+                "world size"
+            )
+        return self.minimum
+
     def eligible(self, worker: Any) -> bool:
         """Whether a scheduler's WorkerState may hold one of this job's ranks."""
         return self.selection.matches({"resources": worker.resources, "name": worker.name})

@@ -277,7 +277,7 @@ def _train_on(
             client,
             data,
             config.training.strategy,
-            run.launch,
+            hold.world_size,
             classification=classification,
             workers=hold.workers(),
         ) as prepared,

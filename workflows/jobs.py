@@ -220,7 +220,7 @@ def _launch_placed(
     hold = JobHold(client, request.settings, name=request.name, on_event=on_event, stop=stop)
     with (
         hold,
-        prepared_data(client, data, request.settings, workers=hold.workers())
+        prepared_data(client, data, hold.world_size, workers=hold.workers())
         if data is not None
         else contextlib.nullcontext() as prepared,
     ):
@@ -275,6 +275,11 @@ class JobHold:
         self.admission = admit(
             client, settings, job_id=self.spec.job_id, name=name, on_queued=self._queued, stop=stop
         )
+
+    @property
+    def world_size(self) -> int:
+        """A fixed job's number of ranks: its request to the queue decided it."""
+        return self.admission.request.world_size
 
     def workers(self) -> list[str]:
         """The job's workers in rank order, waiting in the queue for them if need be."""

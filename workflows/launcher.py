@@ -981,8 +981,8 @@ def hold_workers(client: Client, admission: Admission, selection: WorkerSelectio
 
 
 def ranks_for(client: Client, config: LaunchConfig) -> int:
-    """How many ranks a job of ``config`` has: ``config.world_size``, or every worker of its
-    selection the cluster has now (at least one). The one place a job's size is resolved."""
+    """How many ranks a fixed job of ``config`` has, as :func:`requested_ranks` decides it
+    (``train`` resolves its run's size with it before the job asks the queue)."""
     low, high = requested_ranks(client, config)
     if low != high:
         raise LaunchError(
@@ -994,7 +994,10 @@ def ranks_for(client: Client, config: LaunchConfig) -> int:
 
 def requested_ranks(client: Client, config: LaunchConfig) -> tuple[int, int]:
     """The fewest and the most ranks a job of ``config`` runs on: ``config.world_range``, or
-    every worker of its selection the cluster has now (at least one)."""
+    every worker of its selection the cluster has now (at least one). The one place a job's
+    size is decided: :func:`admit` puts it in the job's `Request` to the queue, whose
+    ``world_size`` the job's other parts read (``JobHold.world_size``: where its Dask
+    collections are placed)."""
     if config.world_range is not None:
         return config.world_range
     every = max(1, len(select_workers(live_workers(client), config.workers)))
