@@ -60,7 +60,7 @@ from workers.data import SampleOrder, as_features, open_store, rank_epoch_indice
 from workers.losses import Criterion
 from workers.models import build_model
 from workers.optimizers import build_optimizer, build_schedule
-from workflows.config import RunConfig
+from workers.spec.run import RunConfig
 
 Parameters = Mapping[str, torch.Tensor]
 

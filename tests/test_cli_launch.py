@@ -20,7 +20,7 @@ from tests.commands import dask_train, session_leftovers
 from tests.test_elastic import no_restart
 from workflows.cluster import ClusterConfig, live_workers
 from workflows.launcher import LaunchConfig
-from workflows.script_launch import launch_script
+from workflows.script_launch import LaunchTarget, launch_script
 
 ROOT = Path(__file__).parents[1]
 
@@ -320,7 +320,11 @@ def test_an_elastic_script_goes_on_with_the_survivor_when_a_worker_is_lost(tmp_p
     scheduler = ClusterConfig(scheduler=own_cluster.cluster.scheduler_address)
     with ThreadPoolExecutor(1) as pool:
         launched = pool.submit(
-            launch_script, str(script), (), cluster=scheduler, launch_config=settings, echo=print
+            launch_script,
+            LaunchTarget(str(script)),
+            cluster=scheduler,
+            launch_config=settings,
+            echo=print,
         )
         stopped = None
         try:

@@ -20,10 +20,11 @@ from tests.reference import assert_matches_one_process, train_in_one_process
 from workers.checkpoint import MANIFEST, list_checkpoints
 from workers.data import BatchShare, RankBatches, open_store
 from workers.models import build_model
+from workers.spec.launch import LaunchConfig
 from workflows.batch_predict import predict
 from workflows.cluster import start_cluster
 from workflows.driver import train
-from workflows.launcher import LaunchConfig, ProcessGroup
+from workflows.launcher import ProcessGroup
 from workflows.preprocess import prepare_store
 from workflows.run_directory import RunDirectory
 

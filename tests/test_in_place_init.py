@@ -13,11 +13,12 @@ from workers.model_pieces import Piece, assemble
 from workers.models import ModelConfig, build_model
 from workers.peak_memory import PeakMemory
 from workers.precision import Precision
+from workers.spec.errors import ConfigError
 from workers.spec.plans import get_plan
 from workers.strategies.base import RankPlacement, Strategy
 from workers.train import lay_out_model
 from workflows import launch
-from workflows.config import ConfigError, check_model
+from workflows.config import check_model
 
 GPT = {"name": "gpt", "kwargs": {"dim": 32, "n_layers": 4, "n_heads": 4, "num_classes": 64}}
 SEQUENCE = text.CORPUS["sequence_length"]

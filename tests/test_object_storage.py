@@ -40,9 +40,10 @@ from workers.checkpoint import (
     verify_checkpoint,
 )
 from workers.models import build_model
+from workers.spec.launch import LaunchConfig
 from workflows.benchmarks.local_s3 import KEY, SECRET
 from workflows.driver import train
-from workflows.launcher import STOPPED_RANK_GRACE_S, JobStopped, LaunchConfig, ProcessGroup
+from workflows.launcher import STOPPED_RANK_GRACE_S, JobStopped, ProcessGroup
 from workflows.run_directory import RunDirectory
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "log_every_steps": 1}

@@ -19,6 +19,7 @@ from tests.reference import (
 )
 from workers.checkpoint import MANIFEST, list_checkpoints
 from workers.optimizers import build_optimizer, build_schedule, lr_factor
+from workers.spec.errors import ConfigError
 from workers.spec.sections import (
     OPTIMIZER_ARGUMENTS,
     OPTIMIZERS,
@@ -26,7 +27,7 @@ from workers.spec.sections import (
     TORCH_SCHEDULES,
     TrainingConfig,
 )
-from workflows.config import ConfigError, check_model, load_config
+from workflows.config import check_model, load_config
 from workflows.driver import train
 
 

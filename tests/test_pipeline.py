@@ -11,7 +11,7 @@ import torch
 from tests.commands import dask_train, digits_run
 from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_one_process
 from tests.refusals import refusal
-from workflows.config import ConfigError
+from workers.spec.errors import ConfigError
 from workflows.driver import train
 
 BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3}

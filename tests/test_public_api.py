@@ -120,3 +120,35 @@ python -c "from workers.data import open_store; print(1)"
         ("workflows.launcher", "ProcessGroup"),
         ("workers.data", "open_store"),
     ]
+
+
+def test_public_results_hold_public_types_only():
+    # A field of a public result whose type is internal (LaunchResult.outcomes held
+    # workers.rank_context.RankOutcome) hands users a type that may change under them.
+    import dataclasses
+    import typing
+
+    public = {getattr(workflows, name) for name in workflows.__all__}
+    # Known, and left to the issue that closes it (issue 61 names the leaks to close).
+    known = {"TrainResult.store": "the store train() built: StoreManifest, not yet public"}
+    leaks = []
+    for name in workflows.__all__:
+        result = getattr(workflows, name)
+        if not (isinstance(result, type) and dataclasses.is_dataclass(result)):
+            continue
+        module = vars(importlib.import_module(result.__module__))
+        for field in dataclasses.fields(result):
+            if field.name.startswith("_"):
+                continue
+            try:
+                named = [typing.get_type_hints(result, module)[field.name]]
+            except NameError:  # a third-party type imported for type checkers only (optuna)
+                named = []
+            while named:
+                hint = named.pop()
+                named += typing.get_args(hint)
+                home = getattr(hint, "__module__", "")
+                internal = home.startswith(("workflows", "workers")) and hint not in public
+                if isinstance(hint, type) and internal and f"{name}.{field.name}" not in known:
+                    leaks.append(f"{name}.{field.name}: {home}.{hint.__qualname__}")
+    assert not leaks, leaks

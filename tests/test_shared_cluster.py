@@ -24,7 +24,14 @@ from tests.reference import assert_equivalent
 from tests.test_launch import _wait_for_file, ddp_loop, one_process_reference
 from workers.process_group import ProcessGroupPlugin
 from workflows import launch, start_cluster
-from workflows.admission import Admission, AdmissionError, Request, WorkerSelection, queue_snapshot
+from workflows.admission import (
+    Admission,
+    AdmissionError,
+    Request,
+    Waits,
+    WorkerSelection,
+    queue_snapshot,
+)
 from workflows.dashboard import training_page_url
 from workflows.launcher import LaunchError
 
@@ -417,7 +424,7 @@ def test_a_scheduler_that_does_not_answer_the_queue_is_an_error_not_a_hang(clust
         lease_s=1.0,
     )
     admission = Admission(
-        job_client, request, queue_timeout_s=60.0, worker_wait_s=60.0, call_timeout_s=0.5
+        job_client, request, Waits(queue_timeout_s=60.0, worker_wait_s=60.0, call_timeout_s=0.5)
     )
     busy = threading.Thread(target=client.run_on_scheduler, args=(_block_the_event_loop, 3.0))
     busy.start()

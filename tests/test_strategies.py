@@ -12,9 +12,10 @@ from tests.conftest import REPO
 from workers.spec.layout import Layout
 from workers.spec.names import STRATEGIES
 from workers.spec.plans import get_plan, registered_plans
+from workers.spec.run import RunConfig
 from workers.strategies import get_strategy, registered
 from workers.strategies.pipeline.schedule import PipelineStrategy
-from workflows.config import RunConfig, load_config
+from workflows.config import load_config
 
 
 def test_the_registry_and_the_torch_free_names_agree():

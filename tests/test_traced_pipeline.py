@@ -33,6 +33,7 @@ from workers.model_pieces import assemble
 from workers.models import build_model
 from workers.precision import Precision
 from workers.profiling import profile_module
+from workers.spec.errors import ConfigError
 from workers.spec.plans import get_plan
 from workers.spec.plans.pipeline import StagingSettings
 from workers.spec.sections import PipelineConfig, TrainingConfig
@@ -40,7 +41,6 @@ from workers.stage_cuts import check_cut, cut_points, trace_stages
 from workers.strategies import get_strategy
 from workers.strategies.base import EpochSums, RankPlacement, Strategy
 from workflows import launch
-from workflows.config import ConfigError
 from workflows.driver import train
 from workflows.planner import balanced_split, plan, resolve_split_points
 from workflows.resolved_run import resolve_run

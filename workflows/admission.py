@@ -89,6 +89,17 @@ class Request:
         if self.lease_s <= 0:
             raise ValueError(f"launch.lease_s: must be positive, got {self.lease_s}")
 
+    @property
+    def world_size(self) -> int:
+        """A fixed job's number of ranks, as its request decided it (one size: ``minimum`` is
+        ``maximum``; see `workflows.launcher.requested_ranks`)."""
+        if self.elastic or self.minimum != self.maximum:
+            raise ValueError(
+                f"job {self.job_id}: {self.minimum}:{self.maximum} workers is a range, not one "
+                "world size"
+            )
+        return self.minimum
+
     def eligible(self, worker: Any) -> bool:
         """Whether a scheduler's WorkerState may hold one of this job's ranks."""
         return self.selection.matches({"resources": worker.resources, "name": worker.name})
@@ -523,32 +534,41 @@ class AdmissionStopped(AdmissionError):
     """The job's ``stop`` event was set while it waited."""
 
 
+@dataclass(frozen=True)
+class Waits:
+    """How long a job's `Admission` waits: at most ``queue_timeout_s`` in the queue the first
+    time (the setting named ``queue_field`` in its message), ``worker_wait_s`` for a lost
+    worker's replacement, and ``call_timeout_s`` for each call to the scheduler (beyond what it
+    waits there on purpose)."""
+
+    queue_timeout_s: float
+    worker_wait_s: float
+    queue_field: str = "launch.queue_timeout_s"
+    call_timeout_s: float = SCHEDULER_CALL_TIMEOUT_S
+
+
 class Admission:
     """One job's place in the queue and hold on workers: a lifecycle object.
 
     ``hold()`` returns the job's workers, waiting in the queue for them when they are held by
-    others (at most ``queue_timeout_s`` the first time; after a lost worker, ``worker_wait_s``
-    for a replacement); ``release()`` gives them back. While it holds workers, a thread renews
-    the lease. ``on_queued(status)`` is called once, when the job first has to wait. Each call
-    to the scheduler is bounded by ``call_timeout_s`` (beyond what it waits there on purpose).
+    others (within ``waits``, see `Waits`); ``release()`` gives them back. While it holds
+    workers, a thread renews the lease. ``on_queued(status)`` is called once, when the job
+    first has to wait.
     """
 
     def __init__(
         self,
         client: Client,
         request: Request,
+        waits: Waits,
         *,
-        queue_timeout_s: float,
-        worker_wait_s: float,
         on_queued: Callable[[dict[str, Any]], None] | None = None,
         stop: threading.Event | None = None,
-        queue_field: str = "launch.queue_timeout_s",
-        call_timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
     ) -> None:
         self.client, self.request = client, request
-        self.call_timeout_s = call_timeout_s
-        self.queue_field = queue_field
-        self.queue_timeout_s, self.worker_wait_s = queue_timeout_s, worker_wait_s
+        self.call_timeout_s = waits.call_timeout_s
+        self.queue_field = waits.queue_field
+        self.queue_timeout_s, self.worker_wait_s = waits.queue_timeout_s, waits.worker_wait_s
         self.on_queued, self.stop = on_queued, stop
         self.waited_s = 0.0
         self._held = False

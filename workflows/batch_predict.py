@@ -52,7 +52,7 @@ from workers.spec.launch import LaunchConfig, WorkerSelection
 from workers.spec.names import model_source
 from workers.spec.predict import PredictConfig
 from workers.spec.run import RunConfig
-from workflows.admission import Admission, Request
+from workflows.admission import Admission, Request, Waits
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
 from workflows.code_shipping import ship_modules
 from workflows.confusion import confusion_metrics, plot_confusion_matrix
@@ -212,9 +212,11 @@ def run_prepared(client: Client, prepared: PreparedPrediction) -> PredictResult:
     with Admission(
         client,
         request,
-        queue_timeout_s=prepared.settings.queue_timeout_s,
-        worker_wait_s=LaunchConfig().worker_wait_s,
-        queue_field="predict.queue_timeout_s",
+        Waits(
+            queue_timeout_s=prepared.settings.queue_timeout_s,
+            worker_wait_s=LaunchConfig().worker_wait_s,
+            queue_field="predict.queue_timeout_s",
+        ),
     ) as admission:
         return _score(client, prepared, admission.hold(), started=started)
 

@@ -943,6 +943,7 @@ def launch(
     start_fork_server_early(cluster)
     from workflows.run_storage import checked_url
     from workflows.script_launch import (
+        LaunchTarget,
         ScriptNotFound,
         check_output,
         launch_script,
@@ -972,9 +973,7 @@ def launch(
         return
     with _exit_codes("launch", LaunchError, interrupted="interrupted; every rank was stopped"):
         result = launch_script(
-            script,
-            script_args,
-            module=module,
+            LaunchTarget(script, script_args, module=module),
             cluster=cluster,
             launch_config=settings,
             output=output,

@@ -87,17 +87,16 @@ def check_fixed_world(settings: LaunchConfig) -> None:
 def prepared_data(
     client: Client,
     data: Mapping[str, Any],
-    settings: LaunchConfig,
+    world_size: int,
     *,
     workers: Sequence[str],
     shares: Mapping[str, Shares] | None = None,
     timeout_s: float = 600.0,
 ) -> Iterator[PreparedData]:
-    """:func:`prepare_data` for the ranks of ``settings``, released on exit: ``workers`` are
-    the job's, held from the scheduler's queue in rank order, as many as its ranks."""
-    check_fixed_world(settings)
-    world_size = settings.world_size or len(workers)
-    assert isinstance(world_size, int)
+    """:func:`prepare_data` for a job of ``world_size`` ranks, released on exit: the size its
+    request to the queue decided (``JobHold.world_size``; the job's world is fixed, see
+    :func:`check_fixed_world`). ``workers`` are the job's, held from the scheduler's queue in
+    rank order."""
     prepared = prepare_data(
         client,
         data,
@@ -117,17 +116,18 @@ def trainer_data(
     client: Client,
     data: Mapping[str, Any],
     strategy: str,
-    settings: LaunchConfig,
+    world_size: int,
     *,
     workers: Sequence[str],
     classification: bool = True,
 ) -> Iterator[PreparedData]:
     """The built-in trainer's data (``train(config, data=...)``): a "train" and a "val" split,
     of class labels where the task is ``classification``; validation in the contiguous shares
-    its evaluation reads. ``workers``: the job's, as for :func:`prepared_data`."""
+    its evaluation reads. ``world_size`` and ``workers``: the job's, as for
+    :func:`prepared_data`."""
     check_trainer_data(data, strategy)
     shares: dict[str, Shares] = {"val": "contiguous"}
-    with prepared_data(client, data, settings, shares=shares, workers=workers) as prepared:
+    with prepared_data(client, data, world_size, shares=shares, workers=workers) as prepared:
         if classification:
             for split in prepared.plan.splits.values():
                 where, low = f"data[{split.name!r}]", split.target_range[0]

@@ -12,11 +12,15 @@
 Each pass through ``forming`` is one generation of the process group, over the workers the job
 holds then; ``running`` ends in one of four ways, each handled by one method: every rank
 returned (``done``), every rank stopped at the same step boundary for a resize (``resizing``),
-a failure worth another attempt (``recovering``), or one that is not (``failed``). Failures are
-typed where they are caught (``workflows/launcher.py``: `WorkerLost`, `RankHung`, `RankFailed`
-with the training code's own exception), and the decision is
-`workflows.failure_policy.FailurePolicy`'s. Every state change is a `Transition`; every resize
-a record of kind ``resized`` to ``on_event``, the run directory and the Training page.
+a failure worth another attempt (``recovering``), or one that is not (``failed``). Each state is
+an object holding its own data (``resizing`` its `Resize`, ``recovering`` its `Failure`,
+``preparing`` its newcomers, ``done`` the ranks' outcomes), as Ray Train v2's controller states
+do. Failures are typed where they are caught (``workflows/launcher.py``: `WorkerLost`,
+`RankHung`, `RankFailed` with the training code's own exception), and the decision is the
+`workflows.failure_policy.FailurePolicy`'s that the controller is given; whether the world may
+change, and why it does, is its `workflows.scaling_policy` policy's. Every state change is a
+`Transition`; every resize a record of kind ``resized`` to ``on_event``, the run directory and
+the Training page.
 
 An elastic job (``launch.world_size = "min:max"``) resizes without redoing a step: a watcher
 thread follows the job's entry in the scheduler's queue (`workflows.admission.WorkerQueue`)
@@ -32,7 +36,6 @@ generation's workers that never ran a rank are prepared the same way before the 
 """
 
 import contextlib
-import enum
 import logging
 import math
 import threading
@@ -41,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, TracebackType
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import cloudpickle
 from distributed import Client
@@ -63,6 +66,7 @@ from workflows.cluster import live_workers
 from workflows.code_shipping import ship_code
 from workflows.events import EventRelay
 from workflows.failure_policy import Decision, FailurePolicy
+from workflows.job_request import JobRequest
 from workflows.job_spec import JobSpec
 from workflows.launcher import (
     GroupFormationError,
@@ -73,9 +77,11 @@ from workflows.launcher import (
     ProcessGroup,
     RankFailed,
     RankHung,
+    RankWatch,
     WorkerLost,
     run_bounded,
 )
+from workflows.scaling_policy import ScalingPolicy
 
 logger = logging.getLogger(__name__)
 DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for code that travels by value
@@ -89,55 +95,6 @@ RESIZE_TRY_S = 5.0
 class TrainingFailed(RuntimeError):
     """The run failed more often than ``launch.max_failures`` allows, or the lost worker
     never came back."""
-
-
-class State(enum.Enum):
-    QUEUED = "queued"
-    FORMING = "forming"
-    PREPARING = "preparing"
-    RUNNING = "running"
-    RESIZING = "resizing"
-    RECOVERING = "recovering"
-    STOPPING = "stopping"
-    DONE = "done"
-    FAILED = "failed"
-
-
-# Which state may follow which: anything else is a bug of the controller.
-ALLOWED = {
-    State.QUEUED: {State.FORMING, State.STOPPING},
-    State.FORMING: {State.PREPARING, State.RUNNING, State.RECOVERING, State.STOPPING},
-    # Newcomers prepare while the job trains on: its ranks may end meanwhile, any way they can.
-    State.PREPARING: {
-        State.FORMING,
-        State.RUNNING,
-        State.DONE,
-        State.RESIZING,
-        State.RECOVERING,
-        State.STOPPING,
-    },
-    State.RUNNING: {
-        State.PREPARING,
-        State.DONE,
-        State.RESIZING,
-        State.RECOVERING,
-        State.STOPPING,
-    },
-    State.RESIZING: {State.FORMING, State.STOPPING},
-    State.RECOVERING: {State.FORMING, State.STOPPING},
-    State.STOPPING: {State.FAILED},
-    State.DONE: set(),
-    State.FAILED: set(),
-}
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One change of a job's state: to what, when (epoch seconds), and why."""
-
-    state: State
-    at: float
-    reason: str = ""
 
 
 @dataclass
@@ -230,6 +187,119 @@ class Resize:
         )
 
 
+class ControllerState:
+    """A state of a job's controller, holding the data of its own (as Ray Train v2's do): a
+    resize its decision, a recovery its failure, a preparation its newcomers."""
+
+    name: ClassVar[str]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, eq=False)
+class Queued(ControllerState):
+    """Waiting in the scheduler's queue for the job's workers."""
+
+    name: ClassVar[str] = "queued"
+
+
+@dataclass(frozen=True, eq=False)
+class Forming(ControllerState):
+    """A generation of the process group forms; ``after``: the state it follows, whose data
+    (a failure to recover from, a resize to complete) the generation takes on."""
+
+    after: ControllerState
+    name: ClassVar[str] = "forming"
+
+
+@dataclass(frozen=True, eq=False)
+class Preparing(ControllerState):
+    """``newcomers`` get ready for a rank of the job while it goes on ``during`` forming or
+    running, the state it returns to."""
+
+    newcomers: tuple[str, ...]
+    during: ControllerState
+    name: ClassVar[str] = "preparing"
+
+
+@dataclass(frozen=True, eq=False)
+class Running(ControllerState):
+    """The generation's ``ranks`` run the job."""
+
+    ranks: int
+    name: ClassVar[str] = "running"
+
+
+@dataclass(frozen=True, eq=False)
+class Resizing(ControllerState):
+    """Every rank stopped together (at a step boundary, or where it stood for a script) for
+    ``resize``, which the next generation completes."""
+
+    resize: Resize
+    name: ClassVar[str] = "resizing"
+
+
+@dataclass(frozen=True, eq=False)
+class Recovering(ControllerState):
+    """A ``failure`` worth another attempt. ``resize``: an elastic job's lost worker, whose
+    world the next generation shrinks (or a replacement fills); ``rank_0_lost``: rank 0 went
+    with its records in flight."""
+
+    failure: Failure
+    resize: Resize | None = None
+    rank_0_lost: bool = False
+    name: ClassVar[str] = "recovering"
+
+
+@dataclass(frozen=True, eq=False)
+class Stopping(ControllerState):
+    """The job ends without another attempt; ``cause``: the exception's type."""
+
+    cause: str
+    name: ClassVar[str] = "stopping"
+
+
+@dataclass(frozen=True, eq=False)
+class Done(ControllerState):
+    """Every rank returned: its ``outcomes``, in rank order."""
+
+    outcomes: list[RankOutcome]
+    name: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True, eq=False)
+class Failed(ControllerState):
+    """The job failed: ``error``, the start of its message."""
+
+    error: str
+    name: ClassVar[str] = "failed"
+
+
+# Which state may follow which: anything else is a bug of the controller.
+ALLOWED: dict[type[ControllerState], set[type[ControllerState]]] = {
+    Queued: {Forming, Stopping},
+    Forming: {Preparing, Running, Recovering, Stopping},
+    # Newcomers prepare while the job trains on: its ranks may end meanwhile, any way they can.
+    Preparing: {Forming, Running, Done, Resizing, Recovering, Stopping},
+    Running: {Preparing, Done, Resizing, Recovering, Stopping},
+    Resizing: {Forming, Stopping},
+    Recovering: {Forming, Stopping},
+    Stopping: {Failed},
+    Done: set(),
+    Failed: set(),
+}
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One change of a job's state: to what, when (epoch seconds), and why."""
+
+    state: ControllerState
+    at: float
+    reason: str = ""
+
+
 @dataclass
 class Finished:
     """What the controller hands back once the job is done."""
@@ -243,58 +313,51 @@ class Finished:
     resumed: ResumedRecord | None = None  # the earlier run's checkpoint it continued from
 
 
+class Hold(Protocol):
+    """A job's place in the scheduler's queue, as the controller reads it
+    (`workflows.jobs.JobHold`): who the job is, its hold on workers, and its stop event."""
+
+    client: Client
+    spec: JobSpec
+    admission: Admission
+    stop: threading.Event | None
+
+
 class JobController:
     """Runs one job's generations until it is done (see the module's text).
 
-    ``hold`` is the job's place in the scheduler's queue (`workflows.jobs.JobHold`), ``events``
-    its relay of records; ``job`` the `RankJob` every rank receives, whose generation-specific
-    fields the controller fills in for each generation.
+    ``request`` is what the job asks for, ``hold`` its place in the scheduler's queue
+    (`workflows.jobs.JobHold`), ``events`` its relay of records; ``job`` the `RankJob` every
+    rank receives, whose generation-specific fields the controller fills in for each generation.
     """
 
     def __init__(
         self,
-        client: Client,
-        spec: JobSpec,
+        request: JobRequest,
         *,
-        settings: LaunchConfig,
-        admission: Admission,
+        hold: Hold,
         events: EventRelay,
         job: RankJob,
-        task_prefix: str,
-        checkpoint_dir: str | None,
-        signing_key_file: str | None,
-        retry_code_errors: bool,
-        stop: threading.Event | None,
-        fn: Callable[..., Any],
-        queued_once: Callable[[], bool],
-        step_boundaries: bool = True,
-        storage_options: dict[str, Any] | None = None,
+        failure_policy: FailurePolicy,
+        scaling_policy: ScalingPolicy,
     ) -> None:
-        self.client, self.spec, self.settings = client, spec, settings
-        self.storage_options = storage_options  # checkpoint_dir's fsspec filesystem's
-        self.admission, self.events, self.job = admission, events, job
-        self.task_prefix, self.checkpoint_dir = task_prefix, checkpoint_dir
-        self.signing_key_file, self.stop, self.fn = signing_key_file, stop, fn
-        self._queued_once = queued_once
+        self.request, self.events, self.job = request, events, job
+        self.client, self.spec, self.admission = hold.client, hold.spec, hold.admission
+        self.settings, self.stop = request.settings, hold.stop
+        self.policy, self.scaling = failure_policy, scaling_policy
         # Ranks that pass step boundaries resize there; others (scripts) restart, as under
         # torchrun, from their own checkpoints.
-        self.step_boundaries = step_boundaries
-        self.policy = FailurePolicy(settings.max_failures, retry_code_errors)
-        self.state = State.QUEUED
-        self.transitions: list[Transition] = [Transition(State.QUEUED, time.time())]
+        self.step_boundaries = request.step_boundaries
+        self.state: ControllerState = Queued()
+        self.transitions: list[Transition] = [Transition(self.state, time.time())]
         self.recoveries: list[Recovery] = []
         self.resizes: list[Resize] = []
         self.attempt = 0
         self.failures = 0  # those launch.max_failures bounds
-        self.failure: Failure | None = None
-        self.resize: Resize | None = None  # the one the next generation completes
-        self.unreported: Resize | None = None  # completed, waiting for its first step
         self.workers: list[str] = []  # the latest generation's, in rank order
-        self.outcomes: list[RankOutcome] = []
         self.resumed: ResumedRecord | None = None
         # Whether the queue knows that this elastic job resizes when asked (admission.resizes).
         self.queue_told_it_resizes = False
-        self.rank_0_lost = False  # the last attempt's rank 0, and its records in flight
         # Workers that failed to prepare for this job: left out of its generations.
         self.left_out: set[str] = set()
         self._code = cloudpickle.dumps(job)  # what a worker unpickles to import the job's code
@@ -305,24 +368,26 @@ class JobController:
     def run(self) -> Finished:
         """Generations until every rank returned; raises what ends the job otherwise."""
         try:
-            while self.state is not State.DONE:
-                self.move(State.FORMING)
-                self.generation()
+            while not isinstance(self.state, Done):
+                forming = Forming(after=self.state)
+                self.move(forming)
+                self.generation(forming.after)
         except BaseException as error:
             if isinstance(error, Exception):  # not Ctrl-C, which must not wait
                 self._forget_kept()
-            if self.state is not State.STOPPING:
-                self.move(State.STOPPING, type(error).__name__)
-            self.move(State.FAILED, str(error)[:200])
+            if not isinstance(self.state, Stopping):
+                self.move(Stopping(type(error).__name__), type(error).__name__)
+            self.move(Failed(str(error)[:200]), str(error)[:200])
             raise
-        reported = [o.first_report_at for o in self.outcomes if not math.isnan(o.first_report_at)]
+        outcomes = self.state.outcomes
+        reported = [o.first_report_at for o in outcomes if not math.isnan(o.first_report_at)]
         first_step_at = min(reported, default=math.nan)
         if self.recoveries:
             # The work lost includes the restart: until the resumed attempt's first step.
             self.recoveries[-1].finish(first_step_at=first_step_at)
-        self._report_resize(first_step_at if self.unreported else None)
+        self._report_resize(first_step_at)
         return Finished(
-            outcomes=self.outcomes,
+            outcomes=outcomes,
             recoveries=self.recoveries,
             resizes=self.resizes,
             attempts=self.attempt,
@@ -331,18 +396,20 @@ class JobController:
             resumed=self.resumed,
         )
 
-    def move(self, state: State, reason: str = "", *, only_after: Transition | None = None) -> bool:
+    def move(
+        self, state: ControllerState, reason: str = "", *, only_after: Transition | None = None
+    ) -> bool:
         """One state change, checked against ``ALLOWED`` and kept as a `Transition`;
         ``only_after``: made only when that is still the latest change (else False: the elastic
         watcher's way back from ``preparing`` after the ranks ended meanwhile)."""
         with self._state_lock:
             if only_after is not None and self.transitions[-1] is not only_after:
                 return False
-            if state not in ALLOWED[self.state]:
+            if type(state) not in ALLOWED[type(self.state)]:
                 raise RuntimeError(f"job {self.spec.job_id}: no way from {self.state} to {state}")
             self.state = state
             self.transitions.append(Transition(state, time.time(), reason))
-        logger.debug("job %s: %s %s", self.spec.job_id, state.value, reason)
+        logger.debug("job %s: %s %s", self.spec.job_id, state, reason)
         return True
 
     def prepare(self, workers: list[str], *, master: tuple[str, int] | None) -> list[str]:
@@ -350,9 +417,8 @@ class JobController:
         goes on, in state ``preparing``; returns those ready. One that failed or did not answer
         within ``launch.init_timeout_s`` is left out of the job's generations, and logged."""
         latest = self.transitions[-1]
-        if not workers or not self.move(
-            State.PREPARING, f"{len(workers)} workers", only_after=latest
-        ):
+        newcomers = Preparing(newcomers=tuple(workers), during=latest.state)
+        if not workers or not self.move(newcomers, f"{len(workers)} workers", only_after=latest):
             return []
         preparing = self.transitions[-1]
         started = time.perf_counter()
@@ -370,7 +436,7 @@ class JobController:
         except TimeoutError:
             answers = {}
         finally:
-            self.move(latest.state, "prepared", only_after=preparing)
+            self.move(newcomers.during, "prepared", only_after=preparing)
         ready = [w for w in workers if isinstance(answers.get(w), dict)]
         for worker in workers:
             if worker in ready:
@@ -383,7 +449,7 @@ class JobController:
                 )
                 continue
             why = answers.get(worker, f"no answer within {self.settings.init_timeout_s:g} s")
-            if self.settings.elastic:  # a fixed job's rank fails there, as it would have
+            if self.scaling.elastic:  # a fixed job's rank fails there, as it would have
                 logger.warning(
                     "job %s: leaving worker %s out, it failed to prepare: %s",
                     self.spec.job_id,
@@ -414,83 +480,23 @@ class JobController:
         kept = [w for w in workers if w not in self.left_out]
         return kept if len(kept) >= self.admission.request.minimum else workers
 
-    def generation(self) -> None:
-        """Form one generation over the held workers, run every rank, and decide what next."""
-        directory = self.checkpoint_dir
-        resume = (
-            latest_good_checkpoint(
-                directory, self.signing_key_file, self.storage_options, run_id=self.job.run_id
-            )
-            if directory
-            else None
-        )
-        if resume:
-            # Records the checkpoint already holds were delivered by the run that wrote it.
-            self.events.skip(resume[1].get("history", []))
-        recovery = self.failure.recovered_at(resume) if self.failure is not None else None
+    def generation(self, after: ControllerState) -> None:
+        """Form one generation over the held workers, run every rank, and decide what next;
+        ``after``: the state it follows (a recovery's failure, a resize's decision)."""
+        resume = self._resume_point()
+        recovery = after.failure.recovered_at(resume) if isinstance(after, Recovering) else None
         if recovery is not None:
             self.recoveries.append(recovery)
-        self.failure = None
         started = time.time()
-        heartbeats = Heartbeats()
-        self.client.subscribe_topic(self.spec.heartbeat_topic, heartbeats.record)
-        watcher: _Watcher | None = None
-        restart = threading.Event()  # an elastic script's resize: every rank stops now
+        watch = _GenerationWatch()
+        self.client.subscribe_topic(self.spec.heartbeat_topic, watch.heartbeats.record)
         try:
             if self.attempt == 0:
                 # What the workers cannot import, before any of them prepares or runs a rank.
                 ship_code(self.client, self._code)
-            group = ProcessGroup(
-                self.client,
-                self.settings,
-                admission=self.admission,
-                step_boundaries=self.step_boundaries,
-                leave_out=self.left_out,
-                before_forming=self._prepare_cold,
-            )
-            with group:
-                assert group.spec is not None
-                self.workers = group.workers
-                if self.attempt == 0 and self._queued_once():
-                    self.events.emit(
-                        AdmittedRecord(job_id=self.spec.job_id, waited_s=self.admission.waited_s)
-                    )
-                if self.attempt == 0:
-                    self.events.emit(
-                        WorldRecord(job_id=self.spec.job_id, world_size=len(group.workers))
-                    )
-                if self.attempt == 0 and resume:  # an earlier run's checkpoint
-                    self.resumed = ResumedRecord(
-                        job_id=self.spec.job_id, step=resume[1]["step"], checkpoint=str(resume[0])
-                    )
-                    self.events.emit(self.resumed)
-                source = self._continue_from(resume, recovery)
-                job = self._rank_job(group.spec.generation, resume, source)
-                payload = cloudpickle.dumps(job)
-                self.move(State.RUNNING, f"{len(group.workers)} ranks")
-                if self.settings.elastic:
-                    watcher = _Watcher(
-                        self,
-                        group.spec.generation,
-                        group.workers,
-                        restart,
-                        master=(group.spec.master_addr, group.spec.master_port),
-                        stepped=lambda: heartbeats.first_step_at is not None,
-                    )
-                outcomes = group.run(
-                    run_pickled,
-                    payload,
-                    name=f"{self.task_prefix}-{self.spec.name}",
-                    heartbeats=heartbeats,
-                    stop=self.stop,
-                    restart=restart,
-                    left_gracefully=watcher.left_gracefully if watcher else None,
-                    on_poll=lambda: self._report_resize(heartbeats.first_step_at),
-                )
-                if watcher is not None:
-                    watcher.close()
+            outcomes = self._form_and_run(resume, recovery, after, watch)
             self.attempt += 1
-            self._ended(outcomes, watcher, started)
+            self._ended(outcomes, watch.watcher, started)
         except LaunchError as error:
             if recovery is None and not self.resizes:
                 raise  # the cluster cannot hold this run: a configuration error
@@ -502,15 +508,96 @@ class JobController:
             self.attempt += 1
             self._failed(error, started)
         except JobStopped:
-            if not restart.is_set() or (self.stop is not None and self.stop.is_set()):
+            if not watch.restart.is_set() or (self.stop is not None and self.stop.is_set()):
                 raise
             self.attempt += 1
-            self._ended([None] * len(self.workers), watcher, started, restarted=True)
+            self._ended([None] * len(self.workers), watch.watcher, started, restarted=True)
         finally:
-            if watcher is not None:
-                watcher.close()
+            if watch.watcher is not None:
+                watch.watcher.close()
             self.client.unsubscribe_topic(self.spec.heartbeat_topic)
-        self._report_resize(heartbeats.first_step_at)
+        self._report_resize(watch.heartbeats.first_step_at)
+
+    def _resume_point(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest complete checkpoint of the job's run, if it writes any."""
+        request = self.request
+        if not request.checkpoint_dir:
+            return None
+        resume = latest_good_checkpoint(
+            request.checkpoint_dir,
+            request.signing_key_file,
+            request.storage_options,
+            run_id=request.run_id,
+        )
+        if resume:
+            # Records the checkpoint already holds were delivered by the run that wrote it.
+            self.events.skip(resume[1].get("history", []))
+        return resume
+
+    def _form_and_run(
+        self,
+        resume: tuple[Path, dict[str, Any]] | None,
+        recovery: Recovery | None,
+        after: ControllerState,
+        watch: "_GenerationWatch",
+    ) -> list[RankOutcome | None]:
+        """Form the generation's group, continue from ``resume`` or a live rank, and run every
+        rank until each returned (or left gracefully: None)."""
+        group = ProcessGroup(
+            self.client,
+            self.settings,
+            admission=self.admission,
+            step_boundaries=self.step_boundaries,
+            leave_out=self.left_out,
+            before_forming=self._prepare_cold,
+        )
+        with group:
+            assert group.spec is not None
+            self.workers = group.workers
+            if self.attempt == 0:
+                self._announce(resume)
+            source = self._continue_from(resume, recovery, after)
+            payload = cloudpickle.dumps(self._rank_job(group.spec.generation, resume, source))
+            self.move(Running(ranks=len(group.workers)), f"{len(group.workers)} ranks")
+            heartbeats = watch.heartbeats
+            if self.scaling.elastic:
+                watch.watcher = _Watcher(
+                    self,
+                    group.spec.generation,
+                    group.workers,
+                    watch.restart,
+                    master=(group.spec.master_addr, group.spec.master_port),
+                    stepped=lambda: heartbeats.first_step_at is not None,
+                )
+            outcomes = group.run(
+                run_pickled,
+                payload,
+                name=f"{self.request.task_prefix}-{self.spec.name}",
+                watch=RankWatch(
+                    heartbeats=heartbeats,
+                    stop=self.stop,
+                    restart=watch.restart,
+                    left_gracefully=watch.watcher.left_gracefully if watch.watcher else None,
+                    on_poll=lambda: self._report_resize(heartbeats.first_step_at),
+                ),
+            )
+            if watch.watcher is not None:
+                watch.watcher.close()
+        return outcomes
+
+    def _announce(self, resume: tuple[Path, dict[str, Any]] | None) -> None:
+        """The first generation's records: the job was admitted (if it waited), its world, and
+        the earlier run's checkpoint it continues from."""
+        if self.admission.queued_once:
+            self.events.emit(
+                AdmittedRecord(job_id=self.spec.job_id, waited_s=self.admission.waited_s)
+            )
+        self.events.emit(WorldRecord(job_id=self.spec.job_id, world_size=len(self.workers)))
+        if resume:  # an earlier run's checkpoint
+            self.resumed = ResumedRecord(
+                job_id=self.spec.job_id, step=resume[1]["step"], checkpoint=str(resume[0])
+            )
+            self.events.emit(self.resumed)
 
     # -- one decision each ------------------------------------------------------------------
 
@@ -529,48 +616,51 @@ class JobController:
             missing = [rank for rank, o in enumerate(outcomes) if o is None]
             if missing:  # a rank's worker retired as the job ended: its return value is gone
                 logger.warning("ranks %s retired as job %s ended", missing, self.spec.job_id)
-            self.outcomes = [
+            done = [
                 o if o is not None else RankOutcome(rank=rank, value=None)
                 for rank, o in enumerate(outcomes)
             ]
-            self.move(State.DONE)
+            self.move(Done(outcomes=done))
             return
         cause = (watcher.cause if watcher else None) or "retired"
         asked_at = watcher.asked_at if watcher else math.nan
-        self.resize = Resize(
+        resize = Resize(
             cause=cause,
             before=len(outcomes),
             detected_at=asked_at if not math.isnan(asked_at) else time.time(),
             reached=max((o.resized_at for o in stopped if o.resized_at is not None), default=None),
         )
         where = "restarted" if restarted else f"at step {stopped[0].resized_at}"
-        self.move(State.RESIZING, f"{cause} {where}")
-        self.outcomes = []
+        self.move(Resizing(resize), f"{cause} {where}")
 
     def _failed(self, error: RankFailed | GroupFormationError, started: float) -> None:
         """A failure: another attempt (``recovering``), or the exception that ends the job."""
-        self.rank_0_lost = isinstance(error, WorkerLost | RankHung) and error.rank == 0
+        rank_0_lost = isinstance(error, WorkerLost | RankHung) and error.rank == 0
         # An elastic job that loses a worker shrinks (or takes a replacement): a resize of
         # its world, not one of the failures launch.max_failures bounds.
-        if self.settings.elastic and isinstance(error, WorkerLost):
+        if self.scaling.elastic and isinstance(error, WorkerLost):
             logger.warning("job %s: %s; going on without it", self.spec.job_id, error)
-            self.failure = Failure(str(error), error.detected_at, started)
+            failure = Failure(str(error), error.detected_at, started)
         else:
-            self.failure = _next_failure(error, started, self.policy, self.failures, self.fn)
+            failure = _next_failure(error, started, self.policy, self.failures, self.request.fn)
             self.failures += 1
-        if self.settings.elastic:
-            before = len(self.workers)
-            self.resize = Resize(cause="lost", before=before, detected_at=self.failure.detected_at)
-        self.move(State.RECOVERING, self.failure.message[:200])
+        resize = None
+        if self.scaling.elastic:
+            resize = Resize(cause="lost", before=len(self.workers), detected_at=failure.detected_at)
+        self.move(Recovering(failure, resize, rank_0_lost), failure.message[:200])
 
     def _continue_from(
-        self, resume: tuple[Path, dict[str, Any]] | None, recovery: Recovery | None
+        self,
+        resume: tuple[Path, dict[str, Any]] | None,
+        recovery: Recovery | None,
+        after: ControllerState,
     ) -> LiveSource | None:
         """The live rank the new generation receives its state from, if any; the records of
-        the recovery or the resize this generation completes."""
+        the recovery or the resize (``after``'s) this generation completes."""
+        resize = after.resize if isinstance(after, Resizing | Recovering) else None
         source = None
         reached: int | None = None
-        wanted = recovery is not None or self.resize is not None
+        wanted = recovery is not None or resize is not None
         if wanted and (self.settings.recovery == "replica" or recovery is None):
             source, reached = _live_source(
                 self.client, self.spec.job_id, self.workers, resume, self.settings
@@ -584,39 +674,49 @@ class JobController:
         if wanted and self.attempt > 0:
             # Each step once in the ranks' reports, rank 0's whatever worker was lost.
             continued = source.step if source is not None else resume[1]["step"] if resume else 0
-            self.events.continued_from(self.attempt - 1, continued, rank_0_lost=self.rank_0_lost)
-            self.rank_0_lost = False
-        resize, self.resize = self.resize, None
+            rank_0_lost = isinstance(after, Recovering) and after.rank_0_lost
+            self.events.continued_from(self.attempt - 1, continued, rank_0_lost=rank_0_lost)
         if resize is not None:
-            resize.after = len(self.workers)
-            if resize.after == resize.before and resize.cause == "lost":
-                return source  # a replacement arrived: a recovery, not a resize
-            if source is not None:
-                resize.step, resize.stopped_at = source.step, source.done_at
-            else:  # sharded: the checkpoint the ranks wrote as they stopped, or an older one
-                # (the pause then counts from when the resize was asked: a step at most early)
-                resize.step = resume[1]["step"] if resume else 0
-            if resize.reached is not None:
-                reached = resize.reached
-            resize.redone_steps = max(0, reached - resize.step) if reached is not None else None
-            self.resizes.append(resize)
-            self.unreported = resize
-            logger.warning(
-                "job %s resized %d -> %d (%s) at step %d",
-                self.spec.job_id,
-                resize.before,
-                resize.after,
-                resize.cause,
-                resize.step,
-            )
+            self._complete(resize, resume, source, reached)
         return source
 
+    def _complete(
+        self,
+        resize: Resize,
+        resume: tuple[Path, dict[str, Any]] | None,
+        source: LiveSource | None,
+        reached: int | None,
+    ) -> None:
+        """``resize``'s new world formed: from which step it continues, and what it redoes."""
+        resize.after = len(self.workers)
+        if resize.after == resize.before and resize.cause == "lost":
+            return  # a replacement arrived: a recovery, not a resize
+        if source is not None:
+            resize.step, resize.stopped_at = source.step, source.done_at
+        else:  # sharded: the checkpoint the ranks wrote as they stopped, or an older one
+            # (the pause then counts from when the resize was asked: a step at most early)
+            resize.step = resume[1]["step"] if resume else 0
+        if resize.reached is not None:
+            reached = resize.reached
+        resize.redone_steps = max(0, reached - resize.step) if reached is not None else None
+        self.resizes.append(resize)
+        logger.warning(
+            "job %s resized %d -> %d (%s) at step %d",
+            self.spec.job_id,
+            resize.before,
+            resize.after,
+            resize.cause,
+            resize.step,
+        )
+
     def _report_resize(self, first_step_at: float | None) -> None:
-        """The resize record goes out once the new world's first step is done (its pause)."""
-        resize = self.unreported
-        if resize is None or first_step_at is None or math.isnan(first_step_at):
+        """The newest resize's record goes out once the new world's first step is done (its
+        pause); until then its ``pause_s`` is None."""
+        resize = self.resizes[-1] if self.resizes else None
+        if resize is None or resize.pause_s is not None:
             return
-        self.unreported = None
+        if first_step_at is None or math.isnan(first_step_at):
+            return
         start = resize.stopped_at if not math.isnan(resize.stopped_at) else resize.detected_at
         resize.pause_s = max(0.0, first_step_at - start)
         if not math.isnan(resize.stopped_at):  # a live rank's state, broadcast in the new group
@@ -650,7 +750,7 @@ class JobController:
             attempt=self.attempt,
             resume_from=str(resume[0]) if resume and source is None else None,
             live_source=source,
-            elastic=self.settings.elastic,
+            elastic=self.scaling.elastic,
         )
 
     def _forget_kept(self) -> None:
@@ -662,6 +762,16 @@ class JobController:
             run_bounded(
                 self.client, forget_job, self.spec.job_id, workers=self.workers, timeout_s=5.0
             )
+
+
+@dataclass
+class _GenerationWatch:
+    """One generation's watch on its ranks: their heartbeats, the event that stops every rank
+    at once (an elastic script's resize), and an elastic job's watcher of the queue."""
+
+    heartbeats: Heartbeats = field(default_factory=Heartbeats)
+    restart: threading.Event = field(default_factory=threading.Event)
+    watcher: "_Watcher | None" = None
 
 
 class _Watcher:
@@ -747,22 +857,12 @@ class _Watcher:
         controller.queue_told_it_resizes = True
 
     def _cause(self, status: dict[str, Any]) -> str | None:
-        """Why the queue's view of the job calls for a resize now, if it does."""
+        """Why the queue's view of the job calls for a resize now, if it does: the job's
+        scaling policy's answer."""
         if not status.get("known"):
             return None
-        mine = set(self.workers)
-        leaving = set(status["retired"]) | set(status["retiring"])
-        self.retired |= leaving
-        if mine & leaving:
-            return "retired"
-        if mine & set(status["yielding"]):
-            return "yielded"
-        if (
-            self._newcomers(status)
-            and len(self.workers) < self.controller.admission.request.maximum
-        ):
-            return "joined"
-        return None
+        self.retired |= set(status["retired"]) | set(status["retiring"])
+        return self.controller.scaling.resize_cause(status, self.workers, self._newcomers(status))
 
     def _newcomers(self, status: dict[str, Any]) -> set[str]:
         return set(status["granted"]) - set(self.workers) - self.controller.left_out

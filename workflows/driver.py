@@ -34,6 +34,7 @@ from workflows.collections import DataError, check_fixed_world, check_trainer_da
 from workflows.config import check_model, load_config, model_builder
 from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
+from workflows.job_request import JobRequest
 from workflows.jobs import JobHold, LaunchResult, TrainingFailed, launch_on
 from workflows.model_handback import collect_model
 from workflows.preprocess import prepare_store
@@ -266,7 +267,7 @@ def _train_on(
             call.client,
             data,
             config.training.strategy,
-            run.launch,
+            hold.world_size,
             classification=classification,
             workers=hold.workers(),
         ) as prepared,
@@ -322,26 +323,22 @@ def _train_prepared(
     job = _train_job(call, run, settings, collections)
     checkpoints = config.checkpoint.directory
     launched_at = time.time()
-    launched = launch_on(
-        client,
-        run_rank,
-        (job,),
-        {},
+    request = JobRequest(
+        fn=run_rank,
         settings=run.launch,
         name=config.name,
+        args=(job,),
         checkpoint_dir=checkpoints if config.checkpoint.resume == "auto" else None,
         keep_checkpoints=config.checkpoint.keep,
-        on_event=on_event,
-        called_at=called_at,
-        # Epoch records whose events were still in flight when the job returned.
-        final_records=lambda results: list(results[0].history),
-        task_prefix="train",
-        signing_key_file=config.checkpoint.signing_key_file,
         storage_options=config.checkpoint.storage_options,
         run_id=config.checkpoint_owner,
-        stop=stop,
-        hold=hold,
+        signing_key_file=config.checkpoint.signing_key_file,
+        task_prefix="train",
+        # Epoch records whose events were still in flight when the job returned.
+        final_records=lambda results: list(results[0].history),
+        called_at=called_at,
     )
+    launched = launch_on(client, request, on_event=on_event, stop=stop, hold=hold)
     # Each rank hands back its pieces (its shards, its stages); together the whole model.
     state_dict = collect_model(client, [result.model_pieces for result in launched.results])
     return _train_result(

@@ -31,19 +31,21 @@ from distributed import Client
 from pydantic import ValidationError
 
 from workers.collection_shard import CollectionPlan
-from workers.rank_context import RankJob, RankOutcome
 from workers.records import BaseRecord, QueuedRecord
 from workers.spec.errors import ConfigError, one_line
 from workers.spec.launch import LaunchConfig
 from workers.spec.tracking import TrackingConfig
 from workflows.cluster import TrainingCluster, start_cluster
 from workflows.collections import check_fixed_world, prepared_data
-from workflows.controller import JobController, TrainingFailed
+from workflows.controller import Finished, JobController, TrainingFailed
 from workflows.events import EventHandler, EventRelay
+from workflows.failure_policy import FailurePolicy
 from workflows.interrupts import DroppedInterrupts
+from workflows.job_request import JobRequest
 from workflows.job_spec import JobSpec
 from workflows.launcher import admit, hold_workers
 from workflows.monitoring import keep_training_metrics
+from workflows.scaling_policy import scaling_policy
 from workflows.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,6 @@ class LaunchResult:
         wall_s: From the call to the last rank's return.
         first_step_s: From the call to the first report or heartbeat of any rank.
         attempts: 1, plus one per restart or resize (each is a generation of the group).
-        outcomes: Each rank's outcome (return value and reports), in rank order.
         job_id: The job's label on ``/metrics`` and the Training page: ``<name>-<8 hex>``.
         resizes: One dict per change of an elastic job's world (``resized`` records):
             ``from``, ``to``, ``step``, ``cause`` (``joined``, ``yielded``, ``retired``,
@@ -81,7 +82,6 @@ class LaunchResult:
     wall_s: float  # from the call to the last rank's return
     first_step_s: float  # from the call to the first report or heartbeat of any rank
     attempts: int = 1
-    outcomes: list[RankOutcome] = field(default_factory=list, repr=False)
     job_id: str = ""  # the job's label on /metrics and the Training page: <name>-<8 hex>
     resizes: list[dict[str, Any]] = field(default_factory=list)  # an elastic job's changes
 
@@ -169,34 +169,28 @@ def launch(
             print(launch(fn, 10, cluster=cluster).results)  # [0, 10]
         ```
     """
-    called_at = time.time()
-    overrides = {
-        "world_size": world_size,
-        "max_failures": max_failures,
-        "backend": backend,
-        "workers": workers,
-        "hang_timeout_s": hang_timeout_s,
-        "first_step_timeout_s": first_step_timeout_s,
-    }
-    base = config.model_dump() if isinstance(config, LaunchConfig) else dict(config or {})
-    try:
-        settings = LaunchConfig.model_validate(
-            base | {k: v for k, v in overrides.items() if v is not None}
-        )
-        tracked = TrackingConfig.model_validate(tracking or {})
-    except ValidationError as error:  # one line naming the field, as a config file's would be
-        raise ConfigError(one_line(error)) from None
-    if keep_checkpoints < 1:
-        raise ValueError(f"keep_checkpoints: {keep_checkpoints}; keep at least 1")
+    request = JobRequest(
+        fn=fn,
+        settings=_settings(
+            config,
+            world_size=world_size,
+            max_failures=max_failures,
+            backend=backend,
+            workers=workers,
+            hang_timeout_s=hang_timeout_s,
+            first_step_timeout_s=first_step_timeout_s,
+        ),
+        name=name or getattr(fn, "__name__", "launch"),
+        args=args,
+        kwargs=kwargs,
+        checkpoint_dir=checkpoint_dir,
+        keep_checkpoints=keep_checkpoints,
+        storage_options=storage_options or {},
+    )
     if data is not None:
-        check_fixed_world(settings)
-    if not callable(fn):
-        raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
-    name = name or getattr(fn, "__name__", "launch")
-    tracker = None
-    if tracked.enabled:
-        run = {"name": name, "launch": settings.model_dump(mode="json")}
-        tracker = Tracker.open(tracked, run)
+        check_fixed_world(request.settings)
+    tracker = _tracker(tracking, request)
+    if tracker is not None:
         on_event = tracker.wrap(on_event)
     owned = cluster is None
     # A Ctrl-C that Python drops in a finalizer while this waits is raised again.
@@ -205,30 +199,7 @@ def launch(
             cluster = start_cluster()
         client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
         try:
-            # The collections go where the ranks will run: the job holds its workers first.
-            hold = JobHold(client, settings, name=name, on_event=on_event, stop=stop)
-            with (
-                hold,
-                prepared_data(client, data, settings, workers=hold.workers())
-                if data is not None
-                else contextlib.nullcontext() as prepared,
-            ):
-                result = launch_on(
-                    client,
-                    fn,
-                    args,
-                    kwargs,
-                    settings=settings,
-                    name=name,
-                    checkpoint_dir=checkpoint_dir,
-                    keep_checkpoints=keep_checkpoints,
-                    storage_options=storage_options,
-                    on_event=on_event,
-                    called_at=called_at,
-                    data=prepared.plan if prepared is not None else None,
-                    stop=stop,
-                    hold=hold,
-                )
+            result = _launch_placed(client, request, data, on_event=on_event, stop=stop)
         finally:
             if owned:
                 cluster.close()
@@ -236,6 +207,53 @@ def launch(
             summary = {"world_size": result.world_size, "recoveries": result.recoveries}
             tracker.finish({"strategy": "launch", **summary})
         return result
+
+
+def _launch_placed(
+    client: Client,
+    request: JobRequest,
+    data: Mapping[str, tuple[Any, Any]] | None,
+    *,
+    on_event: EventHandler | None,
+    stop: threading.Event | None,
+) -> LaunchResult:
+    """``launch_on``, ``data`` placed first where the ranks will run: the job holds its workers
+    before its collections go to them."""
+    hold = JobHold(client, request.settings, name=request.name, on_event=on_event, stop=stop)
+    with (
+        hold,
+        prepared_data(client, data, hold.world_size, workers=hold.workers())
+        if data is not None
+        else contextlib.nullcontext() as prepared,
+    ):
+        plan = prepared.plan if prepared is not None else None
+        return launch_on(client, request, on_event=on_event, data=plan, hold=hold)
+
+
+def _settings(config: LaunchConfig | dict[str, Any] | None, **overrides: Any) -> LaunchConfig:
+    """``config`` with the keywords given (not None) over it; a bad field is a one-line
+    ConfigError naming it, as a config file's would be."""
+    base = config.model_dump() if isinstance(config, LaunchConfig) else dict(config or {})
+    try:
+        return LaunchConfig.model_validate(
+            base | {k: v for k, v in overrides.items() if v is not None}
+        )
+    except ValidationError as error:
+        raise ConfigError(one_line(error)) from None
+
+
+def _tracker(
+    tracking: TrackingConfig | dict[str, Any] | None, request: JobRequest
+) -> Tracker | None:
+    """The TensorBoard or MLflow run rank 0's reports also go to, if ``tracking`` asks."""
+    try:
+        tracked = TrackingConfig.model_validate(tracking or {})
+    except ValidationError as error:
+        raise ConfigError(one_line(error)) from None
+    if not tracked.enabled:
+        return None
+    run = {"name": request.name, "launch": request.settings.model_dump(mode="json")}
+    return Tracker.open(tracked, run)
 
 
 class JobHold:
@@ -252,13 +270,18 @@ class JobHold:
         on_event: EventHandler | None = None,
         stop: threading.Event | None = None,
     ) -> None:
-        self.client, self.settings, self.on_event = client, settings, on_event
+        self.client, self.settings, self.on_event, self.stop = client, settings, on_event, stop
         self.spec = JobSpec.mint(name)
         # Until launch_on's relay exists, a record goes to the topic and on_event directly.
         self.emit: Callable[[BaseRecord], None] = self._emit_directly
         self.admission = admit(
             client, settings, job_id=self.spec.job_id, name=name, on_queued=self._queued, stop=stop
         )
+
+    @property
+    def world_size(self) -> int:
+        """A fixed job's number of ranks: its request to the queue decided it."""
+        return self.admission.request.world_size
 
     def workers(self) -> list[str]:
         """The job's workers in rank order, waiting in the queue for them if need be."""
@@ -289,115 +312,70 @@ class JobHold:
 
 def launch_on(
     client: Client,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    request: JobRequest,
     *,
-    settings: LaunchConfig,
-    name: str,
-    checkpoint_dir: str | Path | None,
-    keep_checkpoints: int,
-    on_event: EventHandler | None,
-    called_at: float,
-    final_records: Callable[[list[Any]], list[dict[str, Any]]] | None = None,
-    retry_code_errors: bool = False,
-    task_prefix: str = "launch",
-    signing_key_file: str | None = None,
+    on_event: EventHandler | None = None,
     data: CollectionPlan | None = None,
     stop: threading.Event | None = None,
     hold: JobHold | None = None,
-    step_boundaries: bool = True,
-    storage_options: dict[str, Any] | None = None,
-    run_id: str | None = None,
 ) -> LaunchResult:
-    """The generations of one launch on a connected client (``launch`` and ``train`` use
-    it): the job's `workflows.controller.JobController` runs them.
+    """The generations of one job on a connected client (``launch``, ``train`` and
+    ``dask-train launch`` use it): the job's `workflows.controller.JobController` runs them.
 
-    ``final_records`` picks, from the ranks' return values, records that ``on_event`` must
-    receive even if their events were still in flight (the built-in trainer's epochs). The
-    rank tasks are named ``<task_prefix>-<name>-<rank>-<generation>`` on the dashboard.
-    ``hold``: the job's place in the queue, when the caller took it first (``JobHold``).
-    ``step_boundaries``: whether ``fn`` passes step boundaries (``ctx.step_done``), where an
-    elastic job resizes; scripts have none and restart instead, as under torchrun.
-    ``run_id``: whose checkpoints in ``checkpoint_dir`` the job resumes from, writes and
-    deletes (its manifests name it); None: the job's ``name``, so a launch of the same name
-    continues, and one of another name leaves them alone.
+    ``data``: the job's Dask collections, placed on its workers. ``hold``: the job's place in
+    the queue, when the caller took it first (``JobHold``; it was given ``stop`` then).
     """
-    # Workers may run elsewhere: they get the checkpoint folder as an absolute path (a URL as
-    # it is: storage_options are its filesystem's).
-    directory = None if checkpoint_dir is None else str(checkpoint_dir)
-    if directory is not None and "://" not in directory:
-        directory = str(Path(directory).absolute())
     keep_training_metrics(client)
-    hold = hold or JobHold(client, settings, name=name, on_event=on_event, stop=stop)
-    spec = hold.spec
-    events = EventRelay(client, spec.event_topic, on_event)
-    hold.emit = events.emit
-    job = RankJob(
-        fn=fn,
-        args=args,
-        kwargs=kwargs,
-        name=name,
-        generation="",  # each generation's, filled in by the controller
-        attempt=0,
-        max_failures=settings.max_failures,
-        event_topic=spec.event_topic,
-        heartbeat_topic=spec.heartbeat_topic,
-        checkpoint_dir=directory,
-        run_id=run_id or name,
-        keep_checkpoints=keep_checkpoints,
-        signing_key_file=signing_key_file,
-        storage_options=dict(storage_options or {}),
-        data=data,
-        job_id=spec.job_id,
-        release_timeout_s=settings.release_timeout_s,
+    hold = hold or JobHold(
+        client, request.settings, name=request.name, on_event=on_event, stop=stop
     )
+    events = EventRelay(client, hold.spec.event_topic, on_event)
+    hold.emit = events.emit
     # The job's hold on its workers spans its generations: a recovering job keeps its place.
     with events, hold:
-        finished = JobController(
-            client,
-            spec,
-            settings=settings,
-            admission=hold.admission,
+        controller = JobController(
+            request,
+            hold=hold,
             events=events,
-            job=job,
-            task_prefix=task_prefix,
-            checkpoint_dir=directory,
-            signing_key_file=signing_key_file,
-            storage_options=storage_options,
-            retry_code_errors=retry_code_errors,
-            stop=stop,
-            fn=fn,
-            queued_once=lambda: hold.admission.queued_once,
-            step_boundaries=step_boundaries,
-        ).run()
-    wall_s = time.time() - called_at
+            job=request.rank_job(hold.spec, data),
+            failure_policy=FailurePolicy(
+                request.settings.max_failures, retry_code_errors=request.retry_code_errors
+            ),
+            scaling_policy=scaling_policy(hold.admission.request),
+        )
+        finished = controller.run()
+    return _launch_result(request, hold.spec, finished, events, ended_at=time.time())
+
+
+def _launch_result(
+    request: JobRequest, spec: JobSpec, finished: Finished, events: EventRelay, *, ended_at: float
+) -> LaunchResult:
+    """The job's result, once every record in flight reached ``on_event``."""
     if finished.resumed is not None and math.isnan(finished.first_step_at):
         # The ranks found the checkpoint at the end of their work: a run that had finished.
         logger.warning(
             "%s trained no step: it resumed at step %d from %s, where the run had already "
             "finished; give launch a new checkpoint folder to train again",
-            name,
+            request.name,
             finished.resumed.step,
             finished.resumed.checkpoint,
         )
     outcomes = finished.outcomes
     reports = [o.reports for o in outcomes]
     missed = [record for rank_reports in reports for record in rank_reports]
-    if final_records is not None:
-        missed = final_records([o.value for o in outcomes]) + missed
+    if request.final_records is not None:
+        missed = request.final_records([o.value for o in outcomes]) + missed
     events.deliver_missed(missed)
     earlier = events.reports_before(finished.attempts - 1, len(outcomes))
     return LaunchResult(
-        name=name,
+        name=request.name,
         world_size=len(outcomes),
         results=[o.value for o in outcomes],
         metrics=[before + now for before, now in zip(earlier, reports, strict=True)],
         recoveries=[r.summary() for r in finished.recoveries],
-        wall_s=wall_s,
-        first_step_s=finished.first_step_at - called_at,
+        wall_s=ended_at - request.called_at,
+        first_step_s=finished.first_step_at - request.called_at,
         attempts=finished.attempts,
-        outcomes=outcomes,
         job_id=spec.job_id,
         resizes=[r.record().to_event() for r in finished.resizes],
     )

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
 from distributed import Client, Future
@@ -39,6 +40,7 @@ from workflows.admission import (
     QueueTimeout,
     Request,
     TooFewWorkers,
+    Waits,
     rank_order,
 )
 from workflows.cluster import live_workers, most_workers
@@ -167,6 +169,25 @@ class Heartbeats:
             elif step != first and now - when > hang_timeout_s:
                 silent.append((rank, now - when))
         return silent
+
+
+@dataclass(frozen=True)
+class RankWatch:
+    """What ``ProcessGroup.run`` watches its ranks for, besides their ends.
+
+    ``heartbeats``: the ranks' signs of progress, for the hang bounds. ``stop``: set, the job
+    stops for good (`JobStopped`); ``restart``: set, this attempt's ranks stop (an elastic
+    script's resize). ``left_gracefully(worker)``: whether a worker that left the cluster was
+    retired (an elastic job's rank hands off at its step boundary as its worker closes); such a
+    rank is no failure, its result is None and the others run on. ``on_poll`` is called at
+    every look at the ranks.
+    """
+
+    heartbeats: Heartbeats | None = None
+    stop: "Stop | None" = None
+    restart: "Stop | None" = None
+    left_gracefully: Callable[[str], bool] | None = None
+    on_poll: Callable[[], None] | None = None
 
 
 class ProcessGroup:
@@ -406,23 +427,14 @@ class ProcessGroup:
         *args: Any,
         name: str = "rank",
         timeout_s: float | None = None,
-        heartbeats: Heartbeats | None = None,
-        stop: "Stop | None" = None,
-        restart: "Stop | None" = None,
-        left_gracefully: Callable[[str], bool] | None = None,
-        on_poll: Callable[[], None] | None = None,
+        watch: RankWatch = RankWatch(),
     ) -> list[Any]:
         """Run ``function(*args)`` once on every rank and return the results in rank order.
 
         Returns when every rank finished; raises :class:`RankFailed` for the root cause as
         soon as one rank raised or its worker left the cluster, and ``TimeoutError`` after
-        ``timeout_s``, and :class:`JobStopped` once ``stop`` is set (for good), or ``restart``
-        (this attempt only: an elastic script's resize).
-
-        ``left_gracefully(worker)``: whether a worker that left the cluster was retired (an
-        elastic job's rank hands off at its step boundary as its worker closes); such a rank
-        is no failure, its result is None and the others run on. ``on_poll`` is called at
-        every look at the ranks.
+        ``timeout_s``, and :class:`JobStopped` once ``watch.stop`` is set (for good), or
+        ``watch.restart`` (this attempt only); see `RankWatch`.
         """
         assert self.spec is not None, "start() first"
         futures = [
@@ -437,12 +449,12 @@ class ProcessGroup:
             for rank, address in enumerate(self.workers)
         ]
         self._departed: set[int] = set()
-        self._left_gracefully = left_gracefully
+        self._left_gracefully = watch.left_gracefully
         self._identities: dict[str, dict] = {}  # the workers as the last look saw them
         self._paused_since: dict[int, float] = {}
         self._started: set[int] = set()
         try:
-            self._watch(futures, timeout_s, heartbeats, stop, restart, on_poll)
+            self._watch(futures, timeout_s, watch)
             return [
                 None if rank in self._departed else self._result(rank, future)
                 for rank, future in enumerate(futures)
@@ -454,15 +466,7 @@ class ProcessGroup:
             # next job would see that memory freed during its run (a peak 45 MiB too low).
             self.client.cancel(futures)
 
-    def _watch(
-        self,
-        futures: list[Future],
-        timeout_s: float | None,
-        heartbeats: Heartbeats | None,
-        stop: "Stop | None",
-        restart: "Stop | None",
-        on_poll: Callable[[], None] | None = None,
-    ) -> None:
+    def _watch(self, futures: list[Future], timeout_s: float | None, watch: RankWatch) -> None:
         submitted = time.monotonic()
         deadline = None if timeout_s is None else submitted + timeout_s
         pending = list(futures)
@@ -487,20 +491,20 @@ class ProcessGroup:
             unstartable = self._unstartable(futures, undone)
             if unstartable is not None:
                 raise unstartable
-            if on_poll is not None:
-                on_poll()
-            if stop is not None and stop.is_set():
+            if watch.on_poll is not None:
+                watch.on_poll()
+            if watch.stop is not None and watch.stop.is_set():
                 raise JobStopped("the job was asked to stop")
-            if restart is not None and restart.is_set():
+            if watch.restart is not None and watch.restart.is_set():
                 raise JobStopped("the ranks stop for a resize", for_good=False)
             silent = (
-                heartbeats.silent_ranks(
+                watch.heartbeats.silent_ranks(
                     len(futures),
                     since=submitted,
                     hang_timeout_s=self.config.hang_timeout_s,
                     first_step_timeout_s=self.config.first_step_timeout_s,
                 )
-                if heartbeats
+                if watch.heartbeats
                 else []
             )
             if silent:
@@ -785,8 +789,8 @@ def hold_workers(client: Client, admission: Admission, selection: WorkerSelectio
 
 
 def ranks_for(client: Client, config: LaunchConfig) -> int:
-    """How many ranks a job of ``config`` has: ``config.world_size``, or every worker of its
-    selection the cluster has now (at least one). The one place a job's size is resolved."""
+    """How many ranks a fixed job of ``config`` has, as :func:`requested_ranks` decides it
+    (``train`` resolves its run's size with it before the job asks the queue)."""
     low, high = requested_ranks(client, config)
     if low != high:
         raise LaunchError(
@@ -798,7 +802,10 @@ def ranks_for(client: Client, config: LaunchConfig) -> int:
 
 def requested_ranks(client: Client, config: LaunchConfig) -> tuple[int, int]:
     """The fewest and the most ranks a job of ``config`` runs on: ``config.world_range``, or
-    every worker of its selection the cluster has now (at least one)."""
+    every worker of its selection the cluster has now (at least one). The one place a job's
+    size is decided: :func:`admit` puts it in the job's `Request` to the queue, whose
+    ``world_size`` the job's other parts read (``JobHold.world_size``: where its Dask
+    collections are placed)."""
     if config.world_range is not None:
         return config.world_range
     every = max(1, len(select_workers(live_workers(client), config.workers)))
@@ -835,8 +842,7 @@ def admit(
     return Admission(
         client,
         request,
-        queue_timeout_s=config.queue_timeout_s,
-        worker_wait_s=config.worker_wait_s,
+        Waits(queue_timeout_s=config.queue_timeout_s, worker_wait_s=config.worker_wait_s),
         on_queued=on_queued,
         stop=stop,
     )

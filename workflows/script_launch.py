@@ -11,7 +11,7 @@ import importlib.util
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from workers.spec.errors import ConfigError
 from workers.spec.launch import LaunchConfig
 from workflows.cluster import start_cluster
 from workflows.code_shipping import ship_modules
+from workflows.job_request import JobRequest
 from workflows.jobs import LaunchResult, launch_on
 
 
@@ -96,11 +97,19 @@ def resolve_target(target: str, *, module: bool) -> tuple[ScriptSpec | None, Cal
     )
 
 
+@dataclass(frozen=True)
+class LaunchTarget:
+    """What ``dask-train launch`` runs: a script file, a module (``module``: ``-m``), or
+    ``package.module:function``, and the arguments it is given."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+
+
 def launch_script(
-    target: str,
-    args: tuple[str, ...],
+    target: LaunchTarget,
     *,
-    module: bool = False,
     cluster: ClusterConfig,
     launch_config: LaunchConfig,
     output: Path | None = None,
@@ -108,69 +117,78 @@ def launch_script(
 ) -> LaunchResult:
     """Run ``target`` on every rank; ``output`` (a folder) gets the run's summary and log."""
     called_at = time.time()
-    spec, function = resolve_target(target, module=module)
-    run_id = f"{Path(target).stem or 'launch'}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    if output is not None:
-        output.mkdir(parents=True, exist_ok=True)
-    log = (output / "output.log").open("a", buffering=1) if output is not None else None
-    metrics = (output / "metrics.jsonl").open("a", buffering=1) if output is not None else None
-
-    def on_event(record: dict[str, Any]) -> None:
-        match parse_record(record):
-            case OutputRecord(rank=rank, lines=lines):
-                text = "".join(f"[rank {rank}] {line}" for line in lines)
-                echo(text.rstrip("\n"))
-                if log is not None:
-                    log.write(text)
-            case ReportRecord() if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")  # as it travelled
-            case ResumedRecord() as resumed:
-                echo(resumed.line())
-
-    try:
-        with start_cluster(cluster) as training_cluster:
-            client = training_cluster.client
-            if spec is not None and spec.module:
-                ship_modules(client, {spec.target.split(".")[0]})
-            if spec is not None:
-                spec = replace(spec, args=tuple(args), cwd=str(Path.cwd()), run_id=run_id)
-            result = launch_on(
-                client,
-                run_script if spec is not None else function,
-                (spec,) if spec is not None else args,
-                {},
-                settings=launch_config,
-                name=run_id,
-                # A function's ctx.save: a folder of the run's own, that --resume continues.
-                checkpoint_dir=output / "checkpoints" if output and spec is None else None,
-                # The folder holds one run (check_output): its checkpoints are that run's
-                # whatever this launch is named, so a --resume finds them.
-                run_id=OUTPUT_RUN if output is not None else None,
-                keep_checkpoints=1,
-                on_event=on_event,
-                called_at=called_at,
-                final_records=_final_output if spec is not None else None,
-                # torchrun's contract: any failure of a script restarts it, within the bound.
-                retry_code_errors=spec is not None,
-                # An elastic script restarts at a resize; a function resizes at ctx.step_done.
-                step_boundaries=spec is None,
-            )
-    finally:
-        for file in (log, metrics):
-            if file is not None:
-                file.close()
+    spec, function = resolve_target(target.target, module=target.module)
+    stem = Path(target.target).stem or "launch"
+    run_id = f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    with _RunOutput(output, echo) as run_output, start_cluster(cluster) as training_cluster:
+        client = training_cluster.client
+        if spec is not None and spec.module:
+            ship_modules(client, {spec.target.split(".")[0]})
+        if spec is not None:
+            spec = replace(spec, args=tuple(target.args), cwd=str(Path.cwd()), run_id=run_id)
+        request = JobRequest(
+            fn=run_script if spec is not None else function,
+            settings=launch_config,
+            name=run_id,
+            args=(spec,) if spec is not None else target.args,
+            # A function's ctx.save: a folder of the run's own, that --resume continues.
+            checkpoint_dir=output / "checkpoints" if output and spec is None else None,
+            keep_checkpoints=1,
+            # The folder holds one run (check_output): its checkpoints are that run's
+            # whatever this launch is named, so a --resume finds them.
+            run_id=OUTPUT_RUN if output is not None else None,
+            # torchrun's contract: any failure of a script restarts it, within the bound.
+            retry_code_errors=spec is not None,
+            # An elastic script restarts at a resize; a function resizes at ctx.step_done.
+            step_boundaries=spec is None,
+            final_records=_final_output if spec is not None else None,
+            called_at=called_at,
+        )
+        result = launch_on(client, request, on_event=run_output.on_event)
     if output is not None:
         summary = {
-            "target": target,
-            "args": list(args),
+            "target": target.target,
+            "args": list(target.args),
             "world_size": result.world_size,
             "attempts": result.attempts,
             "recoveries": result.recoveries,
             "wall_s": result.wall_s,
             "first_step_s": result.first_step_s,
         }
-        (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (output / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return result
+
+
+class _RunOutput:
+    """Where a launch's records go: its ranks' output to ``echo``, and in ``folder`` (if one is
+    given) to ``output.log``, its reports to ``metrics.jsonl``."""
+
+    def __init__(self, folder: Path | None, echo: Callable[[str], None]) -> None:
+        self.echo = echo
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        self.log = (folder / "output.log").open("a", buffering=1) if folder else None
+        self.metrics = (folder / "metrics.jsonl").open("a", buffering=1) if folder else None
+
+    def on_event(self, record: dict[str, Any]) -> None:
+        match parse_record(record):
+            case OutputRecord(rank=rank, lines=lines):
+                text = "".join(f"[rank {rank}] {line}" for line in lines)
+                self.echo(text.rstrip("\n"))
+                if self.log is not None:
+                    self.log.write(text)
+            case ReportRecord() if self.metrics is not None:
+                self.metrics.write(json.dumps(record) + "\n")  # as it travelled
+            case ResumedRecord() as resumed:
+                self.echo(resumed.line())
+
+    def __enter__(self) -> "_RunOutput":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for file in (self.log, self.metrics):
+            if file is not None:
+                file.close()
 
 
 def _final_output(results: list[ScriptResult]) -> list[dict[str, Any]]:

@@ -48,9 +48,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.records import ReportRecord, ResizedRecord, StepRecord, parse_record
+from workers.spec.run import RunConfig
 from workflows.benchmarks.stock_cluster import stock_cluster
 from workflows.cluster import TrainingCluster, live_workers, start_cluster
-from workflows.config import RunConfig, load_config
+from workflows.config import load_config
 from workflows.driver import train
 from workflows.jobs import launch
 from workflows.launcher import JobStopped

@@ -39,6 +39,7 @@ from workers.spec.launch import LaunchConfig
 from workflows.benchmarks.ddp_vs_torchrun import benchmark_config, run_torchrun
 from workflows.cluster import start_cluster
 from workflows.driver import train
+from workflows.job_request import JobRequest
 from workflows.jobs import launch, launch_on
 
 SCRIPT = "workflows.benchmarks.torchrun_rank"
@@ -57,19 +58,15 @@ def under_launch(client, config_json: str, workers: int) -> float:
             lines.extend(output.lines)
 
     spec = ScriptSpec(target=SCRIPT, module=True, args=(config_json,), run_id="bench")
-    launch_on(
-        client,
-        run_script,
-        (spec,),
-        {},
+    request = JobRequest(
+        fn=run_script,
         settings=LaunchConfig(world_size=workers),
         name="bench-script",
-        checkpoint_dir=None,
+        args=(spec,),
         keep_checkpoints=1,
-        on_event=on_event,
-        called_at=time.time(),
         final_records=lambda results: [r for result in results for r in result.output],
     )
+    launch_on(client, request, on_event=on_event)
     return _result(lines)["steady_samples_per_s"]
 
 
