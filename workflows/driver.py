@@ -32,6 +32,7 @@ from workflows.events import EventHandler
 from workflows.interrupts import DroppedInterrupts
 from workflows.jobs import JobHold, LaunchResult, TrainingFailed, launch_on
 from workflows.model_handback import collect_model
+from workflows.planner import check_worker_memory
 from workflows.preprocess import prepare_store
 from workflows.resolved_run import ResolvedRun, resolve_run
 from workflows.stores import StoreManifest, read_manifest
@@ -333,6 +334,8 @@ def _train_prepared(
     """Train ``run``'s ranks from ``collections``, or from the store ``manifest`` describes, or
     else from the store that preprocessing its data builds (or finds complete)."""
     config, layout, data = run.config, run.layout, run.config.data
+    known_classes = _known_classes(data, collections, manifest)
+    builder = None if factory is None else model_builder(config, known_classes, factory)
     if (
         factory is not None
         or not config.model.builtin
@@ -341,12 +344,12 @@ def _train_prepared(
     ):
         # The model's, the loss's and the optimizer's code, checked before the store is built
         # or a rank starts.
-        check_model(
-            config, num_classes=_known_classes(data, collections, manifest), factory=factory
-        )
+        check_model(config, num_classes=known_classes, factory=factory)
         # Modules named by import path that the workers lack travel to them; a factory given
         # in Python travels inside the job, and launch_on ships what that refers to.
         ship_modules(client, _imported_modules(config))
+    # A rank its worker cannot hold is refused now, not killed by the worker's nanny mid-run.
+    check_worker_memory(client, run, num_classes=known_classes, build=builder)
     if collections is None and manifest is None:
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, data, seed=config.training.seed)
