@@ -349,7 +349,15 @@ def _train_prepared(
         # in Python travels inside the job, and launch_on ships what that refers to.
         ship_modules(client, _imported_modules(config))
     # A rank its worker cannot hold is refused now, not killed by the worker's nanny mid-run.
-    check_worker_memory(client, run, num_classes=known_classes, build=builder)
+    # Collections' samples have their own shape, not data.sample_shape, which the profile of
+    # the activations feeds the model: their parameters and copies are checked.
+    check_worker_memory(
+        client,
+        run,
+        num_classes=known_classes,
+        build=builder,
+        activations=collections is None and manifest is None,
+    )
     if collections is None and manifest is None:
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, data, seed=config.training.seed)

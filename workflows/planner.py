@@ -7,6 +7,7 @@ cluster.
 """
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from workflows.cluster import live_workers
 from workflows.config import ConfigError, RunConfig
 from workflows.launcher import select_workers
 from workflows.resolved_run import ResolvedRun
+
+logger = logging.getLogger(__name__)
 
 # Per parameter byte a stage also holds its gradient and SGD's momentum buffer.
 _PARAM_COPIES = 3
@@ -399,12 +402,14 @@ def check_worker_memory(
     *,
     num_classes: int,
     build: Callable[[], nn.Module] | None = None,
+    activations: bool = True,
 ) -> None:
     """Refuse, before any rank starts, a run whose rank needs more memory than a worker of its
     cluster may use: a :class:`MemoryLimitExceeded` naming the figures and the fields that
     lower them. The need is ``dask-train plan``'s estimate (`estimate_memory`) for the run's
     own layout (every world of an elastic range); ``build`` gives the model instead of
-    ``config.model``.
+    ``config.model``; ``activations``: whether they are measured (on samples shaped as
+    ``data.sample_shape``), else left out.
 
     Nothing is profiled where the parameters alone, with their gradients, optimizer state and
     checkpoint copies, exceed the limit (the model is built on the meta device); otherwise the
@@ -472,20 +477,31 @@ def check_worker_memory(
         safe_to_build = 4 * parameters + in_use <= float(pause) * limit
     # The activations are measured unless the rest is too much already, or they are in a
     # GPU's memory, not the host's.
+    if not activations and estimate is None:
+        return  # nothing known without a profile
     if estimate is None or (
-        not on_gpu and safe_to_build and _host_bytes(estimate, on_gpu) <= allowed
+        activations and not on_gpu and safe_to_build and _host_bytes(estimate, on_gpu) <= allowed
     ):
-        profile = _profile_on(
-            client,
-            worker,
-            config,
-            num_classes=num_classes,
-            micro_batch=min(CHECK_ROWS, *(layout.micro_batch for layout in layouts)),
-            build=build,
-            repeats=1,
-        )
-        estimate = needed(profile.layers, profile.micro_batch, profile.largest_unit_bytes)
-        measured = not on_gpu
+        try:
+            profile = _profile_on(
+                client,
+                worker,
+                config,
+                num_classes=num_classes,
+                micro_batch=min(CHECK_ROWS, *(layout.micro_batch for layout in layouts)),
+                build=build,
+                repeats=1,
+            )
+        except ProfileFailed:
+            raise  # the worker left (killed for memory, most often): the run would not fit
+        except Exception as error:  # a check, not the run: the run's own errors are its own
+            logger.warning("activations not counted before the launch: profile failed: %s", error)
+            profile = None
+        if profile is not None:
+            estimate = needed(profile.layers, profile.micro_batch, profile.largest_unit_bytes)
+            measured = not on_gpu
+    if estimate is None:
+        return
     if _host_bytes(estimate, on_gpu) > allowed:
         message = _too_large(
             config,
