@@ -394,6 +394,8 @@ def _profile_on(
 # the rank's rows. Few, so that the profile itself stays far below any limit it checks.
 CHECK_ROWS = 8
 _MIB = 2**20
+# The profiles the checks measured in this process, by model and rows.
+_CHECKED: dict[tuple, DeviceProfile] = {}
 
 
 def check_worker_memory(
@@ -482,16 +484,30 @@ def check_worker_memory(
     if estimate is None or (
         activations and not on_gpu and safe_to_build and _host_bytes(estimate, on_gpu) <= allowed
     ):
+        micro_batch = min(CHECK_ROWS, *(layout.micro_batch for layout in layouts))
+        # The same model on the same rows measures the same bytes: a process that runs it
+        # again (a sweep's trials, a notebook's runs) profiles it once. A model given in
+        # Python may change between calls: measured every time.
+        known = None
+        if build is None:
+            known = (config.model.model_dump_json(), num_classes, config.data.sample_shape)
+            known += (config.data.tokens, micro_batch)
         try:
-            profile = _profile_on(
-                client,
-                worker,
-                config,
-                num_classes=num_classes,
-                micro_batch=min(CHECK_ROWS, *(layout.micro_batch for layout in layouts)),
-                build=build,
-                repeats=1,
-            )
+            profile = _CHECKED.get(known) if known else None
+            if profile is None:
+                profile = _profile_on(
+                    client,
+                    worker,
+                    config,
+                    num_classes=num_classes,
+                    micro_batch=micro_batch,
+                    build=build,
+                    repeats=1,
+                )
+                if known:
+                    if len(_CHECKED) >= 64:  # a bound: a process may try many models
+                        _CHECKED.clear()
+                    _CHECKED[known] = profile
         except ProfileFailed:
             raise  # the worker left (killed for memory, most often): the run would not fit
         except Exception as error:  # a check, not the run: the run's own errors are its own
