@@ -595,7 +595,9 @@ def _too_large(
         if not config.strategy_plan.splits_layers:
             changes.append("shard the model over the ranks (training.strategy = 'fsdp')")
         else:
-            changes.append("shard it over more ranks (launch.world_size)")
+            changes.append(
+                "shard it over more ranks (launch.world_size; parallel.dp_shard for hsdp)"
+            )
         if measured and estimate.activations:
             changes.append("lower training.batch_size")
     return (
