@@ -37,6 +37,7 @@ from workflows.interrupts import DroppedInterrupts
 from workflows.job_request import JobRequest
 from workflows.jobs import JobHold, LaunchResult, TrainingFailed, launch_on
 from workflows.model_handback import collect_model
+from workflows.planner import check_worker_memory
 from workflows.preprocess import prepare_store
 from workflows.resolved_run import ResolvedRun, resolve_run
 from workflows.stores import StoreManifest, read_manifest
@@ -310,7 +311,19 @@ def _train_prepared(
     else from the store that preprocessing its data builds (or finds complete)."""
     client, on_event, called_at, stop = call.client, call.on_event, call.called_at, call.stop
     config = run.config
-    _check_code(call, config, collections, manifest)
+    known_classes = _known_classes(config.data, collections, manifest)
+    _check_code(call, config, known_classes)
+    # A rank its worker cannot hold is refused now, not killed by the worker's nanny mid-run.
+    # Collections' samples have their own shape, not data.sample_shape, which the profile of
+    # the activations feeds the model: their parameters and copies are checked.
+    builder = None if call.factory is None else model_builder(config, known_classes, call.factory)
+    check_worker_memory(
+        client,
+        run,
+        num_classes=known_classes,
+        build=builder,
+        activations=collections is None and manifest is None,
+    )
     if collections is None and manifest is None:
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, config.data, seed=config.training.seed)
@@ -351,12 +364,7 @@ def _train_prepared(
     )
 
 
-def _check_code(
-    call: _TrainCall,
-    config: RunConfig,
-    collections: CollectionPlan | None,
-    manifest: StoreManifest | None,
-) -> None:
+def _check_code(call: _TrainCall, config: RunConfig, known_classes: int | None) -> None:
     """The model's, the loss's and the optimizer's code, checked before the store is built or a
     rank starts, where torch must build them to tell (built-in ones are checked without)."""
     if (
@@ -365,8 +373,7 @@ def _check_code(
         or config.training.loss not in LOSSES
         or not config.training.checked_without_torch
     ):
-        num_classes = _known_classes(config.data, collections, manifest)
-        check_model(config, num_classes=num_classes, factory=call.factory)
+        check_model(config, num_classes=known_classes, factory=call.factory)
         # Modules named by import path that the workers lack travel to them; a factory given
         # in Python travels inside the job, and launch_on ships what that refers to.
         ship_modules(call.client, _imported_modules(config))

@@ -7,10 +7,12 @@ cluster.
 """
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import dask.config
 import torch
 from distributed import Client
 from torch import nn
@@ -31,7 +33,10 @@ from workers.stage_cuts import (
     even_split,
 )
 from workflows.cluster import live_workers
+from workflows.launcher import select_workers
 from workflows.resolved_run import ResolvedRun
+
+logger = logging.getLogger(__name__)
 
 # Per parameter byte a stage also holds its gradient and SGD's momentum buffer.
 _PARAM_COPIES = 3
@@ -42,6 +47,10 @@ PROFILE_TIMEOUT_S = 300
 
 class ProfileFailed(RuntimeError):
     """The model could not be profiled: its worker left, or it took longer than the bound."""
+
+
+class MemoryLimitExceeded(ConfigError):
+    """A rank of the run needs more memory than a worker's nanny lets its process use."""
 
 
 @dataclass(frozen=True)
@@ -344,6 +353,7 @@ def _profile_on(
     num_classes: int,
     micro_batch: int,
     build: Callable[[], nn.Module] | None,
+    repeats: int = 7,
 ) -> DeviceProfile:
     """The model's profile, measured on ``worker`` (one worker, so that every layer is timed on
     the same device). Dask would hold a task bound to a worker that left for good, so this
@@ -355,6 +365,7 @@ def _profile_on(
         MicroBatch(micro_batch, config.data.sample_shape, tokens=config.data.tokens),
         num_classes=num_classes,
         build=build,
+        repeats=repeats,
         key=f"profile-{config.model.name}",
         workers=[worker],
         pure=False,
@@ -385,6 +396,229 @@ def _profile_on(
                 )
     finally:
         future.cancel()
+
+
+# Rows a pre-launch check profiles a rank's step on; estimate_memory scales the activations to
+# the rank's rows. Few, so that the profile itself stays far below any limit it checks.
+CHECK_ROWS = 8
+_MIB = 2**20
+# The profiles the checks measured in this process, by model and rows.
+_CHECKED: dict[tuple, DeviceProfile] = {}
+
+
+def check_worker_memory(
+    client: Client,
+    run: ResolvedRun,
+    *,
+    num_classes: int,
+    build: Callable[[], nn.Module] | None = None,
+    activations: bool = True,
+) -> None:
+    """Refuse, before any rank starts, a run whose rank needs more memory than a worker of its
+    cluster may use: a :class:`MemoryLimitExceeded` naming the figures and the fields that
+    lower them. The need is ``dask-train plan``'s estimate (`estimate_memory`) for the run's
+    own layout (every world of an elastic range); ``build`` gives the model instead of
+    ``config.model``; ``activations``: whether they are measured (on samples shaped as
+    ``data.sample_shape``), else left out.
+
+    Nothing is profiled where the parameters alone, with their gradients, optimizer state and
+    checkpoint copies, exceed the limit (the model is built on the meta device); otherwise the
+    activations are measured on the worker with the smallest limit, on ``CHECK_ROWS`` rows.
+    Staged and tensor-parallel runs are left alone: the planner cuts stages to fit the
+    workers' memory, and the estimate does not model split layers."""
+    config = run.config
+    layouts = list((run.layouts or {run.layout.world_size: run.layout}).values())
+    if config.strategy_plan.staged or any(lay.pp > 1 or lay.tp > 1 for lay in layouts):
+        return
+    workers = live_workers(client)
+    limits = {
+        a: workers[a].get("memory_limit") or 0 for a in select_workers(workers, run.launch.workers)
+    }
+    limited = {address: limit for address, limit in limits.items() if limit}
+    if not limited:  # 0 or None: no limit
+        return
+    worker, limit = min(limited.items(), key=lambda item: item[1])
+    # The nanny restarts a worker whose process passes this fraction of its limit
+    # (distributed.worker.memory.terminate; False: never), not the limit itself: a rank that
+    # fits the limit but not the fraction is killed all the same. Read on the worker, whose
+    # nanny's config it is (a `dask worker` elsewhere may have its own).
+    fractions = client.run(dask.config.get, "distributed.worker.memory", workers=[worker])[worker]
+    terminate = fractions.get("terminate")
+    if not terminate:
+        return
+    allowed = int(float(terminate) * limit)
+    # On a GPU the rank's tensors are in device memory; the host holds the checkpoints' copy.
+    on_gpu = client.run(torch.cuda.is_available, workers=[worker])[worker]
+    copies = checkpoint_copies(config)
+
+    def needed(layers: Sequence[LayerProfile], micro_batch: int, unit: int) -> MemoryEstimate:
+        """The largest estimate over the run's layouts, of what the worker's process holds."""
+        estimates = [
+            estimate_memory(
+                layers,
+                # A rank holds one micro-batch's activations at a time.
+                rows=layout.micro_batch,
+                micro_batch=micro_batch,
+                optimizer_buffers=optimizer_buffers(config.training),
+                shard=layout.dp_shard,
+                unit_bytes=unit,
+                checkpoint_copies=copies,
+            )
+            for layout in layouts
+        ]
+        return max(estimates, key=lambda e: _host_bytes(e, on_gpu))
+
+    whole = _on_meta(config, num_classes=num_classes, build=build)
+    estimate, measured = None, False
+    safe_to_build = True
+    if whole is not None:
+        from workers.models import largest_unit_bytes
+
+        parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
+        unmeasured = LayerProfile("model", 0.0, parameters, activation_bytes=0, output_bytes=0)
+        estimate = needed([unmeasured], 1, largest_unit_bytes(whole))
+        # The profile builds the model whole, with gradients, beside what the worker holds
+        # now: never where that alone could pass the limit (a model larger than a worker
+        # trains sharded, never built whole).
+        # Measured: a worker's process grew by ~4x the parameters profiling them; left above
+        # the pause fraction, the worker would take no task until its memory fell.
+        in_use = workers[worker].get("metrics", {}).get("memory", 0)
+        pause = fractions.get("pause") or terminate
+        safe_to_build = 4 * parameters + in_use <= float(pause) * limit
+    # The activations are measured unless the rest is too much already, or they are in a
+    # GPU's memory, not the host's.
+    if not activations and estimate is None:
+        return  # nothing known without a profile
+    if estimate is None or (
+        activations and not on_gpu and safe_to_build and _host_bytes(estimate, on_gpu) <= allowed
+    ):
+        micro_batch = min(CHECK_ROWS, *(layout.micro_batch for layout in layouts))
+        # The same model on the same rows measures the same bytes: a process that runs it
+        # again (a sweep's trials, a notebook's runs) profiles it once. A model given in
+        # Python may change between calls: measured every time.
+        known = None
+        if build is None:
+            known = (config.model.model_dump_json(), num_classes, config.data.sample_shape)
+            known += (config.data.tokens, micro_batch)
+        try:
+            profile = _CHECKED.get(known) if known else None
+            if profile is None:
+                profile = _profile_on(
+                    client,
+                    worker,
+                    config,
+                    num_classes=num_classes,
+                    micro_batch=micro_batch,
+                    build=build,
+                    repeats=1,
+                )
+                if known:
+                    if len(_CHECKED) >= 64:  # a bound: a process may try many models
+                        _CHECKED.clear()
+                    _CHECKED[known] = profile
+        except ProfileFailed:
+            raise  # the worker left (killed for memory, most often): the run would not fit
+        except Exception as error:  # a check, not the run: the run's own errors are its own
+            logger.warning("activations not counted before the launch: profile failed: %s", error)
+            profile = None
+        if profile is not None:
+            estimate = needed(profile.layers, profile.micro_batch, profile.largest_unit_bytes)
+            measured = not on_gpu
+    if estimate is None:
+        return
+    if _host_bytes(estimate, on_gpu) > allowed:
+        message = _too_large(
+            config,
+            estimate,
+            worker=worker,
+            limit=limit,
+            terminate=float(terminate),
+            on_gpu=on_gpu,
+            measured=measured,
+        )
+        raise MemoryLimitExceeded(message)
+
+
+def _host_bytes(estimate: MemoryEstimate, on_gpu: bool) -> int:
+    """What a rank's estimate puts in its worker's process: all of it on a CPU, the
+    checkpoints' CPU copy on a GPU."""
+    return estimate.checkpoint if on_gpu else estimate.total
+
+
+def _on_meta(
+    config: RunConfig, *, num_classes: int, build: Callable[[], nn.Module] | None
+) -> nn.Module | None:
+    """The run's model built on the meta device (its sizes, no memory); None for one that
+    computes with its tensors as it is built."""
+    from workers.losses import Criterion
+    from workers.models import build_model
+
+    try:
+        with torch.device("meta"):
+            if build is not None:
+                return build()
+            return build_model(
+                config.model,
+                num_classes=Criterion.of(config.training).outputs(num_classes),
+                seed=0,
+                input_shape=config.data.sample_shape,
+            )
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _too_large(
+    config: RunConfig,
+    estimate: MemoryEstimate,
+    *,
+    worker: str,
+    limit: int,
+    terminate: float,
+    on_gpu: bool,
+    measured: bool,
+) -> str:
+    """What a run refused for memory is told: the figures, and the fields that change them."""
+    needed = _host_bytes(estimate, on_gpu)
+    what = (
+        "its checkpoints' CPU copy"
+        if on_gpu
+        else (
+            f"parameters {estimate.parameters / _MIB:,.0f} + gradients "
+            f"{estimate.gradients / _MIB:,.0f} + optimizer state {estimate.optimizer / _MIB:,.0f}"
+            + (f" + activations {estimate.activations / _MIB:,.0f}" if measured else "")
+            + f" + checkpoint copies {estimate.checkpoint / _MIB:,.0f}"
+        )
+    )
+    at_least = "" if measured or on_gpu else "at least "
+    changes = [
+        "give the workers more memory (cluster.memory_limit, or --memory-limit of your "
+        "`dask worker`s)"
+    ]
+    if estimate.checkpoint:
+        changes.append(
+            f"keep no CPU copy of the state (checkpoint.async_save = false: "
+            f"-{estimate.checkpoint / _MIB:,.0f} MiB)"
+        )
+    if not on_gpu:
+        if not config.strategy_plan.splits_layers:
+            changes.append("shard the model over the ranks (training.strategy = 'fsdp')")
+        else:
+            changes.append(
+                "shard it over more ranks (launch.world_size; parallel.dp_shard for hsdp)"
+            )
+        if measured and estimate.activations:
+            changes.append("lower training.batch_size")
+    return (
+        f"cluster.memory_limit: a rank of this run needs {at_least}{needed / _MIB:,.0f} MiB "
+        f"({what}; `dask-train plan` shows the estimate), more than worker {worker} may use: "
+        f"{terminate:.0%} of its {limit / _MIB:,.0f} MiB limit, {terminate * limit / _MIB:,.0f} "
+        "MiB, where its nanny restarts it (distributed.worker.memory.terminate). "
+        + _sentence("; or ".join(changes))
+    )
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
 
 
 def planned_layout(run: ResolvedRun) -> Layout:
@@ -593,8 +827,10 @@ def _sample(config: RunConfig, rows: int) -> torch.Tensor:
 
 __all__ = [
     "MemoryEstimate",
+    "MemoryLimitExceeded",
     "Plan",
     "balanced_split",
+    "check_worker_memory",
     "checkpoint_copies",
     "estimate_memory",
     "optimizer_buffers",
