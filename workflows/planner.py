@@ -310,14 +310,8 @@ def plan(
     # What the schedule keeps alive per stage: GPipe every micro-batch, 1F1B at most p.
     in_flight = m if p.schedule == "gpipe" else min(m, n_stages)
     worker = min(live_workers(client))
-    profile = _profile_on(
-        client,
-        worker,
-        config,
-        num_classes=num_classes,
-        micro_batch=layout.micro_batch,
-        build=build,
-    )
+    model = ProfiledModel(config, num_classes, build)
+    profile = _profile_on(client, worker, model, micro_batch=layout.micro_batch)
     names = [layer.name for layer in profile.layers]
     if p.split_points is not None:
         points = list(p.split_points)
@@ -345,26 +339,30 @@ def plan(
     )
 
 
+@dataclass(frozen=True)
+class ProfiledModel:
+    """The model a profile builds: ``config``'s ``[model]`` for ``num_classes`` classes, or the
+    one ``build`` returns (run on the worker)."""
+
+    config: RunConfig
+    num_classes: int
+    build: Callable[[], nn.Module] | None = None
+
+
 def _profile_on(
-    client: Client,
-    worker: str,
-    config: RunConfig,
-    *,
-    num_classes: int,
-    micro_batch: int,
-    build: Callable[[], nn.Module] | None,
-    repeats: int = 7,
+    client: Client, worker: str, model: ProfiledModel, *, micro_batch: int, repeats: int = 7
 ) -> DeviceProfile:
     """The model's profile, measured on ``worker`` (one worker, so that every layer is timed on
     the same device). Dask would hold a task bound to a worker that left for good, so this
     watches the worker: one killed while profiling (out of memory, most often) is a
     ProfileFailed naming it within a second or two, not a silent wait."""
+    config = model.config
     future = client.submit(
         profile_model,
         config.model,
         MicroBatch(micro_batch, config.data.sample_shape, tokens=config.data.tokens),
-        num_classes=num_classes,
-        build=build,
+        num_classes=model.num_classes,
+        build=model.build,
         repeats=repeats,
         key=f"profile-{config.model.name}",
         workers=[worker],
@@ -428,15 +426,58 @@ def check_worker_memory(
     workers' memory, and the estimate does not model split layers."""
     config = run.config
     layouts = list((run.layouts or {run.layout.world_size: run.layout}).values())
-    if config.strategy_plan.staged or any(lay.pp > 1 or lay.tp > 1 for lay in layouts):
+    split = any(layout.pp > 1 or layout.tp > 1 for layout in layouts)
+    if get_plan(config.training.strategy).staged or split:
         return
+    bound = _smallest_worker(client, run)
+    if bound is None:
+        return
+    need = _RankNeed(config, tuple(layouts), on_gpu=bound.on_gpu)
+    model = ProfiledModel(config, num_classes, build)
+    estimate, safe_to_build = _without_activations(need, model, bound)
+    if not activations and estimate is None:
+        return  # nothing known without a profile
+    # The activations are measured unless the rest is too much already, they are in a GPU's
+    # memory, not the host's, or profiling could itself push the worker past its limit.
+    measure = activations and not bound.on_gpu and safe_to_build
+    measured = False
+    if estimate is None or (measure and need.host_bytes(estimate) <= bound.allowed):
+        micro_batch = min(CHECK_ROWS, *(layout.micro_batch for layout in layouts))
+        profile = _checked_profile(client, bound.address, model, micro_batch=micro_batch)
+        if profile is not None:
+            estimate = need.largest(profile)
+            measured = not bound.on_gpu
+    if estimate is not None and need.host_bytes(estimate) > bound.allowed:
+        raise MemoryLimitExceeded(_too_large(config, estimate, bound, measured=measured))
+
+
+@dataclass(frozen=True)
+class WorkerBound:
+    """The worker with the smallest memory limit among those a run may take, and the
+    fractions of it where its nanny pauses and restarts it."""
+
+    address: str
+    limit: int  # bytes
+    terminate: float  # distributed.worker.memory.terminate
+    pause: float  # distributed.worker.memory.pause
+    in_use: int  # bytes its process holds now
+    on_gpu: bool  # whether its ranks' tensors are in a GPU's memory
+
+    @property
+    def allowed(self) -> int:
+        return int(self.terminate * self.limit)
+
+
+def _smallest_worker(client: Client, run: ResolvedRun) -> WorkerBound | None:
+    """The run's most limited worker; None where no worker has a limit or a nanny that
+    enforces it."""
     workers = live_workers(client)
     limits = {
         a: workers[a].get("memory_limit") or 0 for a in select_workers(workers, run.launch.workers)
     }
     limited = {address: limit for address, limit in limits.items() if limit}
     if not limited:  # 0 or None: no limit
-        return
+        return None
     worker, limit = min(limited.items(), key=lambda item: item[1])
     # The nanny restarts a worker whose process passes this fraction of its limit
     # (distributed.worker.memory.terminate; False: never), not the limit itself: a rank that
@@ -445,121 +486,110 @@ def check_worker_memory(
     fractions = client.run(dask.config.get, "distributed.worker.memory", workers=[worker])[worker]
     terminate = fractions.get("terminate")
     if not terminate:
-        return
-    allowed = int(float(terminate) * limit)
-    # On a GPU the rank's tensors are in device memory; the host holds the checkpoints' copy.
-    on_gpu = client.run(torch.cuda.is_available, workers=[worker])[worker]
-    copies = checkpoint_copies(config)
+        return None
+    return WorkerBound(
+        address=worker,
+        limit=limit,
+        terminate=float(terminate),
+        pause=float(fractions.get("pause") or terminate),
+        in_use=workers[worker].get("metrics", {}).get("memory", 0),
+        on_gpu=client.run(torch.cuda.is_available, workers=[worker])[worker],
+    )
 
-    def needed(layers: Sequence[LayerProfile], micro_batch: int, unit: int) -> MemoryEstimate:
+
+@dataclass(frozen=True)
+class _RankNeed:
+    """What a rank of the run holds, over the run's layouts (an elastic range has several)."""
+
+    config: RunConfig
+    layouts: tuple[Layout, ...]
+    on_gpu: bool
+
+    def largest(self, profile: DeviceProfile) -> MemoryEstimate:
         """The largest estimate over the run's layouts, of what the worker's process holds."""
         estimates = [
             estimate_memory(
-                layers,
+                profile,
                 # A rank holds one micro-batch's activations at a time.
                 rows=layout.micro_batch,
-                micro_batch=micro_batch,
-                optimizer_buffers=optimizer_buffers(config.training),
+                optimizer_buffers=optimizer_buffers(self.config.training),
                 shard=layout.dp_shard,
-                unit_bytes=unit,
-                checkpoint_copies=copies,
+                checkpoint_copies=checkpoint_copies(self.config),
             )
-            for layout in layouts
+            for layout in self.layouts
         ]
-        return max(estimates, key=lambda e: _host_bytes(e, on_gpu))
+        return max(estimates, key=self.host_bytes)
 
-    whole = _on_meta(config, num_classes=num_classes, build=build)
-    estimate, measured = None, False
-    safe_to_build = True
-    if whole is not None:
-        from workers.models import largest_unit_bytes
-
-        parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
-        unmeasured = LayerProfile("model", 0.0, parameters, activation_bytes=0, output_bytes=0)
-        estimate = needed([unmeasured], 1, largest_unit_bytes(whole))
-        # The profile builds the model whole, with gradients, beside what the worker holds
-        # now: never where that alone could pass the limit (a model larger than a worker
-        # trains sharded, never built whole).
-        # Measured: a worker's process grew by ~4x the parameters profiling them; left above
-        # the pause fraction, the worker would take no task until its memory fell.
-        in_use = workers[worker].get("metrics", {}).get("memory", 0)
-        pause = fractions.get("pause") or terminate
-        safe_to_build = 4 * parameters + in_use <= float(pause) * limit
-    # The activations are measured unless the rest is too much already, or they are in a
-    # GPU's memory, not the host's.
-    if not activations and estimate is None:
-        return  # nothing known without a profile
-    if estimate is None or (
-        activations and not on_gpu and safe_to_build and _host_bytes(estimate, on_gpu) <= allowed
-    ):
-        micro_batch = min(CHECK_ROWS, *(layout.micro_batch for layout in layouts))
-        # The same model on the same rows measures the same bytes: a process that runs it
-        # again (a sweep's trials, a notebook's runs) profiles it once. A model given in
-        # Python may change between calls: measured every time.
-        known = None
-        if build is None:
-            known = (config.model.model_dump_json(), num_classes, config.data.sample_shape)
-            known += (config.data.tokens, micro_batch)
-        try:
-            profile = _CHECKED.get(known) if known else None
-            if profile is None:
-                profile = _profile_on(
-                    client,
-                    worker,
-                    config,
-                    num_classes=num_classes,
-                    micro_batch=micro_batch,
-                    build=build,
-                    repeats=1,
-                )
-                if known:
-                    if len(_CHECKED) >= 64:  # a bound: a process may try many models
-                        _CHECKED.clear()
-                    _CHECKED[known] = profile
-        except ProfileFailed:
-            raise  # the worker left (killed for memory, most often): the run would not fit
-        except Exception as error:  # a check, not the run: the run's own errors are its own
-            logger.warning("activations not counted before the launch: profile failed: %s", error)
-            profile = None
-        if profile is not None:
-            estimate = needed(profile.layers, profile.micro_batch, profile.largest_unit_bytes)
-            measured = not on_gpu
-    if estimate is None:
-        return
-    if _host_bytes(estimate, on_gpu) > allowed:
-        message = _too_large(
-            config,
-            estimate,
-            worker=worker,
-            limit=limit,
-            terminate=float(terminate),
-            on_gpu=on_gpu,
-            measured=measured,
-        )
-        raise MemoryLimitExceeded(message)
+    def host_bytes(self, estimate: MemoryEstimate) -> int:
+        """What a rank's estimate puts in its worker's process: all of it on a CPU, the
+        checkpoints' CPU copy on a GPU (the rank's tensors are in device memory)."""
+        return estimate.checkpoint if self.on_gpu else estimate.total
 
 
-def _host_bytes(estimate: MemoryEstimate, on_gpu: bool) -> int:
-    """What a rank's estimate puts in its worker's process: all of it on a CPU, the
-    checkpoints' CPU copy on a GPU."""
-    return estimate.checkpoint if on_gpu else estimate.total
+def _without_activations(
+    need: _RankNeed, model: ProfiledModel, bound: WorkerBound
+) -> tuple[MemoryEstimate | None, bool]:
+    """The estimate from the model's sizes on the meta device, activations left out (None for a
+    model that cannot be built there), and whether profiling it on the worker is safe."""
+    whole = _on_meta(model)
+    if whole is None:
+        return None, True
+    from workers.models import largest_unit_bytes
+
+    parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
+    unmeasured = LayerProfile("model", 0.0, parameters, activation_bytes=0, output_bytes=0)
+    sizes = DeviceProfile("meta", 0, 1, (unmeasured,), largest_unit_bytes(whole))
+    estimate = need.largest(sizes)
+    # The profile builds the model whole, with gradients, beside what the worker holds now:
+    # never where that alone could pass the limit (a model larger than a worker trains
+    # sharded, never built whole). Measured: a worker's process grew by ~4x the parameters
+    # profiling them; left above the pause fraction, the worker would take no task until its
+    # memory fell.
+    return estimate, 4 * parameters + bound.in_use <= bound.pause * bound.limit
 
 
-def _on_meta(
-    config: RunConfig, *, num_classes: int, build: Callable[[], nn.Module] | None
-) -> nn.Module | None:
-    """The run's model built on the meta device (its sizes, no memory); None for one that
-    computes with its tensors as it is built."""
+def _checked_profile(
+    client: Client, worker: str, model: ProfiledModel, *, micro_batch: int
+) -> DeviceProfile | None:
+    """The model's profile for a pre-launch check; None where profiling failed for a reason of
+    its own (the check is not the run: the run's own errors are its own). The same model on
+    the same rows measures the same bytes: a process that runs it again (a sweep's trials, a
+    notebook's runs) profiles it once. A model given in Python may change between calls: it is
+    measured every time."""
+    config, known = model.config, None
+    if model.build is None:
+        known = (config.model.model_dump_json(), model.num_classes, config.data.sample_shape)
+        known += (config.data.tokens, micro_batch)
+    if known in _CHECKED:
+        return _CHECKED[known]
+    try:
+        profile = _profile_on(client, worker, model, micro_batch=micro_batch, repeats=1)
+    except ProfileFailed:
+        raise  # the worker left (killed for memory, most often): the run would not fit
+    except Exception as error:
+        logger.warning("activations not counted before the launch: profile failed: %s", error)
+        return None
+    if known:
+        if len(_CHECKED) >= 64:  # a bound: a process may try many models
+            _CHECKED.clear()
+        _CHECKED[known] = profile
+    return profile
+
+
+def _on_meta(model: ProfiledModel) -> nn.Module | None:
+    """The model built on the meta device (its sizes, no memory); None for one that computes
+    with its tensors as it is built."""
     from workers.losses import Criterion
     from workers.models import build_model
 
+    config = model.config
     try:
         with torch.device("meta"):
-            if build is not None:
-                return build()
+            if model.build is not None:
+                return model.build()
             return build_model(
                 config.model,
-                num_classes=Criterion.of(config.training).outputs(num_classes),
+                num_classes=Criterion.of(config.training).outputs(model.num_classes),
                 seed=0,
                 input_shape=config.data.sample_shape,
             )
@@ -568,17 +598,11 @@ def _on_meta(
 
 
 def _too_large(
-    config: RunConfig,
-    estimate: MemoryEstimate,
-    *,
-    worker: str,
-    limit: int,
-    terminate: float,
-    on_gpu: bool,
-    measured: bool,
+    config: RunConfig, estimate: MemoryEstimate, bound: WorkerBound, *, measured: bool
 ) -> str:
     """What a run refused for memory is told: the figures, and the fields that change them."""
-    needed = _host_bytes(estimate, on_gpu)
+    on_gpu, limit, terminate = bound.on_gpu, bound.limit, bound.terminate
+    needed = estimate.checkpoint if on_gpu else estimate.total
     what = (
         "its checkpoints' CPU copy"
         if on_gpu
@@ -600,7 +624,7 @@ def _too_large(
             f"-{estimate.checkpoint / _MIB:,.0f} MiB)"
         )
     if not on_gpu:
-        if not config.strategy_plan.splits_layers:
+        if not get_plan(config.training.strategy).splits_layers:
             changes.append("shard the model over the ranks (training.strategy = 'fsdp')")
         else:
             changes.append(
@@ -610,10 +634,10 @@ def _too_large(
             changes.append("lower training.batch_size")
     return (
         f"cluster.memory_limit: a rank of this run needs {at_least}{needed / _MIB:,.0f} MiB "
-        f"({what}; `dask-train plan` shows the estimate), more than worker {worker} may use: "
-        f"{terminate:.0%} of its {limit / _MIB:,.0f} MiB limit, {terminate * limit / _MIB:,.0f} "
-        "MiB, where its nanny restarts it (distributed.worker.memory.terminate). "
-        + _sentence("; or ".join(changes))
+        f"({what}; `dask-train plan` shows the estimate), more than worker {bound.address} may "
+        f"use: {terminate:.0%} of its {limit / _MIB:,.0f} MiB limit, "
+        f"{terminate * limit / _MIB:,.0f} MiB, where its nanny restarts it "
+        "(distributed.worker.memory.terminate). " + _sentence("; or ".join(changes))
     )
 
 

@@ -69,7 +69,7 @@ def train_and_save(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from workers.checkpoint import CheckpointConfig, Progress, list_checkpoints, load_checkpoint
+    from workers.checkpoint import CheckpointConfig, Progress
     from workers.train import Checkpoints, CheckpointState
 
     model = DistributedDataParallel(_model(spec["width"], spec["layers"]))
@@ -110,19 +110,29 @@ def train_and_save(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
     }
     if checkpoints is None:
         return result
+    return result | _finish_and_load(checkpoints, state, spec)
+
+
+def _finish_and_load(checkpoints: Any, state: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The run's end: the wait for the upload in flight and its commit, the newest checkpoint's
+    size, and the time every rank takes to load it."""
+    import torch
+
+    from workers.checkpoint import list_checkpoints, load_checkpoint
+
     before = time.perf_counter()
     if checkpoints.finish is not None:
-        checkpoints.finish()  # the run's end: the upload in flight, then its commit
-    result["end_wait_s"] = time.perf_counter() - before
+        checkpoints.finish()
+    result: dict[str, Any] = {"end_wait_s": time.perf_counter() - before}
     newest = list_checkpoints(spec["directory"], spec["storage_options"])[0]
     result["bytes"] = _bytes_under(str(newest), spec["storage_options"])
     torch.distributed.barrier()
     before = time.perf_counter()
     load_checkpoint(
         newest,
-        modules=[model],
-        optimizer=optimizer,
-        scaler=scaler,
+        modules=state.modules,
+        optimizer=state.optimizer,
+        scaler=state.scaler,
         storage_options=spec["storage_options"],
     )
     torch.distributed.barrier()
