@@ -67,19 +67,22 @@ def test_a_rank_larger_than_its_worker_is_refused_before_any_rank_starts(
 
 
 @cpu_ranks
-def test_dask_train_run_counts_the_activations_and_names_the_batch(small_workers, store_dir):
-    # The digits CNN's parameters are 0.5 MiB, but 4,096 rows a rank hold ~1.1 GiB of
-    # activations: measured on a few rows, scaled to the rank's.
+def test_dask_train_run_refuses_a_model_its_workers_cannot_hold_in_one_line(
+    small_workers, store_dir
+):
+    # torchvision's vgg11 for 10 classes: 491 MiB of parameters, twice that of gradients on a
+    # DDP rank (its buckets): over the limit before any activation.
     arguments = ["run", str(CONFIGS / "digits_ddp.toml"), "--output", "refused"]
     arguments += ["--scheduler", small_workers.client.scheduler.address]
     arguments += ["--set", f"data.store='{store_dir / 'digits'}'"]
-    arguments += ["--set", "training.batch_size=8192"]
+    arguments += ["--set", "model.name='torchvision:vgg11'"]
     # The CLI in this process, as called from Python (tests/test_run_trust.py says why).
     done = CliRunner().invoke(main, arguments, standalone_mode=False)
     assert done.exit_code == 2, done.output
     (message,) = done.stderr.strip().splitlines()
     assert message.startswith("dask-train: cluster.memory_limit: a rank of this run needs ")
-    assert "+ activations " in message and "lower training.batch_size" in message
+    assert "parameters 491 + gradients 983" in message, message
+    assert "activations not counted" in message
     assert "train" not in small_workers.client.run_on_scheduler(_task_prefixes)
     assert "Epoch" not in done.stdout
 

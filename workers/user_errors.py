@@ -21,9 +21,10 @@ USER_ERRORS = (
     "BatchRefused",  # workers/sources/cifar10.py
     "CheckpointDamaged",  # workers/checkpoint.py
     "CheckpointError",  # workers/inference.py
-    "ConfigError",  # workflows/config.py
+    "ConfigError",  # workers/spec/errors.py
     "DataError",  # workflows/collections.py
     "InPlaceInitError",  # workers/in_place_init.py
+    "MemoryLimitExceeded",  # workflows/planner.py (a ConfigError, raised on the client)
     "ModelError",  # workers/model_sources/base.py
     "OptimizerError",  # workers/optimizers.py
     "SourceError",  # workers/sources/base.py

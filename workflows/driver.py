@@ -314,16 +314,8 @@ def _train_prepared(
     known_classes = _known_classes(config.data, collections, manifest)
     _check_code(call, config, known_classes)
     # A rank its worker cannot hold is refused now, not killed by the worker's nanny mid-run.
-    # Collections' samples have their own shape, not data.sample_shape, which the profile of
-    # the activations feeds the model: their parameters and copies are checked.
     builder = None if call.factory is None else model_builder(config, known_classes, call.factory)
-    check_worker_memory(
-        client,
-        run,
-        num_classes=known_classes,
-        build=builder,
-        activations=collections is None and manifest is None,
-    )
+    check_worker_memory(client, run, num_classes=known_classes, build=builder)
     if collections is None and manifest is None:
         # Preprocess on the same cluster first, unless a complete store for these inputs exists.
         manifest = prepare_store(client, config.data, seed=config.training.seed)

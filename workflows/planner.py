@@ -396,12 +396,7 @@ def _profile_on(
         future.cancel()
 
 
-# Rows a pre-launch check profiles a rank's step on; estimate_memory scales the activations to
-# the rank's rows. Few, so that the profile itself stays far below any limit it checks.
-CHECK_ROWS = 8
 _MIB = 2**20
-# The profiles the checks measured in this process, by model and rows.
-_CHECKED: dict[tuple, DeviceProfile] = {}
 
 
 def check_worker_memory(
@@ -410,20 +405,20 @@ def check_worker_memory(
     *,
     num_classes: int,
     build: Callable[[], nn.Module] | None = None,
-    activations: bool = True,
 ) -> None:
     """Refuse, before any rank starts, a run whose rank needs more memory than a worker of its
     cluster may use: a :class:`MemoryLimitExceeded` naming the figures and the fields that
     lower them. The need is ``dask-train plan``'s estimate (`estimate_memory`) for the run's
-    own layout (every world of an elastic range); ``build`` gives the model instead of
-    ``config.model``; ``activations``: whether they are measured (on samples shaped as
-    ``data.sample_shape``), else left out.
+    own layout (every world of an elastic range) from the model's sizes on the meta device:
+    its parameters, their gradients, the optimizer's state and the asynchronous checkpoints'
+    CPU copies; ``build`` gives the model instead of ``config.model``.
 
-    Nothing is profiled where the parameters alone, with their gradients, optimizer state and
-    checkpoint copies, exceed the limit (the model is built on the meta device); otherwise the
-    activations are measured on the worker with the smallest limit, on ``CHECK_ROWS`` rows.
-    Staged and tensor-parallel runs are left alone: the planner cuts stages to fit the
-    workers' memory, and the estimate does not model split layers."""
+    The activations are not counted: measuring them runs the model whole on a worker, which
+    costs seconds a run (8.6 s for resnet18 at first) and leaves that worker's heap grown for
+    the job after it (measured: an FSDP rank's peak 114 MiB where 85 MiB without). So a run
+    refused needs at least what the error says; `dask-train plan` measures the rest. Staged
+    and tensor-parallel runs are left alone: the planner cuts stages to fit the workers'
+    memory, and the estimate does not model split layers."""
     config = run.config
     layouts = list((run.layouts or {run.layout.world_size: run.layout}).values())
     split = any(layout.pp > 1 or layout.tp > 1 for layout in layouts)
@@ -432,35 +427,27 @@ def check_worker_memory(
     bound = _smallest_worker(client, run)
     if bound is None:
         return
-    need = _RankNeed(config, tuple(layouts), on_gpu=bound.on_gpu)
-    model = ProfiledModel(config, num_classes, build)
-    estimate, safe_to_build = _without_activations(need, model, bound)
-    if not activations and estimate is None:
-        return  # nothing known without a profile
-    # The activations are measured unless the rest is too much already, they are in a GPU's
-    # memory, not the host's, or profiling could itself push the worker past its limit.
-    measure = activations and not bound.on_gpu and safe_to_build
-    measured = False
-    if estimate is None or (measure and need.host_bytes(estimate) <= bound.allowed):
-        micro_batch = min(CHECK_ROWS, *(layout.micro_batch for layout in layouts))
-        profile = _checked_profile(client, bound.address, model, micro_batch=micro_batch)
-        if profile is not None:
-            estimate = need.largest(profile)
-            measured = not bound.on_gpu
-    if estimate is not None and need.host_bytes(estimate) > bound.allowed:
-        raise MemoryLimitExceeded(_too_large(config, estimate, bound, measured=measured))
+    whole = _on_meta(ProfiledModel(config, num_classes, build))
+    if whole is None:
+        return  # a model that computes with its tensors as it is built: its sizes are unknown
+    from workers.models import largest_unit_bytes
+
+    parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
+    unmeasured = LayerProfile("model", 0.0, parameters, activation_bytes=0, output_bytes=0)
+    sizes = DeviceProfile("meta", 0, 1, (unmeasured,), largest_unit_bytes(whole))
+    estimate = _RankNeed(config, tuple(layouts), on_gpu=bound.on_gpu).largest(sizes)
+    if _RankNeed.host_bytes(estimate, on_gpu=bound.on_gpu) > bound.allowed:
+        raise MemoryLimitExceeded(_too_large(config, estimate, bound))
 
 
 @dataclass(frozen=True)
 class WorkerBound:
-    """The worker with the smallest memory limit among those a run may take, and the
-    fractions of it where its nanny pauses and restarts it."""
+    """The worker with the smallest memory limit among those a run may take, and the fraction
+    of it where its nanny restarts it."""
 
     address: str
     limit: int  # bytes
     terminate: float  # distributed.worker.memory.terminate
-    pause: float  # distributed.worker.memory.pause
-    in_use: int  # bytes its process holds now
     on_gpu: bool  # whether its ranks' tensors are in a GPU's memory
 
     @property
@@ -483,18 +470,12 @@ def _smallest_worker(client: Client, run: ResolvedRun) -> WorkerBound | None:
     # (distributed.worker.memory.terminate; False: never), not the limit itself: a rank that
     # fits the limit but not the fraction is killed all the same. Read on the worker, whose
     # nanny's config it is (a `dask worker` elsewhere may have its own).
-    fractions = client.run(dask.config.get, "distributed.worker.memory", workers=[worker])[worker]
-    terminate = fractions.get("terminate")
+    key = "distributed.worker.memory.terminate"
+    terminate = client.run(dask.config.get, key, workers=[worker])[worker]
     if not terminate:
         return None
-    return WorkerBound(
-        address=worker,
-        limit=limit,
-        terminate=float(terminate),
-        pause=float(fractions.get("pause") or terminate),
-        in_use=workers[worker].get("metrics", {}).get("memory", 0),
-        on_gpu=client.run(torch.cuda.is_available, workers=[worker])[worker],
-    )
+    on_gpu = client.run(torch.cuda.is_available, workers=[worker])[worker]
+    return WorkerBound(worker, limit, float(terminate), on_gpu)
 
 
 @dataclass(frozen=True)
@@ -510,7 +491,6 @@ class _RankNeed:
         estimates = [
             estimate_memory(
                 profile,
-                # A rank holds one micro-batch's activations at a time.
                 rows=layout.micro_batch,
                 optimizer_buffers=optimizer_buffers(self.config.training),
                 shard=layout.dp_shard,
@@ -518,62 +498,13 @@ class _RankNeed:
             )
             for layout in self.layouts
         ]
-        return max(estimates, key=self.host_bytes)
+        return max(estimates, key=lambda e: self.host_bytes(e, on_gpu=self.on_gpu))
 
-    def host_bytes(self, estimate: MemoryEstimate) -> int:
+    @staticmethod
+    def host_bytes(estimate: MemoryEstimate, *, on_gpu: bool) -> int:
         """What a rank's estimate puts in its worker's process: all of it on a CPU, the
         checkpoints' CPU copy on a GPU (the rank's tensors are in device memory)."""
-        return estimate.checkpoint if self.on_gpu else estimate.total
-
-
-def _without_activations(
-    need: _RankNeed, model: ProfiledModel, bound: WorkerBound
-) -> tuple[MemoryEstimate | None, bool]:
-    """The estimate from the model's sizes on the meta device, activations left out (None for a
-    model that cannot be built there), and whether profiling it on the worker is safe."""
-    whole = _on_meta(model)
-    if whole is None:
-        return None, True
-    from workers.models import largest_unit_bytes
-
-    parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
-    unmeasured = LayerProfile("model", 0.0, parameters, activation_bytes=0, output_bytes=0)
-    sizes = DeviceProfile("meta", 0, 1, (unmeasured,), largest_unit_bytes(whole))
-    estimate = need.largest(sizes)
-    # The profile builds the model whole, with gradients, beside what the worker holds now:
-    # never where that alone could pass the limit (a model larger than a worker trains
-    # sharded, never built whole). Measured: a worker's process grew by ~4x the parameters
-    # profiling them; left above the pause fraction, the worker would take no task until its
-    # memory fell.
-    return estimate, 4 * parameters + bound.in_use <= bound.pause * bound.limit
-
-
-def _checked_profile(
-    client: Client, worker: str, model: ProfiledModel, *, micro_batch: int
-) -> DeviceProfile | None:
-    """The model's profile for a pre-launch check; None where profiling failed for a reason of
-    its own (the check is not the run: the run's own errors are its own). The same model on
-    the same rows measures the same bytes: a process that runs it again (a sweep's trials, a
-    notebook's runs) profiles it once. A model given in Python may change between calls: it is
-    measured every time."""
-    config, known = model.config, None
-    if model.build is None:
-        known = (config.model.model_dump_json(), model.num_classes, config.data.sample_shape)
-        known += (config.data.tokens, micro_batch)
-    if known in _CHECKED:
-        return _CHECKED[known]
-    try:
-        profile = _profile_on(client, worker, model, micro_batch=micro_batch, repeats=1)
-    except ProfileFailed:
-        raise  # the worker left (killed for memory, most often): the run would not fit
-    except Exception as error:
-        logger.warning("activations not counted before the launch: profile failed: %s", error)
-        return None
-    if known:
-        if len(_CHECKED) >= 64:  # a bound: a process may try many models
-            _CHECKED.clear()
-        _CHECKED[known] = profile
-    return profile
+        return estimate.checkpoint if on_gpu else estimate.total
 
 
 def _on_meta(model: ProfiledModel) -> nn.Module | None:
@@ -597,9 +528,7 @@ def _on_meta(model: ProfiledModel) -> nn.Module | None:
         return None
 
 
-def _too_large(
-    config: RunConfig, estimate: MemoryEstimate, bound: WorkerBound, *, measured: bool
-) -> str:
+def _too_large(config: RunConfig, estimate: MemoryEstimate, bound: WorkerBound) -> str:
     """What a run refused for memory is told: the figures, and the fields that change them."""
     on_gpu, limit, terminate = bound.on_gpu, bound.limit, bound.terminate
     needed = estimate.checkpoint if on_gpu else estimate.total
@@ -609,11 +538,11 @@ def _too_large(
         else (
             f"parameters {estimate.parameters / _MIB:,.0f} + gradients "
             f"{estimate.gradients / _MIB:,.0f} + optimizer state {estimate.optimizer / _MIB:,.0f}"
-            + (f" + activations {estimate.activations / _MIB:,.0f}" if measured else "")
-            + f" + checkpoint copies {estimate.checkpoint / _MIB:,.0f}"
+            + f" + checkpoint copies {estimate.checkpoint / _MIB:,.0f}; activations not counted"
         )
     )
-    at_least = "" if measured or on_gpu else "at least "
+    # The activations are not counted (check_worker_memory says why): a CPU rank needs more.
+    at_least = "" if on_gpu else "at least "
     changes = [
         "give the workers more memory (cluster.memory_limit, or --memory-limit of your "
         "`dask worker`s)"
@@ -630,8 +559,6 @@ def _too_large(
             changes.append(
                 "shard it over more ranks (launch.world_size; parallel.dp_shard for hsdp)"
             )
-        if measured and estimate.activations:
-            changes.append("lower training.batch_size")
     return (
         f"cluster.memory_limit: a rank of this run needs {at_least}{needed / _MIB:,.0f} MiB "
         f"({what}; `dask-train plan` shows the estimate), more than worker {bound.address} may "
