@@ -21,8 +21,8 @@ USER_ERRORS = (
     "BatchRefused",  # workers/sources/cifar10.py
     "CheckpointDamaged",  # workers/checkpoint.py
     "CheckpointError",  # workers/inference.py
-    "ConfigError",  # workflows/config.py
-    "DataError",  # workflows/collections.py
+    "ConfigError",  # workflows/runs/config.py
+    "DataError",  # workflows/jobs/collections.py
     "InPlaceInitError",  # workers/in_place_init.py
     "ModelError",  # workers/model_sources/base.py
     "OptimizerError",  # workers/optimizers.py
