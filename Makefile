@@ -118,7 +118,7 @@ bench-pipeline: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.pipeline
 
 screenshot: $(STAMP) browser
-	$(BIN)/python -m workflows.screenshot --output docs/assets/training-page.png
+	$(BIN)/python -m workflows.runs.screenshot --output docs/assets/training-page.png
 
 bench-predict: $(STAMP)
 	$(BIN)/python -m workflows.benchmarks.inference

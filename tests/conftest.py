@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workflows.cluster import live_workers, start_cluster
-from workflows.config import RunConfig, load_config
+from workflows.cluster.training_cluster import live_workers, start_cluster
+from workflows.runs.config import RunConfig, load_config
 
 REPO = Path(__file__).parents[1]
 # What running the tests legitimately leaves in the checkout.

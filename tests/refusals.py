@@ -2,7 +2,7 @@
 
 import pytest
 
-from workflows.config import ConfigError, load_config
+from workflows.runs.config import ConfigError, load_config
 
 
 def refusal(raw: dict, *, base: dict) -> str:

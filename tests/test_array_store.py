@@ -14,9 +14,9 @@ from distributed import get_task_stream
 
 from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_one_process
 from workers.sources import SourceError
-from workflows.collections import DataError
-from workflows.driver import train
-from workflows.stores import read_manifest
+from workflows.data.stores import read_manifest
+from workflows.jobs.collections import DataError
+from workflows.runs.driver import train
 
 # Uneven partitions, as a user's collections have them; the store re-cuts them into chunks.
 UNEVEN = (100, 37, 200, 13, 150, 60, 140)
@@ -89,7 +89,7 @@ def test_collections_are_written_by_tasks_keeping_dtype_and_ddp_matches_one_proc
 def test_collections_without_a_store_named_get_a_store_of_their_own(cluster):
     # The config's dataset (digits, by default) keeps its store: one named by the collections'
     # fingerprint is written instead, in the client's folder (this test's own).
-    from workflows.config import load_config
+    from workflows.runs.config import load_config
 
     raw = {"name": "arrays", "data": {"collections": "store", "chunk_size": 64}}
     config = load_config(raw | {"training": SGD_FEW_STEPS | {"batch_size": 32, "max_steps": 1}})

@@ -25,8 +25,8 @@ from workers.checkpoint import (
     tensors_only_planner,
     verify_checkpoint,
 )
-from workflows.driver import train
-from workflows.run_directory import RunDirectory
+from workflows.runs.driver import train
+from workflows.runs.run_directory import RunDirectory
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "epochs": 1}
 

@@ -22,7 +22,7 @@ from tests.datasets import write_tiny_cifar10
 from workers.models import build_model
 from workers.sources import Decoding, InputRequest, SourceError
 from workers.sources.cifar10 import BatchRefused, Cifar10, read_batch
-from workflows.config import load_config
+from workflows.runs.config import load_config
 
 # -- hand-assembled pickles -------------------------------------------------------------------
 

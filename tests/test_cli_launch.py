@@ -18,9 +18,9 @@ import pytest
 
 from tests.commands import dask_train, session_leftovers
 from tests.test_elastic import no_restart
-from workflows.cluster import ClusterConfig, live_workers
-from workflows.launcher import LaunchConfig
-from workflows.script_launch import LaunchTarget, launch_script
+from workflows.cluster.training_cluster import ClusterConfig, live_workers
+from workflows.jobs.launcher import LaunchConfig
+from workflows.jobs.script_launch import LaunchTarget, launch_script
 
 ROOT = Path(__file__).parents[1]
 

@@ -9,8 +9,8 @@ import torch
 
 from tests.commands import run_dask_train
 from workers.models import build_model
-from workflows.config import load_config
-from workflows.preprocess import prepare_store
+from workflows.data.preprocess import prepare_store
+from workflows.runs.config import load_config
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 

@@ -17,7 +17,7 @@ from distributed import Client
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.commands import run_python, session_leftovers
-from workflows.cluster import (
+from workflows.cluster.training_cluster import (
     ClusterConfig,
     count_gpus,
     live_workers,
@@ -98,7 +98,7 @@ def test_without_malloc_tuning_workers_get_glibc_defaults_not_dasks_trim():
 
 RESTART_IN_A_FRESH_PROCESS = """
 import json, os, time
-from workflows.cluster import TUNED_MALLOC, start_cluster
+from workflows.cluster.training_cluster import TUNED_MALLOC, start_cluster
 
 keys = [*TUNED_MALLOC, "PYTHONHASHSEED"]
 before = {key: os.environ.get(key) for key in keys}
@@ -245,7 +245,8 @@ def test_a_script_that_starts_a_cluster_without_the_main_guard_fails_at_once(tmp
     assert done.returncode == 1
     assert "started" not in done.stdout  # no cluster, so no workers that re-import the script
     assert done.stderr.splitlines()[-1] == (
-        f"workflows.cluster.ScriptWithoutMainGuard: {script}, line 3: the cluster is started at "
+        "workflows.cluster.training_cluster.ScriptWithoutMainGuard: "
+        f"{script}, line 3: the cluster is started at "
         "the script's top level; put the code that starts the cluster under "
         'if __name__ == "__main__": (Dask\'s worker processes import the main script again)'
     )

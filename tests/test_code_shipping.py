@@ -1,5 +1,5 @@
 """Code shipping: stock ``dask worker`` processes, started in a folder that cannot import the
-user's code, run it all the same (``workflows/code_shipping.py``): a function on ``launch``, a
+user's code, run it all the same (``workflows/jobs/code_shipping.py``): a function on ``launch``, a
 module under ``dask-train launch``, a model factory by import path. One stock cluster serves the
 module and stops with it (idle, it would cost the rest of the suite a share of a core)."""
 
@@ -22,9 +22,9 @@ from tests.test_models import BASE, _user_module
 from workers.data import open_store
 from workers.spec.sections import ModelConfig
 from workflows import CodeNotShippable, launch
-from workflows.batch_predict import predict
-from workflows.driver import train
-from workflows.run_directory import RunDirectory
+from workflows.prediction.batch_predict import predict
+from workflows.runs.driver import train
+from workflows.runs.run_directory import RunDirectory
 
 
 @pytest.fixture(scope="module")

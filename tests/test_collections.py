@@ -25,7 +25,7 @@ from tests.reference import Reference, assert_equivalent
 from workers.collection_shard import RankRows, RankShard, SplitPlan, batch_sizes
 from workers.spec.sections import DataConfig
 from workflows import launch
-from workflows.collections import DataError, assign_rows, balanced_shares
+from workflows.jobs.collections import DataError, assign_rows, balanced_shares
 
 # Seven partitions of 1 to 1,000 rows.
 UNEVEN = (1, 1000, 17, 250, 3, 600, 99)
@@ -85,7 +85,7 @@ def test_every_sample_once_per_epoch_on_two_ranks_from_uneven_partitions(cluster
 
 @pytest.mark.slow
 def test_every_sample_once_per_epoch_on_three_ranks_from_dataframes():
-    from workflows.cluster import start_cluster
+    from workflows.cluster.training_cluster import start_cluster
 
     n = sum(UNEVEN)
     frame = pd.DataFrame({"id": np.arange(n, dtype=np.float64), "b": np.arange(n) % 7})
@@ -372,7 +372,7 @@ def _images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def test_train_from_dask_arrays_validates_on_every_sample_once(cluster, make_config):
     from workers.models import build_model
-    from workflows.driver import train
+    from workflows.runs.driver import train
 
     x, y = _images(700, 0)
     x_val, y_val = _images(301, 1)
@@ -402,7 +402,7 @@ def test_a_tabular_regressor_trains_from_a_dask_dataframe_with_mse(cluster, make
     from sklearn.metrics import mean_squared_error, r2_score
 
     from workers.models import build_model
-    from workflows.driver import train
+    from workflows.runs.driver import train
 
     rng = np.random.default_rng(0)
     frame = pd.DataFrame(rng.normal(size=(900, 3)), columns=["a", "b", "c"]).astype("float32")
@@ -430,7 +430,7 @@ def test_a_tabular_regressor_trains_from_a_dask_dataframe_with_mse(cluster, make
 
 
 def test_train_refuses_targets_that_are_not_class_labels(cluster, make_config):
-    from workflows.driver import train
+    from workflows.runs.driver import train
 
     x, _ = _images(100, 0)
     floats = da.from_array(np.linspace(0, 1, 100), chunks=50)
@@ -456,7 +456,7 @@ def ids_of_both_splits(ctx) -> list[int]:
 
 def test_parquet_files_train_and_validate_on_every_row_once(cluster, make_config, tmp_path):
     from workers.sources import SourceError, get_source
-    from workflows.driver import train
+    from workflows.runs.driver import train
 
     n = sum(UNEVEN)
     frame = pd.DataFrame({"id": np.arange(n, dtype=np.float64), "b": np.arange(n) % 7})

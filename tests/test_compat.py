@@ -34,7 +34,7 @@ KNOWN = {
     *("_forkserver", "_preload_modules", "_forkserver_pid", "_Unpickler", "_base"),  # CPython
 }
 # Other libraries' private names, which this test is not about (file, name).
-ELSEWHERE = {("workflows/batch_predict.py", "_strip_protocol")}  # fsspec's
+ELSEWHERE = {("workflows/prediction/batch_predict.py", "_strip_protocol")}  # fsspec's
 
 
 def _compat_modules() -> list[str]:
@@ -132,7 +132,13 @@ def test_held_workers_are_never_retired_and_waiting_jobs_count_in_the_adaptive_t
 
     from distributed import Scheduler, Worker
 
-    from workflows.admission import QUEUE_PLUGIN_NAME, Request, WorkerQueue, WorkerSelection, _Entry
+    from workflows.jobs.admission import (
+        QUEUE_PLUGIN_NAME,
+        Request,
+        WorkerQueue,
+        WorkerSelection,
+        _Entry,
+    )
 
     async def check() -> tuple[list[str], list[str], int, str]:
         async with (
@@ -339,7 +345,7 @@ def test_the_check_finds_a_private_use(code):
         "self._storage = storage\nself._run()",
         "import os, sys, _thread\nos._exit(1)\nsys._getframe(1)",
         "directory._finished_summary()",
-        "from workflows.config import _one_line",
+        "from workflows.runs.config import _one_line",
         "logging.getLogger().handlers",
         "worker.process",
         "'_prob'",

@@ -10,8 +10,8 @@ from tests import test_text as text
 from tests.reference import Reference, assert_equivalent, assert_matches_one_process
 from workers.compilation import apply_compile
 from workers.models import build_model
-from workflows.config import ConfigError, check_model
-from workflows.driver import train
+from workflows.runs.config import ConfigError, check_model
+from workflows.runs.driver import train
 
 STEPS = 2
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.commands import run_python
-from workflows.config import ConfigError, load_config
+from workflows.runs.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 
@@ -101,7 +101,7 @@ def test_validate_never_imports_torch_dcp_or_pipelining():
         "import sys\n"
         "from workflows.cli import main\n"
         f"main(['validate', {pipeline_dp!r}], standalone_mode=False)\n"
-        "from workflows.config import load_config\n"
+        "from workflows.runs.config import load_config\n"
         f"load_config({str(CONFIGS / 'digits_pipeline.toml')!r})\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
@@ -116,7 +116,7 @@ def test_the_client_never_imports_dtensor_dcp_or_dynamo():
     # for the functions they send, not what those import on a rank (measured: a script's
     # imports took 3.9 s with them, 2.5 s without).
     code = (
-        "import sys, workflows, workflows.driver\n"
+        "import sys, workflows, workflows.runs.driver\n"
         "heavy = ('torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch._dynamo')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
@@ -153,7 +153,7 @@ def test_an_unreadable_signing_key_file_is_one_line_naming_the_field(tmp_path):
 def test_train_from_python_refuses_a_missing_data_root_before_it_starts_a_cluster(tmp_path):
     import psutil
 
-    from workflows.driver import train
+    from workflows.runs.driver import train
 
     config = load_config(
         {"data": {"dataset": "cifar10", "root": str(tmp_path / "absent")}, "training": {}}

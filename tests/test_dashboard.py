@@ -12,9 +12,9 @@ from PIL import Image
 
 from tests.commands import run_python
 from tests.test_monitoring import send_elastic_job
-from workflows.dashboard import ROUTE
-from workflows.driver import train
-from workflows.screenshot import screenshot
+from workflows.observe.dashboard import ROUTE
+from workflows.runs.driver import train
+from workflows.runs.screenshot import screenshot
 
 BOKEH_BLUE = (31, 119, 180)  # the train curves' default colour
 
@@ -108,8 +108,8 @@ def test_the_scheduler_side_modules_do_not_import_the_driver():
     # The scheduler imports both; the driver imports the monitoring plugin, which imports the
     # dashboard: importing the driver from there would close a cycle.
     code = (
-        "import sys, workflows.dashboard, workflows.monitoring; "
-        "print('workflows.driver' in sys.modules)"
+        "import sys, workflows.observe.dashboard, workflows.observe.monitoring; "
+        "print('workflows.runs.driver' in sys.modules)"
     )
     done = run_python(code)
     assert done.returncode == 0, done.stderr
@@ -117,7 +117,7 @@ def test_the_scheduler_side_modules_do_not_import_the_driver():
 
 
 def test_a_long_lived_schedulers_page_plots_the_newest_jobs_and_folds_the_sweeps():
-    from workflows.dashboard import PLOTTED_JOBS, render_page
+    from workflows.observe.dashboard import PLOTTED_JOBS, render_page
 
     record = {"strategy": "ddp", "world_size": 2, "epoch": 1, "epochs": 1, "step": 3}
     history = [{"epoch": 1, "loss": 1.0, "accuracy": 0.5}]
@@ -151,7 +151,7 @@ def _figures(html: str) -> list[dict]:
 
 
 def test_the_plots_legends_sit_beside_them_not_over_their_curves():
-    from workflows.dashboard import render_page
+    from workflows.observe.dashboard import render_page
 
     world = [
         {"kind": "world", "at": 1000.0, "world_size": 2, "cause": "formed"},

@@ -26,7 +26,7 @@ from workers.data import (
     open_store,
     rank_epoch_indices,
 )
-from workflows.preprocess import prepare_store
+from workflows.data.preprocess import prepare_store
 
 
 @pytest.mark.parametrize(

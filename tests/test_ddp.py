@@ -9,8 +9,8 @@ import torch
 
 from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_one_process
 from tests.test_launch import _without_idle_comms
-from workflows.driver import format_epoch, train
-from workflows.run_directory import RunDirectory
+from workflows.runs.driver import format_epoch, train
+from workflows.runs.run_directory import RunDirectory
 
 BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3}
 

@@ -10,7 +10,7 @@ import torch
 
 from workers.devices import owned_device_indices, rank_device_index
 from workers.precision import slow_precision
-from workflows.cluster import NvmlError, no_gpus_or_raise
+from workflows.cluster.training_cluster import NvmlError, no_gpus_or_raise
 
 
 def test_a_worker_that_sees_one_gpu_uses_cuda0_whatever_its_local_rank():

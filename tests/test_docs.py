@@ -267,10 +267,10 @@ def _parameters(fn: Any, *, skip: int = 0) -> set[str]:
 
 def _check_call(fn: Any, call: ast.Call, functions: dict[str, ast.FunctionDef]) -> list[str]:
     import workflows
-    from workflows.batch_predict import PredictConfig
-    from workflows.cluster import ClusterConfig
-    from workflows.config import ConfigError, load_config
-    from workflows.launcher import LaunchConfig
+    from workflows.cluster.training_cluster import ClusterConfig
+    from workflows.jobs.launcher import LaunchConfig
+    from workflows.prediction.batch_predict import PredictConfig
+    from workflows.runs.config import ConfigError, load_config
 
     name = getattr(fn, "__qualname__", repr(fn))
     try:
@@ -350,8 +350,8 @@ def _without_missing_files(message: str) -> str:
 
 
 def load_toml(text: str) -> None:
-    from workflows.batch_predict import load_predict_config
-    from workflows.config import ConfigError
+    from workflows.prediction.batch_predict import load_predict_config
+    from workflows.runs.config import ConfigError
 
     try:
         load_predict_config(tomllib.loads(text))
@@ -389,9 +389,9 @@ def check_command(args: list[str]) -> list[str]:
     CONFIG with its ``--set`` overrides."""
     import click
 
-    from workflows.batch_predict import load_predict_config
     from workflows.cli import main
-    from workflows.config import ConfigError
+    from workflows.prediction.batch_predict import load_predict_config
+    from workflows.runs.config import ConfigError
 
     options = [a for a in args if a in ("-v", "--verbose")]
     rest = args[len(options) :]
@@ -717,8 +717,8 @@ def _leaf_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
 
 
 def test_the_configuration_page_lists_every_key_with_a_description():
-    from workflows.batch_predict import PredictConfig
-    from workflows.config import RunConfig
+    from workflows.prediction.batch_predict import PredictConfig
+    from workflows.runs.config import RunConfig
 
     hook = _configuration_hook()
     page = (REPO / "docs" / "reference" / "configuration.md").read_text()

@@ -43,11 +43,11 @@ from workers.rank_context import RankJob
 from workers.spec.layout import Layout
 from workers.train import TrainJob, run_rank
 from workflows import launch, start_cluster, train
-from workflows.admission import Request, WorkerQueue, WorkerSelection
-from workflows.cluster import live_workers
-from workflows.config import ConfigError, load_config
-from workflows.launcher import LaunchConfig
-from workflows.preprocess import prepare_store
+from workflows.cluster.training_cluster import live_workers
+from workflows.data.preprocess import prepare_store
+from workflows.jobs.admission import Request, WorkerQueue, WorkerSelection
+from workflows.jobs.launcher import LaunchConfig
+from workflows.runs.config import ConfigError, load_config
 
 GLOBAL_BATCH = 60  # every world from 1 to 5 splits it evenly: DDP's mean is the batch's
 WAIT_S = 60.0  # each phase of a test: the cluster and the job must get there within it
@@ -358,7 +358,7 @@ def test_a_joining_worker_that_cannot_prepare_is_left_out_and_the_job_goes_on(tm
         client = training_cluster.client
         first = set(live_workers(client))
         job = elastic_job(training_cluster, stop_file, "2:3")
-        with job as watch, caplog.at_level("WARNING", logger="workflows.controller"):
+        with job as watch, caplog.at_level("WARNING", logger="workflows.jobs.controller"):
             watch.until("2 ranks training", watch.world(2))
             scheduler = client.scheduler.address
             with stock_dask_worker(scheduler, tmp_path / "worker.log", env=environment):
@@ -413,7 +413,7 @@ def test_a_trainers_newcomer_opens_the_store_and_builds_the_model_first_one_with
         client = training.client
         first = set(live_workers(client))
         job = trainer_job(training, config, tmp_path)
-        with job as watch, caplog.at_level("WARNING", logger="workflows.controller"):
+        with job as watch, caplog.at_level("WARNING", logger="workflows.jobs.controller"):
             watch.until("training", lambda rs: any(r["kind"] == "step" for r in rs))
             with stock_dask_worker(client.scheduler.address, tmp_path / "worker.log"):
                 client.wait_for_workers(3, timeout=WAIT_S)
@@ -509,14 +509,14 @@ def test_a_worker_prepares_a_trainer_rank_by_its_store_and_model_and_names_what_
 @pytest.mark.equivalence
 @pytest.mark.timeout(120)
 def test_a_sigkilled_worker_under_a_warm_stock_nanny_comes_back_needing_no_preparation(tmp_path):
-    # `dask worker --preload-nanny workflows.warm_workers`: the nanny forks its worker
+    # `dask worker --preload-nanny workflows.cluster.warm_workers`: the nanny forks its worker
     # processes from a fork server that imported torch, so the process it starts after a
     # SIGKILL takes the lost rank without importing anything (a cold one is prepared first).
     stop_file = tmp_path / "stop"
     with start_cluster(n_workers=1, dashboard_port=0) as training_cluster:
         client = training_cluster.client
         (forked,) = live_workers(client)
-        warm = ("--preload-nanny", "workflows.warm_workers")
+        warm = ("--preload-nanny", "workflows.cluster.warm_workers")
         with (
             contextlib.ExitStack() as stack,
             stock_dask_worker(client.scheduler.address, tmp_path / "worker.log", *warm),

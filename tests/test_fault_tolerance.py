@@ -29,8 +29,8 @@ from workers.checkpoint import (
     verify_checkpoint,
 )
 from workers.models import build_model
-from workflows.driver import train
-from workflows.launcher import ProcessGroup
+from workflows.jobs.launcher import ProcessGroup
+from workflows.runs.driver import train
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "log_every_steps": 1}
 
@@ -161,7 +161,7 @@ def test_sigstop_of_a_worker_is_detected_within_the_hang_timeout(own_cluster, ch
 # A run that gave up but then waited on (for the lost worker, for a release) times out here.
 @pytest.mark.timeout(150)
 def test_max_failures_bounds_the_restarts_with_a_clear_message(own_cluster, checkpointed):
-    from workflows.driver import TrainingFailed
+    from workflows.runs.driver import TrainingFailed
 
     config = checkpointed("fragile", epochs=3, launch={"max_failures": 0})
     victim = max(_worker_pids(own_cluster).values())

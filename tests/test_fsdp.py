@@ -19,8 +19,8 @@ from tests.reference import (
 )
 from tests.refusals import refusal
 from workers.checkpoint import MANIFEST, list_checkpoints
-from workflows.config import load_config
-from workflows.driver import train
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3, "max_steps": 5}
 

@@ -21,12 +21,12 @@ from workers.checkpoint import MANIFEST, list_checkpoints
 from workers.data import BatchShare, RankBatches, open_store
 from workers.models import build_model
 from workers.spec.launch import LaunchConfig
-from workflows.batch_predict import predict
-from workflows.cluster import start_cluster
-from workflows.driver import train
-from workflows.launcher import ProcessGroup
-from workflows.preprocess import prepare_store
-from workflows.run_directory import RunDirectory
+from workflows.cluster.training_cluster import start_cluster
+from workflows.data.preprocess import prepare_store
+from workflows.jobs.launcher import ProcessGroup
+from workflows.prediction.batch_predict import predict
+from workflows.runs.driver import train
+from workflows.runs.run_directory import RunDirectory
 
 pytestmark = pytest.mark.gpu
 

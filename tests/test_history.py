@@ -20,9 +20,9 @@ from distributed import get_worker
 from workers.checkpoint import list_checkpoints
 from workers.records import ResizedRecord, StepRecord
 from workflows import start_cluster
-from workflows.driver import train
-from workflows.events import EventRelay
-from workflows.run_directory import RunDirectory
+from workflows.observe.events import EventRelay
+from workflows.runs.driver import train
+from workflows.runs.run_directory import RunDirectory
 
 DIES_AT, LAST_STEP, EVERY = 7, 10, 5
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "log_every_steps": 1}

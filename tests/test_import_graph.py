@@ -18,7 +18,7 @@ SPEC = "workers.spec"
 IMPORTS_OF_OTHERS = {
     "workers.model_sources.base": "model.name's import path: a user's module",
     "workers.compat.torch_private": "torch's own private modules, checked in one place",
-    "workflows.script_launch": "dask-train launch package.module:function: a user's module",
+    "workflows.jobs.script_launch": "dask-train launch package.module:function: a user's module",
     # Its own (workers.process_group, workers.rank_context) are imported by the rank anyway.
     "workers.preparation": "RANK_MODULES: mostly torch's, what a fresh worker imports early",
 }
@@ -190,11 +190,27 @@ def test_the_spec_is_a_leaf():
 
 
 # The layers of docs/design.md's picture, top to bottom: each imports only its own or lower ones.
-LAYERS = ("workflows", "workers", SPEC)
+# The client's folders follow a run's flow: a sweep or a prediction drives runs, a run its data
+# and jobs, a job reports through observe and runs on the cluster.
+LAYERS = (
+    "workflows",
+    "workflows.sweeps",
+    "workflows.prediction",
+    "workflows.runs",
+    "workflows.data",
+    "workflows.jobs",
+    "workflows.observe",
+    "workflows.cluster",
+    "workflows.compat",
+    "workers",
+    SPEC,
+)
 
 
 def _layer(module: str) -> int:
-    return max(i for i, prefix in enumerate(LAYERS) if module.startswith(prefix))
+    return max(
+        i for i, layer in enumerate(LAYERS) if module == layer or module.startswith(layer + ".")
+    )
 
 
 def test_the_packages_import_as_the_design_picture_draws():

@@ -18,7 +18,7 @@ from workers.spec.plans import get_plan
 from workers.strategies.base import RankPlacement, Strategy
 from workers.train import lay_out_model
 from workflows import launch
-from workflows.config import check_model
+from workflows.runs.config import check_model
 
 GPT = {"name": "gpt", "kwargs": {"dim": 32, "n_layers": 4, "n_heads": 4, "num_classes": 64}}
 SEQUENCE = text.CORPUS["sequence_length"]

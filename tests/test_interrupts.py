@@ -10,11 +10,11 @@ import pytest
 from tests.commands import run_python
 from workers.records import EpochRecord
 from workflows import launch, train
-from workflows.events import EventRelay
+from workflows.observe.events import EventRelay
 
 DROPPED_IN_A_FINALIZER = """
 import signal, time
-from workflows.interrupts import DroppedInterrupts
+from workflows.jobs.interrupts import DroppedInterrupts
 
 class Finalized:
     def __del__(self):

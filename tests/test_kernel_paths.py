@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_one_process
-from workflows.cluster import start_cluster
-from workflows.driver import train
+from workflows.cluster.training_cluster import start_cluster
+from workflows.runs.driver import train
 
 STEPS = 5
 # A one-process reference of 5 steps takes about a second on the plain-C path here; the bound

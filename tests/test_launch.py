@@ -32,11 +32,11 @@ from workers.compat.distributed_private import sampling_profiler_running
 from workers.malloc import release_free_memory
 from workers.records import parse_record
 from workflows import LaunchError, launch, start_cluster
-from workflows.admission import WorkerSelection
-from workflows.cluster import live_workers
-from workflows.config import ConfigError
-from workflows.jobs import TrainingFailed
-from workflows.launcher import select_workers
+from workflows.cluster.training_cluster import live_workers
+from workflows.jobs.admission import WorkerSelection
+from workflows.jobs.launch import TrainingFailed
+from workflows.jobs.launcher import select_workers
+from workflows.runs.config import ConfigError
 
 GLOBAL_BATCH, FEATURES, CLASSES = 32, 12, 4
 
@@ -156,7 +156,7 @@ def test_a_launch_into_an_earlier_runs_checkpoints_says_so_and_one_that_finished
     options = {"cluster": cluster, "world_size": 2, "checkpoint_dir": checkpoints}
     launch(ddp_loop, 4, 0.1, save_every=2, **options)
     seen: list[dict] = []
-    with caplog.at_level(logging.WARNING, logger="workflows.jobs"):
+    with caplog.at_level(logging.WARNING, logger="workflows.jobs.launch"):
         longer = launch(ddp_loop, 6, 0.1, save_every=2, on_event=seen.append, **options)
         assert "trained no step" not in caplog.text
         assert [r["step"] for r in longer.metrics[0]] == [5, 6]
@@ -276,7 +276,7 @@ def test_a_rank_failing_just_after_the_launcher_looked_is_still_a_rank_failure(
 ):
     from distributed import wait
 
-    from workflows.launcher import ProcessGroup
+    from workflows.jobs.launcher import ProcessGroup
 
     # The launcher once looked at the ranks' tasks for failures, then at which were done: a
     # rank that failed between the two looks passed as done, and its exception reached the
@@ -627,7 +627,7 @@ def test_the_modules_a_pickled_job_imports_are_found_exactly():
     import cloudpickle
 
     from workers.rank_context import RankJob
-    from workflows.code_shipping import referenced_modules
+    from workflows.jobs.code_shipping import referenced_modules
 
     script = {"__name__": "__main__"}
     exec(

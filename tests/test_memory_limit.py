@@ -11,12 +11,12 @@ from torch import nn
 from tests.commands import CONFIGS
 from workflows import train
 from workflows.cli import main
-from workflows.cluster import start_cluster
-from workflows.planner import MemoryLimitExceeded
+from workflows.cluster.training_cluster import start_cluster
+from workflows.runs.planner import MemoryLimitExceeded
 
 LIMIT = "1GiB"  # a worker with torch imported is ~0.45 GiB before any job
 # The refusals below are a CPU rank's, which holds everything in its worker's process; a GPU
-# rank's worker holds only the checkpoints' copy (workflows.planner.check_worker_memory).
+# rank's worker holds only the checkpoints' copy (workflows.runs.planner.check_worker_memory).
 cpu_ranks = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the workers' ranks would hold their tensors on a GPU"
 )

@@ -1,5 +1,5 @@
 """The trained model handed back: each rank's pieces wait on its worker and the client takes
-them a batch at a time (workflows/model_handback.py), leaving nothing behind, and fails, naming
+them a batch at a time (workflows/runs/model_handback.py), leaving nothing behind, and fails, naming
 the rank, when a worker is lost first."""
 
 import os
@@ -14,8 +14,8 @@ from distributed import get_worker
 from workers import model_pieces
 from workers.model_pieces import HeldPieces, Piece
 from workflows import launch, model_handback
-from workflows.controller import TrainingFailed
-from workflows.model_handback import collect_model
+from workflows.jobs.controller import TrainingFailed
+from workflows.runs.model_handback import collect_model
 
 ROWS, COLUMNS = 4, 250  # each tensor 4 KB of float32; each rank holds half of its rows
 

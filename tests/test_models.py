@@ -22,11 +22,11 @@ from workers.losses import Criterion
 from workers.models import build_model, largest_unit_bytes, model_blocks
 from workers.spec.sections import ModelConfig
 from workers.strategies.base import EpochSums
-from workflows.batch_predict import prepare
-from workflows.config import ConfigError, check_model, load_config
-from workflows.dashboard import ROUTE
-from workflows.driver import format_epoch, train
-from workflows.run_directory import RunDirectory
+from workflows.observe.dashboard import ROUTE
+from workflows.prediction.batch_predict import prepare
+from workflows.runs.config import ConfigError, check_model, load_config
+from workflows.runs.driver import format_epoch, train
+from workflows.runs.run_directory import RunDirectory
 
 BASE = {"lr": 0.05, "momentum": 0.9, "batch_size": 32, "epochs": 1, "seed": 5}
 HAS_TIMM = importlib.util.find_spec("timm") is not None

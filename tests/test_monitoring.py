@@ -5,9 +5,9 @@ import urllib.request
 import uuid
 
 from workers.records import HeartbeatRecord, parse_record
-from workflows.driver import train
-from workflows.jobs import launch
-from workflows.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, keep_training_metrics
+from workflows.jobs.launch import launch
+from workflows.observe.monitoring import EVENT_PREFIX, HEARTBEAT_PREFIX, keep_training_metrics
+from workflows.runs.driver import train
 
 
 def _training_gauges(dashboard_link: str, job_label: str) -> dict[str, float]:
@@ -159,8 +159,8 @@ def test_a_second_cluster_in_the_same_process_exports_its_jobs_too(
 
 def test_a_jobs_name_never_carries_its_records_into_another_kind_of_topic(cluster):
     # Job names that begin as the other kinds of topic do: each job's records stay its own.
-    from workflows.job_spec import JobSpec
-    from workflows.monitoring import PLUGIN_NAME
+    from workflows.jobs.spec import JobSpec
+    from workflows.observe.monitoring import PLUGIN_NAME
 
     keep_training_metrics(cluster.client)
     specs = [JobSpec.mint(name) for name in ("sweep-topics", "heartbeat-topics")]

@@ -29,17 +29,17 @@ from tests.commands import CONFIGS, dask_train
 from tests.reference import train_in_one_process
 from workers.process_group import current_membership
 from workflows.benchmarks.local_s3 import s3_server
-from workflows.cluster import live_workers, start_cluster
-from workflows.config import ConfigError, load_config
-from workflows.driver import train
-from workflows.launcher import (
+from workflows.cluster.security import write_pem_files
+from workflows.cluster.training_cluster import live_workers, start_cluster
+from workflows.jobs.launcher import (
     LaunchConfig,
     LaunchError,
     ProcessGroup,
     WorkerSelection,
     select_workers,
 )
-from workflows.security import write_pem_files
+from workflows.runs.config import ConfigError, load_config
+from workflows.runs.driver import train
 
 ROOT = Path(__file__).parents[1]
 DASK = str(Path(sys.executable).with_name("dask"))  # the stock CLI of this environment

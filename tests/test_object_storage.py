@@ -42,9 +42,9 @@ from workers.checkpoint import (
 from workers.models import build_model
 from workers.spec.launch import LaunchConfig
 from workflows.benchmarks.local_s3 import KEY, SECRET
-from workflows.driver import train
-from workflows.launcher import STOPPED_RANK_GRACE_S, JobStopped, ProcessGroup
-from workflows.run_directory import RunDirectory
+from workflows.jobs.launcher import STOPPED_RANK_GRACE_S, JobStopped, ProcessGroup
+from workflows.runs.driver import train
+from workflows.runs.run_directory import RunDirectory
 
 BASE = {"lr": 0.1, "momentum": 0.9, "batch_size": 64, "seed": 5, "log_every_steps": 1}
 WORKERS = 4  # the module's one cluster: four_workers, which the FSDP test needs

@@ -18,9 +18,9 @@ from tests.extras import needs_extra
 from workers.models import build_model
 from workflows import predict
 from workflows.benchmarks.local_s3 import SECRET
-from workflows.config import ConfigError, load_config
-from workflows.run_directory import RunDirectory
-from workflows.run_storage import mirror_folder
+from workflows.runs.config import ConfigError, load_config
+from workflows.runs.run_directory import RunDirectory
+from workflows.runs.run_storage import mirror_folder
 
 
 def _credentials(dask_worker, variables: dict[str, str | None]) -> None:
@@ -145,8 +145,8 @@ def test_a_sweeps_journal_in_a_bucket_continues_its_study_and_refuses_a_second_w
 ):
     import optuna
 
-    from workflows.object_journal import ObjectJournalBackend
-    from workflows.sweeps import _storage
+    from workflows.runs.object_journal import ObjectJournalBackend
+    from workflows.sweeps.sweep import _storage
 
     for key, value in s3.environment.items():
         monkeypatch.setenv(key, value)

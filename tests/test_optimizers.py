@@ -27,8 +27,8 @@ from workers.spec.sections import (
     TORCH_SCHEDULES,
     TrainingConfig,
 )
-from workflows.config import check_model, load_config
-from workflows.driver import train
+from workflows.runs.config import check_model, load_config
+from workflows.runs.driver import train
 
 
 @pytest.mark.parametrize(

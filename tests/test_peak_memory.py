@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.peak_memory import PeakMemory
-from workflows.driver import train
+from workflows.runs.driver import train
 
 
 def test_the_peak_counts_what_was_held_since_the_start_and_not_before():
@@ -181,9 +181,10 @@ for case in sys.argv[1:]:  # "<dp_shard>:<return|keep>"
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
 def test_an_fsdp_cpu_rank_returns_the_blocks_it_frees_unless_told_to_keep_them():
-    # A CPU worker's malloc serves blocks of up to 32 MiB from its heap (workflows/cluster.py's
-    # TUNED_MALLOC): freed amid live ones, they stay resident. FSDP's gathered units are such.
-    # A fresh process, as a worker's: this one's other threads allocate meanwhile.
+    # A CPU worker's malloc serves blocks of up to 32 MiB from its heap
+    # (workflows/cluster/training_cluster.py's TUNED_MALLOC): freed amid live ones, they stay
+    # resident. FSDP's gathered units are such. A fresh process, as a worker's: this one's other
+    # threads allocate meanwhile.
     cases = ["2:return", "2:keep", "1:return"]
     done = subprocess.run(
         [sys.executable, "-c", FREED_RESIDENT, *cases],

@@ -12,7 +12,7 @@ from tests.commands import dask_train, digits_run
 from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_one_process
 from tests.refusals import refusal
 from workers.spec.errors import ConfigError
-from workflows.driver import train
+from workflows.runs.driver import train
 
 BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3}
 STEPS = 5

@@ -11,8 +11,8 @@ from torch import nn
 from tests.commands import CONFIGS, dask_train
 from workers.profiling import DeviceProfile, LayerProfile, profile_layers
 from workers.stage_cuts import even_split
-from workflows.cluster import live_workers, start_cluster
-from workflows.planner import (
+from workflows.cluster.training_cluster import live_workers, start_cluster
+from workflows.runs.planner import (
     PipelineCut,
     ProfileFailed,
     StagePlan,
@@ -25,7 +25,7 @@ from workflows.planner import (
     stage_memory,
     suggested_shard,
 )
-from workflows.resolved_run import resolve_run
+from workflows.runs.resolved_run import resolve_run
 
 MIB = 2**20
 

@@ -19,7 +19,7 @@ from tests.reference import (
     equivalence_problems,
     train_in_one_process,
 )
-from workflows.driver import train
+from workflows.runs.driver import train
 
 STEPS = 5
 BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3, "max_steps": STEPS}

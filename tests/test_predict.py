@@ -23,12 +23,12 @@ from workers.inference import CheckpointError, worker_report
 from workers.models import build_model
 from workers.sources import SourceError, list_records
 from workflows import launch
-from workflows.batch_predict import PredictResult, predict, prepare
-from workflows.cluster import live_workers
-from workflows.config import ConfigError
-from workflows.driver import train
-from workflows.preprocess import prepare_store
-from workflows.run_directory import RunDirectory
+from workflows.cluster.training_cluster import live_workers
+from workflows.data.preprocess import prepare_store
+from workflows.prediction.batch_predict import PredictResult, predict, prepare
+from workflows.runs.config import ConfigError
+from workflows.runs.driver import train
+from workflows.runs.run_directory import RunDirectory
 
 # Probabilities scored under bf16 autocast, against the same model and autocast in this process
 # (another thread count may round differently); bf16 against fp32 differs by ~1e-3 here.
@@ -414,7 +414,7 @@ def test_input_of_another_shape_or_channel_count_is_refused(trained_run, tmp_pat
 
 def test_an_input_is_listed_as_its_kind_or_refused_naming_it(tmp_path):
     from workers.sources import InputRequest
-    from workflows.prediction_input import plan_input
+    from workflows.prediction.prediction_input import plan_input
 
     request = InputRequest(image_size=32, channels=3, split="val", partition_size=4)
     write_tiny_cifar10(tmp_path / "cifar", per_batch=6)

@@ -14,9 +14,9 @@ from tests.commands import run_python
 from tests.datasets import write_image_folder, write_tiny_cifar10
 from workers.data import DataConfig, open_store
 from workers.sources import SourceError, list_records
-from workflows.cluster import start_cluster
-from workflows.preprocess import prepare_store
-from workflows.stores import read_manifest
+from workflows.cluster.training_cluster import start_cluster
+from workflows.data.preprocess import prepare_store
+from workflows.data.stores import read_manifest
 
 
 def _sequential_reference(train_images: np.ndarray, val_images: np.ndarray):

@@ -16,8 +16,8 @@ from workers.process_group import (
     current_membership,
 )
 from workflows import launch
-from workflows.cluster import start_cluster
-from workflows.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
 
 
 def _all_reduce_probe(generation: str) -> dict[str, object]:

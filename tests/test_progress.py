@@ -6,7 +6,7 @@ import sys
 
 DRAW = """
 import sys
-from workflows.progress import EpochProgress
+from workflows.runs.progress import EpochProgress
 
 from workers.records import EpochRecord, StartRecord, StepRecord
 

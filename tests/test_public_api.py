@@ -20,11 +20,11 @@ REPO = Path(__file__).parents[1]
 # what may change: import it from ``workflows`` (making it public) or add it here with a reason.
 SHOWN_INTERNALS = {
     # notebooks/train_on_dask.ipynb walks through what train() does by itself, step by step:
-    "workflows.monitoring.serve_training_page": "the notebook opens the Training page that "
+    "workflows.observe.monitoring.serve_training_page": "the notebook opens the Training page that "
     "dask-train run serves by itself",
-    "workflows.preprocess.prepare_store": "the notebook preprocesses as a step of its own, as "
+    "workflows.data.preprocess.prepare_store": "the notebook preprocesses as a step of its own, as "
     "train() does before it trains",
-    "workflows.progress.EpochProgress": "the notebook's tqdm bar, the on_event handler "
+    "workflows.runs.progress.EpochProgress": "the notebook's tqdm bar, the on_event handler "
     "dask-train run uses",
     "workers.data.open_store": "the notebook reads a few validation images back to show "
     "predictions; predict() is the public way to score a store",
@@ -35,10 +35,10 @@ SHOWN_INTERNALS = {
     "pipeline.split_points is the public way to cut it",
     "workers.stage_cuts.trace_stages": "the guide shows the cut stages equal the model; "
     "pipeline.split_points is the public way to cut it",
-    "workflows.planner.plan": "the guide calls the planner with build=; dask-train plan is the "
-    "public way",
-    "workflows.resolved_run.resolve_run": "the planner is given the run as train() resolves it; "
-    "dask-train plan is the public way",
+    "workflows.runs.planner.plan": "the guide calls the planner with build=; dask-train plan is "
+    "the public way",
+    "workflows.runs.resolved_run.resolve_run": "the planner is given the run as train() "
+    "resolves it; dask-train plan is the public way",
     # docs/guides/reliability.md says how a measurement was taken:
     "workflows.cli.main": "the dask-train entry point, run with python -c to time a SIGTERM",
 }
@@ -107,7 +107,7 @@ def test_the_docs_and_notebooks_import_public_names_only():
 def test_the_import_scan_finds_what_it_should():
     source = """
 from workflows import launch, train
-from workflows.launcher import (
+from workflows.jobs.launcher import (
     LaunchConfig,
     ProcessGroup as Group,
 )
@@ -116,8 +116,8 @@ python -c "from workers.data import open_store; print(1)"
     assert _imported_names(source) == [
         ("workflows", "launch"),
         ("workflows", "train"),
-        ("workflows.launcher", "LaunchConfig"),
-        ("workflows.launcher", "ProcessGroup"),
+        ("workflows.jobs.launcher", "LaunchConfig"),
+        ("workflows.jobs.launcher", "ProcessGroup"),
         ("workers.data", "open_store"),
     ]
 

@@ -34,10 +34,10 @@ from workers.records import (
 )
 from workers.script_runner import KEEP_RECORDS, _OutputStream
 from workers.spec.sections import METRICS
-from workflows.controller import Recovery, Resize
-from workflows.events import EventRelay
-from workflows.job_spec import JobSpec
-from workflows.monitoring import TOPIC_PREFIXES, TrainingMetrics, read_topic, sweep_topic
+from workflows.jobs.controller import Recovery, Resize
+from workflows.jobs.spec import JobSpec
+from workflows.observe.events import EventRelay
+from workflows.observe.monitoring import TOPIC_PREFIXES, TrainingMetrics, read_topic, sweep_topic
 
 MODELS = get_args(get_args(Record)[0])
 WORKER = "tcp://127.0.0.1:40001"  # what Dask adds to every event a worker sends
@@ -212,7 +212,7 @@ def test_the_scheduler_plugin_logs_and_skips_what_it_cannot_read(caplog):
     plugin = _plugin()
     spec = JobSpec.mint("odd")
     heartbeat = HeartbeatRecord(rank=0, step=1, samples_per_s=5.0).to_event()
-    with caplog.at_level(logging.DEBUG, logger="workflows.monitoring"):
+    with caplog.at_level(logging.DEBUG, logger="workflows.observe.monitoring"):
         for event in [{"kind": "nope"}, {"kind": "nope", "x": 1}, "text", heartbeat]:
             plugin.log_event(spec.event_topic, event)  # none of them a job's record
         plugin.log_event(spec.event_topic, WorldRecord(job_id=spec.job_id, world_size=2).to_event())
@@ -261,7 +261,7 @@ def test_the_relay_hands_on_event_what_it_can_read_and_logs_the_rest(cluster, ca
     relay = EventRelay(cluster.client, "dask-train-job-relay-1", on_event=received.append)
     report = ReportRecord(rank=0, attempt=0, seq=0, time=1.0, loss=0.5).to_event()
     beat = HeartbeatRecord(rank=0, step=1).to_event()
-    with caplog.at_level(logging.WARNING, logger="workflows.events"):
+    with caplog.at_level(logging.WARNING, logger="workflows.observe.events"):
         # Not entered: what arrives late is delivered here, at once.
         relay.deliver_missed([{"kind": "nope"}, report | {"worker": WORKER}, beat, report])
     assert received == [report | {"worker": WORKER}]  # the dict as it travelled, once

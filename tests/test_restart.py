@@ -12,8 +12,8 @@ import dask
 import pytest
 from distributed.core import Status
 
-from workflows.cluster import live_workers, start_cluster
-from workflows.driver import train
+from workflows.cluster.training_cluster import live_workers, start_cluster
+from workflows.runs.driver import train
 
 PRELOAD = str(Path(__file__).with_name("slow_start_preload.py"))
 # Dask's own bound (outside our cluster's settings), made short here: a local cluster closes

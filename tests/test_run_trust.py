@@ -16,10 +16,10 @@ from click.testing import CliRunner, Result
 from tests.worker_logs import raise_it, what_stderr_shows
 from workflows import predict
 from workflows.cli import main
-from workflows.config import ConfigError, load_config
-from workflows.prediction_request import prepare, resolve_model
-from workflows.run_directory import RunDirectory
-from workflows.run_storage import SUMMARY, RunMirror, mirror_folder
+from workflows.prediction.prediction_request import prepare, resolve_model
+from workflows.runs.config import ConfigError, load_config
+from workflows.runs.run_directory import RunDirectory
+from workflows.runs.run_storage import SUMMARY, RunMirror, mirror_folder
 
 CONFIGS = Path(__file__).parents[1] / "workflows" / "configs"
 
@@ -89,7 +89,7 @@ def test_predict_refuses_a_model_that_a_run_config_names_by_import_path_before_i
 def test_a_signed_run_config_is_trusted_with_its_key_and_refused_once_changed(
     tmp_path, make_config
 ):
-    from workflows.trust import CONFIG_SIGNATURE
+    from workflows.runs.trust import CONFIG_SIGNATURE
 
     key = tmp_path / "signing.key"
     key.write_text("a key only the team holds\n")
@@ -181,7 +181,7 @@ def test_every_writer_of_a_bucket_uses_the_one_set_of_options_the_config_gives_i
     assert s3.filesystem().exists(f"{url.removeprefix('s3://')}/config.json")
     # A sweep's journal in the same bucket.
     optuna = pytest.importorskip("optuna")
-    from workflows.sweeps import SweepRequest, sweep_spec
+    from workflows.sweeps.sweep import SweepRequest, sweep_spec
 
     in_the_bucket = {"checkpoint": options["checkpoint"] | {"directory": f"{url}/checkpoints"}}
     swept = make_config(in_the_bucket)
@@ -204,7 +204,7 @@ def test_every_writer_of_a_bucket_uses_the_one_set_of_options_the_config_gives_i
 def test_a_bucket_runs_local_copy_is_private_and_a_failed_upload_is_sent_by_the_resume(
     s3, make_config, monkeypatch, tmp_path
 ):
-    from workflows.run_storage import mirror_root
+    from workflows.runs.run_storage import mirror_root
 
     for key, value in s3.environment.items():
         monkeypatch.setenv(key, value)
@@ -240,7 +240,7 @@ def test_a_bucket_runs_local_copy_is_private_and_a_failed_upload_is_sent_by_the_
 
 
 def test_a_mirror_folder_that_is_not_the_users_own_is_refused(make_config, tmp_path, monkeypatch):
-    from workflows.run_storage import mirror_root
+    from workflows.runs.run_storage import mirror_root
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     elsewhere = tmp_path / "someone-elses"
@@ -288,7 +288,7 @@ def test_every_user_error_name_is_one_of_our_error_types_with_its_subclasses():
     from workers.sources.cifar10 import BatchRefused
     from workers.user_errors import USER_ERRORS
     from workers.weight_files import WeightsError
-    from workflows.collections import DataError
+    from workflows.jobs.collections import DataError
 
     roots = [ActivationCheckpointingError, BatchRefused, CheckpointDamaged, CheckpointError]
     roots += [ConfigError, DataError, ModelError, OptimizerError, SourceError]
@@ -302,8 +302,8 @@ def test_every_user_error_name_is_one_of_our_error_types_with_its_subclasses():
 
 
 def test_every_secret_is_masked_wherever_it_is_written_or_shown(make_config, tmp_path):
-    from workflows.sweep_directory import SweepDirectory
-    from workflows.tracking import flatten
+    from workflows.observe.tracking import flatten
+    from workflows.sweeps.sweep_directory import SweepDirectory
 
     planted = {name: f"planted-{name}-{os.getpid()}" for name in ("phrase", "cookie", "url")}
     planted |= {"weights": f"weights-{os.getpid()}", "database": f"database-{os.getpid()}"}

@@ -191,15 +191,15 @@ def test_the_counting_finds_a_planted_offender_and_passes_its_neighbour_at_the_l
         "workflows/benchmarks/x.py:2 main: 7 parameters"
     ]
     public = script.replace("main", "train")
-    assert [str(o) for o in offenders(public, "workflows/driver.py", frozenset({"train"}))] == [
-        "workflows/driver.py:2 train: 61 code lines"
-    ]
+    assert [
+        str(o) for o in offenders(public, "workflows/runs/driver.py", frozenset({"train"}))
+    ] == ["workflows/runs/driver.py:2 train: 61 code lines"]
 
 
 def test_the_public_entry_points_are_the_exported_functions_and_the_cli_commands():
     entry_points = public_entry_points()
-    assert {"launch"} <= entry_points["workflows/jobs.py"]
-    assert {"predict", "PredictResult"} <= entry_points["workflows/batch_predict.py"]
+    assert {"launch"} <= entry_points["workflows/jobs/launch.py"]
+    assert {"predict", "PredictResult"} <= entry_points["workflows/prediction/batch_predict.py"]
     command = """
 import click
 

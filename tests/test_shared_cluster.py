@@ -24,16 +24,16 @@ from tests.reference import assert_equivalent
 from tests.test_launch import _wait_for_file, ddp_loop, one_process_reference
 from workers.process_group import ProcessGroupPlugin
 from workflows import launch, start_cluster
-from workflows.admission import (
+from workflows.jobs.admission import (
     Admission,
     AdmissionError,
     Request,
     Waits,
     WorkerSelection,
-    queue_snapshot,
 )
-from workflows.dashboard import training_page_url
-from workflows.launcher import LaunchError
+from workflows.jobs.launcher import LaunchError
+from workflows.observe.dashboard import training_page_url
+from workflows.observe.monitoring import queue_snapshot
 
 
 def where_and_sum(ctx, seconds: float) -> tuple[int, int]:
@@ -133,7 +133,7 @@ def test_a_second_two_rank_job_waits_with_one_line_and_shows_on_metrics(cluster,
             flag.touch()  # now the holder may finish
 
     with (
-        caplog.at_level(logging.WARNING, logger="workflows.admission"),
+        caplog.at_level(logging.WARNING, logger="workflows.jobs.admission"),
         holding(cluster, flag, world_size=2),
     ):
         waited = launch(where_and_sum, 0.0, cluster=cluster, world_size=2, on_event=on_event)
@@ -312,7 +312,7 @@ def test_a_frozen_clients_lease_expires_and_its_workers_go_to_the_next_job(
         (frozen_client,) = client.run_on_scheduler(_clients) - before
         os.kill(holder.pid, signal.SIGSTOP)
         events: list[dict] = []
-        with caplog.at_level(logging.WARNING, logger="workflows.admission"):
+        with caplog.at_level(logging.WARNING, logger="workflows.jobs.admission"):
             result = launch(
                 where_and_sum,
                 0.0,
@@ -340,7 +340,7 @@ def test_a_frozen_clients_lease_expires_and_its_workers_go_to_the_next_job(
 
 
 def _hold_without_renewing(request: Request, dask_scheduler) -> dict:
-    from workflows.admission import WorkerQueue
+    from workflows.jobs.admission import WorkerQueue
 
     queue = dask_scheduler.plugins.get("dask-train-queue") or WorkerQueue()
     return queue.request(request)
@@ -535,7 +535,7 @@ def test_no_later_job_takes_a_worker_an_earlier_waiting_job_could_use(cluster, c
             assert time.monotonic() < deadline, f"job {name} never queued"
             time.sleep(0.02)
 
-    with caplog.at_level(logging.WARNING, logger="workflows.admission"):
+    with caplog.at_level(logging.WARNING, logger="workflows.jobs.admission"):
         threads = [run("holder", held_until, str(flag), world_size=2)]
         wait_for_holder(client, "holder")
         threads.append(run("second", ends_after, 0.3, world_size=2))

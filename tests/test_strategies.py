@@ -15,7 +15,7 @@ from workers.spec.plans import get_plan, registered_plans
 from workers.spec.run import RunConfig
 from workers.strategies import get_strategy, registered
 from workers.strategies.pipeline.schedule import PipelineStrategy
-from workflows.config import load_config
+from workflows.runs.config import load_config
 
 
 def test_the_registry_and_the_torch_free_names_agree():
@@ -40,9 +40,9 @@ def test_the_registry_and_the_torch_free_names_agree():
 # Modules that only compose the plans: naming a strategy there is knowledge its plan should own.
 _PLAN_USERS = (
     "workers/spec/layout.py",
-    "workflows/config.py",
-    "workflows/driver.py",
-    "workflows/collections.py",
+    "workflows/runs/config.py",
+    "workflows/runs/driver.py",
+    "workflows/jobs/collections.py",
 )
 
 

@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.commands import CONFIGS, run_dask_train
 from tests.extras import missing_reason
 from workflows import sweep
-from workflows.dashboard import training_page_url
-from workflows.monitoring import SWEEP_PREFIX
+from workflows.observe.dashboard import training_page_url
+from workflows.observe.monitoring import SWEEP_PREFIX
 
 optuna = pytest.importorskip("optuna", reason=missing_reason("optuna"))  # the sweep extra
 

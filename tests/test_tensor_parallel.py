@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tests import test_text as text
 from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_one_process
 from tests.refusals import refusal
-from workflows.driver import train
+from workflows.runs.driver import train
 
 BASE = SGD_FEW_STEPS | {"batch_size": 32, "epochs": 1, "seed": 3, "max_steps": 5}
 HERE = "tests.test_tensor_parallel"

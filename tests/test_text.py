@@ -12,9 +12,9 @@ from tests.reference import SGD_FEW_STEPS, assert_matches_one_process, train_in_
 from tests.refusals import refusal
 from workers.sources import SourceError
 from workers.sources.text import list_text, resolve_root
-from workflows.config import load_config
-from workflows.driver import train
-from workflows.preprocess import prepare_store
+from workflows.data.preprocess import prepare_store
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 # Small enough that a step is milliseconds; 4 heads split over tp = 2 or 4.
 GPT = {"name": "gpt", "kwargs": {"dim": 32, "n_layers": 2, "n_heads": 4}}

@@ -41,9 +41,9 @@ from workers.stage_cuts import check_cut, cut_points, trace_stages
 from workers.strategies import get_strategy
 from workers.strategies.base import EpochSums, RankPlacement, Strategy
 from workflows import launch
-from workflows.driver import train
-from workflows.planner import balanced_split, plan, resolve_split_points
-from workflows.resolved_run import resolve_run
+from workflows.runs.driver import train
+from workflows.runs.planner import balanced_split, plan, resolve_split_points
+from workflows.runs.resolved_run import resolve_run
 
 BATCH, STEPS, LR, SAMPLES, VAL_SAMPLES = 16, 3, 0.05, 64, 40
 IMAGE = (3, 32, 32)

@@ -13,11 +13,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.extras import needs_extra
 from workers.models import build_model
 from workers.records import ReportRecord
-from workflows.batch_predict import predict
-from workflows.config import ConfigError, load_config
-from workflows.driver import train
-from workflows.preprocess import prepare_store
-from workflows.tracking import Tracker, TrackingConfig
+from workflows.data.preprocess import prepare_store
+from workflows.observe.tracking import Tracker, TrackingConfig
+from workflows.prediction.batch_predict import predict
+from workflows.runs.config import ConfigError, load_config
+from workflows.runs.driver import train
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient

@@ -1462,7 +1462,7 @@ def _read_key(signing_key_file: str) -> bytes:
 
 def document_signature(document: dict[str, Any], signing_key_file: str) -> str:
     """The HMAC a manifest carries, over another JSON document of the run (its config.json:
-    workflows/trust.py), made with the same key the same way."""
+    workflows/runs/trust.py), made with the same key the same way."""
     return _signature(document, _read_key(signing_key_file))
 
 

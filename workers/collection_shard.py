@@ -1,6 +1,6 @@
 """A rank's share of Dask-collection data: read where it lies, served in seeded batches.
 
-The client (``workflows/collections.py``) persisted the partitions and assigned every row of
+The client (``workflows/jobs/collections.py``) persisted the partitions and assigned every row of
 a split to one rank, with every rank's sample count. Here a rank reads its rows: the
 partitions its own worker holds straight from the worker's memory (the rank runs inside that
 worker process, so nothing is copied over the network), the rest (rows moved for balance that

@@ -1,6 +1,6 @@
 """The data a rank trains on: its own shard of the preprocessed store, read lazily in batches.
 
-The store (built by ``workflows/preprocess.py``) holds normalized float32 images chunked along
+The store (built by ``workflows/data/preprocess.py``) holds normalized float32 images chunked along
 samples. Each epoch, the chunks are shuffled, samples are shuffled within windows of a few
 chunks, and the resulting order is cut into one contiguous share per rank: every training
 sample is seen exactly once per epoch across ranks (padded with repeats like DistributedSampler,

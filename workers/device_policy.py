@@ -4,8 +4,8 @@ kind, asked by the code that would otherwise test the device itself.
 These are the host's concerns, measured on CPU machines, and decided here and nowhere else:
 
 - glibc's malloc settings for the workers a local cluster starts (``workers/malloc.py``,
-  ``workflows.cluster.malloc_settings``): torch's CPU allocator has no cache, so a worker keeps
-  freed memory for reuse instead of page-faulting every step's activations in again.
+  ``workflows.cluster.training_cluster.malloc_settings``): torch's CPU allocator has no cache, so a
+  worker keeps freed memory for reuse instead of page-faulting every step's activations in again.
 - Freed blocks handed back to the kernel at once while a rank holds shards
   (``freed_memory_returned``): FSDP on a CPU frees the whole model once it is sharded; a GPU's
   caching allocator keeps its own, so on CUDA this never applies.
@@ -35,7 +35,8 @@ class DevicePolicy:
     """What applies to the workers and ranks of one device kind."""
 
     kind: DeviceKind
-    # Local workers get workflows.cluster's malloc settings (cluster.tune_malloc permitting).
+    # Local workers get workflows.cluster.training_cluster's malloc settings
+    # (cluster.tune_malloc permitting).
     tunes_malloc: bool
     # A rank holding shards maps every block over 1 MiB on its own, handed back once freed.
     returns_sharded_memory: bool

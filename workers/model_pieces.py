@@ -7,7 +7,7 @@ larger than one worker thus ends a job as it trained: spread over the ranks.
 
 On a Dask worker the pieces wait on the worker (:func:`hold`) and the rank's result carries
 only their names and sizes (:class:`HeldPieces`); the client then takes them a few at a time
-(:func:`take`, by ``Client.run``: workflows/model_handback.py). A result holding the pieces
+(:func:`take`, by ``Client.run``: workflows/runs/model_handback.py). A result holding the pieces
 themselves cost its worker a whole copy of them at the end: past
 ``distributed.worker.memory.spill`` (70% of the limit) Dask spills a finished task's result to
 disk, which serializes it (measured: a pipeline stage of 780 MiB took its 3 GiB worker from 2.2

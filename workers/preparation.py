@@ -10,15 +10,15 @@ are ready do the ranks stop, and the switch is the group's re-forming and the st
 
 What a rank needs that a fresh process lacks, each imported here once: torch and the pieces of
 it every rank uses (``RANK_MODULES``), the job's own code and what it imports (unpickling the
-job does both; code the workers cannot import was shipped to them, ``workflows/code_shipping``),
-then a check that the rank-0 worker's rendezvous port is reachable from here. For the built-in
-trainer's jobs (``workers.train.run_rank``), also what its rank opens and builds first: the
-dataset store opened and one chunk of its training split read (what the rank then opens is
-this process's cached store, ``workers.data.open_store``), and the model built once on the meta
-device, which imports the model's library and code and checks that it builds here. A data
-source that this worker cannot reach (a path absent on its machine, credentials it lacks) or a
-model it cannot build is a failure to prepare: the worker is left out, not given a rank that
-would fail the job's next generation. Last, what the imports left is frozen out of the garbage
+job does both; code the workers cannot import was shipped to them,
+``workflows/jobs/code_shipping``), then a check that the rank-0 worker's rendezvous port is
+reachable from here. For the built-in trainer's jobs (``workers.train.run_rank``), also what its
+rank opens and builds first: the dataset store opened and one chunk of its training split read (what
+the rank then opens is this process's cached store, ``workers.data.open_store``), and the model
+built once on the meta device, which imports the model's library and code and checks that it builds
+here. A data source that this worker cannot reach (a path absent on its machine, credentials it
+lacks) or a model it cannot build is a failure to prepare: the worker is left out, not given a rank
+that would fail the job's next generation. Last, what the imports left is frozen out of the garbage
 collector's walk (``workers/between_jobs.py``), which the rank's join would otherwise do on
 the critical path.
 """
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from workers.train import TrainJob
 
 # What every rank imports before its first step, heaviest first; also what the local fork
-# server preloads (``workflows/cluster.py``), so the two lists cannot drift apart.
+# server preloads (``workflows/cluster/training_cluster.py``), so the two lists cannot drift apart.
 RANK_MODULES = (
     "torch",
     "torch.distributed",

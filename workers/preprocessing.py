@@ -1,4 +1,4 @@
-"""The task functions of the preprocessing graph (see ``workflows/preprocess.py``).
+"""The task functions of the preprocessing graph (see ``workflows/data/preprocess.py``).
 
 numpy, PIL and zarr only: a preprocessing worker never pays for importing torch.
 """

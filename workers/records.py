@@ -14,18 +14,18 @@ which refuses, with :class:`MalformedRecord`, a dict that matches no model.
 | `report`            | any rank: `ctx.report` (`workers/rank_context.py`)        | job       |
 | `output`            | every rank: a script's lines (`workers/script_runner.py`) | job       |
 | `heartbeat`         | every rank: `workers/rank_context.py`                     | heartbeat |
-| `queued`            | the client: `workflows/jobs.py`                           | job       |
-| `admitted`          | the client: `workflows/controller.py`                     | job       |
-| `world`             | the client: `workflows/controller.py`                     | job       |
-| `resized`           | the client: `workflows/controller.py`                     | job       |
-| `resumed`           | the client: `workflows/controller.py`                     | job       |
-| `recovery`          | the client: `workflows/controller.py`                     | job       |
-| `trial`             | the client: `workflows/sweeps.py`                         | sweep     |
+| `queued`            | the client: `workflows/jobs/launch.py`                    | job       |
+| `admitted`          | the client: `workflows/jobs/controller.py`                | job       |
+| `world`             | the client: `workflows/jobs/controller.py`                | job       |
+| `resized`           | the client: `workflows/jobs/controller.py`                | job       |
+| `resumed`           | the client: `workflows/jobs/controller.py`                | job       |
+| `recovery`          | the client: `workflows/jobs/controller.py`                | job       |
+| `trial`             | the client: `workflows/sweeps/sweep.py`                   | sweep     |
 
 The built-in trainer's records come from one rank, the job's reporting rank. The topic is each
 model's ``TOPIC``: the kind of Dask event topic it travels on (the job's records, its ranks'
-heartbeats, a sweep's trials; ``workflows/monitoring.py`` names them). The job's records reach
-``on_event`` as the dicts that travelled.
+heartbeats, a sweep's trials; ``workflows/observe/monitoring.py`` names them). The job's records
+reach ``on_event`` as the dicts that travelled.
 
 A new kind of record is one model here, added to ``Record``; its emitter sends
 ``TheModel(...).to_event()`` and its consumers match on the model's class.

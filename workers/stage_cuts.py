@@ -1,6 +1,6 @@
 """Where a model can be cut into pipeline stages, and the cut itself: what the client checks
 and plans with (:func:`checked_cut`, which the pipeline's plan is given, and
-``workflows/planner.py``) and what the pipeline strategy
+``workflows/runs/planner.py``) and what the pipeline strategy
 (``workers/strategies/pipeline/schedule.py``) runs.
 
 Three kinds of cut, each keeping the full model's parameter names in every stage:

@@ -678,7 +678,7 @@ def _built_model(
 
     if not model_config.in_place_init:
         return build(meta=False), None
-    model = build(meta=True)  # the client built it there (workflows/config.check_model)
+    model = build(meta=True)  # the client built it there (workflows/runs/config.check_model)
     weights = model_config.weights
     if get_strategy(config.strategy).lays_out_meta(model):
         # Refuses a module it cannot draw, or a weights file that is not the model's.

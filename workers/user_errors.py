@@ -22,9 +22,9 @@ USER_ERRORS = (
     "CheckpointDamaged",  # workers/checkpoint.py
     "CheckpointError",  # workers/inference.py
     "ConfigError",  # workers/spec/errors.py
-    "DataError",  # workflows/collections.py
+    "DataError",  # workflows/jobs/collections.py
     "InPlaceInitError",  # workers/in_place_init.py
-    "MemoryLimitExceeded",  # workflows/planner.py (a ConfigError, raised on the client)
+    "MemoryLimitExceeded",  # workflows/runs/planner.py (a ConfigError, raised on the client)
     "ModelError",  # workers/model_sources/base.py
     "OptimizerError",  # workers/optimizers.py
     "SourceError",  # workers/sources/base.py

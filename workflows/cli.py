@@ -24,18 +24,18 @@ from workers.spec.errors import ConfigError
 from workers.spec.run import RunConfig
 from workers.spec.secrets import RedactingFilter, redact
 from workers.spec.sections import LOSSES
-from workflows.config import load_config, read_raw_config
-from workflows.interrupts import DroppedInterrupts
-from workflows.launcher import LaunchError
-from workflows.sweep_space import PRUNERS, SAMPLERS
+from workflows.jobs.interrupts import DroppedInterrupts
+from workflows.jobs.launcher import LaunchError
+from workflows.runs.config import load_config, read_raw_config
+from workflows.sweeps.sweep_space import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:
     from workers.spec.cluster import ClusterConfig
-    from workflows.cluster import TrainingCluster
-    from workflows.run_directory import RunDirectory
-    from workflows.sweep_directory import SweepDirectory
-    from workflows.sweeps import SweepRequest, SweepSpec
-    from workflows.tracking import Tracker
+    from workflows.cluster.training_cluster import TrainingCluster
+    from workflows.observe.tracking import Tracker
+    from workflows.runs.run_directory import RunDirectory
+    from workflows.sweeps.sweep import SweepRequest, SweepSpec
+    from workflows.sweeps.sweep_directory import SweepDirectory
 
 EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 1, 2, 130
 # After Ctrl-C (or SIGTERM), the run stops its ranks and closes the cluster; should that take
@@ -48,7 +48,7 @@ INTERRUPT_EXIT_BOUND_S = 180.0
 class _Interrupts:
     """Ctrl-C and SIGTERM (a scheduler's kill, handled alike: stop the ranks, close the
     cluster) become a KeyboardInterrupt in the main thread, and are never lost: one that Python
-    drops in a finalizer is raised again (``workflows/interrupts.py``), one that comes after
+    drops in a finalizer is raised again (``workflows/jobs/interrupts.py``), one that comes after
     the command's work still makes the exit 130, and whatever else might still hold the
     process, it exits 130 once the bound has passed.
     """
@@ -278,7 +278,7 @@ def _check_data_root(config: RunConfig) -> None:
 def _start_worker_imports(config: RunConfig) -> None:
     """Have the local workers' fork server import torch now, while this process imports it too:
     on two cores a local cluster is then up ~3 s sooner (measured: 5.7 s to start cold)."""
-    from workflows.cluster import start_fork_server_early
+    from workflows.cluster.training_cluster import start_fork_server_early
 
     start_fork_server_early(config.cluster)
 
@@ -314,7 +314,7 @@ def _exit_codes(
 
 def _echo_dashboard(cluster: "TrainingCluster") -> None:
     """The dashboard's link, and its Training page's (served from now on)."""
-    from workflows.monitoring import serve_training_page
+    from workflows.observe.monitoring import serve_training_page
 
     page = serve_training_page(cluster.client)
     _echo(f"dashboard: {cluster.dashboard_link}")
@@ -324,7 +324,7 @@ def _echo_dashboard(cluster: "TrainingCluster") -> None:
 
 def _open_tracker(config: RunConfig, run_directory: "RunDirectory", resume: bool) -> "Tracker":
     """The run's TensorBoard folder and MLflow run; a resumed run continues its MLflow run."""
-    from workflows.tracking import Tracker
+    from workflows.observe.tracking import Tracker
 
     tracker = Tracker.open(
         config.tracking,
@@ -343,7 +343,7 @@ def _start_cluster(config: "ClusterConfig") -> "TrainingCluster":
     Failed" blocks for our own errors are kept off it (the error is said once, as the
     command's last line; the worker's own log keeps them)."""
     from workers.user_errors import UserErrorsOffStderr
-    from workflows.cluster import start_cluster
+    from workflows.cluster.training_cluster import start_cluster
 
     cluster = start_cluster(config)
     if cluster.cluster is not None:
@@ -383,8 +383,8 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
         # Code named by import path, torchvision or timm: import it and build the model once
         # on the meta device, and the optimizer (this imports torch, which built-in models
         # and optimizers never need here).
-        from workflows.config import check_model
-        from workflows.stores import read_manifest
+        from workflows.data.stores import read_manifest
+        from workflows.runs.config import check_model
 
         data = resolved.data.resolved()
         manifest = read_manifest(data.store_url, storage_options=data.storage_options)
@@ -416,7 +416,7 @@ def preprocess(
         _fail(EXIT_INVALID, str(error))
     _check_data_root(resolved)
     _start_worker_imports(resolved)
-    from workflows.preprocess import prepare_store
+    from workflows.data.preprocess import prepare_store
 
     with _exit_codes("preprocessing"), _start_cluster(resolved.cluster) as cluster:
         _echo(f"dashboard: {cluster.dashboard_link}")
@@ -441,9 +441,9 @@ def plan(
     """Profile CONFIG's model on a worker; print the stage split and the strategy that fits."""
     resolved = _load(config, overrides, scheduler, scheduler_file)  # before torch's import
     _start_worker_imports(resolved)
-    from workflows.planner import plan as plan_stages
-    from workflows.resolved_run import resolve_run
-    from workflows.stores import read_manifest
+    from workflows.data.stores import read_manifest
+    from workflows.runs.planner import plan as plan_stages
+    from workflows.runs.resolved_run import resolve_run
 
     data = resolved.data.resolved()
     manifest = read_manifest(data.store_url, storage_options=data.storage_options)
@@ -494,7 +494,7 @@ def run(
         config, overrides, scheduler, scheduler_file, world_size=world_size, step_records=terminal
     )
     progress = _progress_bar() if terminal else None
-    from workflows.run_directory import RunDirectory
+    from workflows.runs.run_directory import RunDirectory
 
     try:  # validated once, with the run directory's folders filled in
         run_directory = RunDirectory.open(raw, output, resume=resume)
@@ -508,9 +508,9 @@ def run(
     resolved = run_directory.config
     _check_data_root(resolved)
     _start_worker_imports(resolved)
-    from workflows.collections import DataError
-    from workflows.driver import train
-    from workflows.tracking import TrackingError
+    from workflows.jobs.collections import DataError
+    from workflows.observe.tracking import TrackingError
+    from workflows.runs.driver import train
 
     on_event = _run_events(run_directory, progress)
     failures = (LaunchError, TrackingError, DataError)
@@ -542,7 +542,7 @@ def run(
 def _progress_bar() -> Callable[[dict], None]:
     """A terminal's progress bar, fed by step records (under cron, with no terminal, only
     epoch lines are written)."""
-    from workflows.progress import EpochProgress
+    from workflows.runs.progress import EpochProgress
 
     return EpochProgress(file=sys.stdout)
 
@@ -560,7 +560,7 @@ def _run_events(
     run_directory: "RunDirectory", progress: Callable[[dict], None] | None
 ) -> Callable[[dict], None]:
     """Each record into the run directory, then to the progress bar, or as an epoch line."""
-    from workflows.driver import print_progress
+    from workflows.runs.driver import print_progress
 
     def on_event(record: dict) -> None:
         run_directory.record(record)
@@ -628,7 +628,12 @@ def predict(
     CONFIG's [predict] section (or --set predict.KEY=VALUE) sets batch_size, precision,
     outputs, format and the rest.
     """
-    from workflows.batch_predict import CheckpointError, load_predict_config, prepare, run_prepared
+    from workflows.prediction.batch_predict import (
+        CheckpointError,
+        load_predict_config,
+        prepare,
+        run_prepared,
+    )
 
     # Everything about the request is checked before a cluster starts.
     try:
@@ -667,7 +672,7 @@ def predict(
 
 def _parse_params(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict:
     """``--param KEY=SPEC`` options as a space; a bad one is a usage error naming it."""
-    from workflows.sweep_space import parse_param
+    from workflows.sweeps.sweep_space import parse_param
 
     space: dict[str, Any] = {}
     for text in values:
@@ -757,7 +762,7 @@ def sweep(
     _check_data_root(resolved)
     directory = _sweep_directory(resolved.name, output, study_name, storage)
     _start_worker_imports(resolved)
-    from workflows.sweeps import SweepRequest, run_sweep
+    from workflows.sweeps.sweep import SweepRequest, run_sweep
 
     request = SweepRequest(
         resolved,
@@ -798,8 +803,8 @@ def _sweep_directory(
     name: str, output: Path | None, study_name: str | None, storage: str | None
 ) -> "SweepDirectory":
     """The sweep's directory: ``--output``, or a new one named after the config."""
-    from workflows.run_storage import checked_url
-    from workflows.sweep_directory import SweepDirectory
+    from workflows.runs.run_storage import checked_url
+    from workflows.sweeps.sweep_directory import SweepDirectory
 
     try:
         if output is not None:  # a folder here: a URL there is a typo (Path made s3:// s3:/)
@@ -815,7 +820,7 @@ def _checked_sweep(
     """The sweep checked before its cluster starts, and its request written into its
     directory; None when the study in ``--storage`` (``own_storage``) finished already,
     which is said."""
-    from workflows.sweeps import finished_study, sweep_spec
+    from workflows.sweeps.sweep import finished_study, sweep_spec
 
     written = {
         "config": request.target.model_dump(mode="json"),
@@ -927,7 +932,7 @@ def launch(
     ``package.module:function`` (called with a rank context, through the Python API)."""
     from workers.spec.cluster import ClusterConfig
     from workers.spec.launch import LaunchConfig
-    from workflows.cluster import start_fork_server_early
+    from workflows.cluster.training_cluster import start_fork_server_early
 
     try:
         cluster = ClusterConfig(scheduler=scheduler, scheduler_file=scheduler_file, n_workers=None)
@@ -941,18 +946,18 @@ def launch(
     # The workers' imports go on beside ours (torch, and the target's); a target refused below
     # stops the fork server at exit.
     start_fork_server_early(cluster)
-    from workflows.run_storage import checked_url
-    from workflows.script_launch import (
+    from workflows.jobs.script_launch import (
         LaunchTarget,
         ScriptNotFound,
         check_output,
         launch_script,
         resolve_target,
     )
+    from workflows.runs.run_storage import checked_url
 
     # The current folder's modules are importable, as under `python -m` and torchrun (the
     # console script's own folder is the one Python put first); workers that cannot import
-    # them get them shipped (workflows/code_shipping.py).
+    # them get them shipped (workflows/jobs/code_shipping.py).
     if not {"", os.getcwd()} & set(sys.path):
         sys.path.insert(0, os.getcwd())
     try:

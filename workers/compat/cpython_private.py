@@ -6,8 +6,8 @@ one line: ``ImportError: dask-train needs <name> (CPython 3.11, 3.12 and 3.13 ha
 CPython X.Y.Z)``.
 
 - The fork server's preload list and pid (``multiprocessing.forkserver``): local workers are
-  forked from a server that imported torch (``workflows/cluster.py``); the list is extended,
-  not replaced, and the server is stopped at exit. The module offers a setter only.
+  forked from a server that imported torch (``workflows/cluster/training_cluster.py``); the list is
+  extended, not replaced, and the server is stopped at exit. The module offers a setter only.
 - ``pickle._Unpickler``, the pure-Python unpickler, whose opcode table and ``load_*`` methods
   the checkpoint metadata reader narrows (``workers/checkpoint.py``): the C unpickler has no
   such table.

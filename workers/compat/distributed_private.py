@@ -13,7 +13,7 @@ Worker side:
   function is done too.
 - ``WorkerState.executing``: the predict tasks a worker runs now (``workers/inference.py``).
 - The nanny's ``process.process.pid``: its worker process, killed for a restart at once
-  (``workflows/launcher.py``); ``Nanny.kill`` would stop it for good.
+  (``workflows/jobs/launcher.py``); ``Nanny.kill`` would stop it for good.
 - ``Worker.periodic_callbacks["profile"]`` and ``["profile-cycle"]``: the worker's sampling
   profiler, paused while a rank runs on it (``workers/rank_context.py``); distributed offers
   only a setting read when the worker starts.
@@ -32,7 +32,7 @@ Scheduler and client side (``workflows/`` imports this module; ``workers/`` neve
 - ``Cluster._adaptive``: the adaptive maximum of a cluster started here.
 - ``distributed.dashboard.components.scheduler.env`` and
   ``distributed.dashboard.scheduler.template_variables``: the dashboard's page template and
-  its navigation bar, around the Training page (``workflows/dashboard.py``); distributed
+  its navigation bar, around the Training page (``workflows/observe/dashboard.py``); distributed
   renders its bar nowhere else. Imported when the page is served: without Bokeh there is no
   dashboard.
 """

@@ -6,12 +6,12 @@
 - ``"images"`` (``digits``, ``synthetic``, ``cifar10``, ``imagefolder``): the records are listed
   on the client before any graph is built (bad paths, empty class folders and unreadable URLs
   fail there), and each partition of them is decoded inside a Dask task into the images' store
-  (``workflows/preprocess.py``): ``uint8`` images of shape ``(n, 3, size, size)`` and
+  (``workflows/data/preprocess.py``): ``uint8`` images of shape ``(n, 3, size, size)`` and
   ``int64`` labels.
 - ``"text"`` (``text``): listed the same way, then tokenized into windows of tokens by the
-  text store (``workflows/text_store.py``) with the source module's tokenizers.
+  text store (``workflows/data/text_store.py``) with the source module's tokenizers.
 - ``"collections"`` (``parquet``, ``zarr``): files a user already has, read as Dask collections
-  and trained on the way of ``train(config, data=...)`` (``workflows/collections.py``):
+  and trained on the way of ``train(config, data=...)`` (``workflows/jobs/collections.py``):
   nothing is copied into a store by ``preprocess``.
 
 Adding a source means adding its module and its name in ``SOURCES`` (``workers/spec/names.py``;
@@ -22,9 +22,9 @@ module's tokenizers); a collections source sets ``store = "collections"``, imple
 :meth:`Source.collections` and puts its name in ``COLLECTION_SOURCES`` too. A source whose
 inputs ``predict`` scores implements :meth:`Source.prediction_input` (list an input into
 partitions, on the client) and :meth:`Source.prediction_images` (read one, in a task), and puts
-its name in ``PREDICTION_INPUTS``, in the order it is asked (``workflows/prediction_input.py``
-asks a dataset store first). A test checks that these names and the modules agree.
-
+its name in ``PREDICTION_INPUTS``, in the order it is asked
+(``workflows/prediction/prediction_input.py`` asks a dataset store first). A test checks that these
+names and the modules agree.
 This file imports nothing heavy: a config validates with the names alone, and no source module
 is imported before a config names it.
 """

@@ -110,8 +110,8 @@ class Source:
     collections), and how an input of its kind is listed for ``predict``."""
 
     name: ClassVar[str]
-    # What its records become: "images" (workflows/preprocess.py), "text"
-    # (workflows/text_store.py, which tokenizes with the source's module) or "collections"
+    # What its records become: "images" (workflows/data/preprocess.py), "text"
+    # (workflows/data/text_store.py, which tokenizes with the source's module) or "collections"
     # (read by collections(), never built into a store by preprocess).
     store: ClassVar[StoreKind] = "images"
 

@@ -1,5 +1,5 @@
 """text: files as training data for a language model, listed on the client, tokenized into
-fixed-length windows in Dask tasks (``workflows/text_store.py`` builds the graph). numpy,
+fixed-length windows in Dask tasks (``workflows/data/text_store.py`` builds the graph). numpy,
 fsspec and zarr only.
 
 A sample is ``sequence_length`` tokens and its target the same window moved on by one token:

@@ -1,5 +1,5 @@
 """The ``[cluster]`` section: which cluster to run on, or how to start one
-(``workflows/cluster.py`` starts or joins it)."""
+(``workflows/cluster/training_cluster.py`` starts or joins it)."""
 
 from typing import Literal
 

@@ -1,6 +1,6 @@
 """The ``[launch]`` section: how many ranks, on which workers, with which backend, and how
-long each wait may last (``workflows/launcher.py`` forms the group; ``workflows/admission.py``
-queues for the workers ``[launch.workers]`` selects)."""
+long each wait may last (``workflows/jobs/launcher.py`` forms the group;
+``workflows/jobs/admission.py`` queues for the workers ``[launch.workers]`` selects)."""
 
 import contextlib
 import fnmatch

@@ -1,5 +1,6 @@
-"""The ``[predict]`` section: how batch inference scores (``workflows/prediction_request.py``
-checks a request with it; ``workflows/batch_predict.py`` runs it)."""
+"""The ``[predict]`` section: how batch inference scores
+(``workflows/prediction/prediction_request.py`` checks a request with it;
+``workflows/prediction/batch_predict.py`` runs it)."""
 
 from typing import Any, Literal
 

@@ -4,7 +4,7 @@ frozen, and the checks that span sections.
 Each section is a module of this package: the trainer's in :mod:`.sections`, the client's in
 :mod:`.cluster` (with :mod:`.security`), :mod:`.launch` and :mod:`.tracking`, batch
 inference's in :mod:`.predict`; each strategy's checks are its plan's (:mod:`.plans`).
-``workflows/config.py`` reads the TOML and validates it here.
+``workflows/runs/config.py`` reads the TOML and validates it here.
 """
 
 from collections.abc import Callable
@@ -36,7 +36,7 @@ from workers.spec.tracking import TrackingConfig
 # The validation context's key for where a staged run's model can be cut: a function of
 # (sections, plan) that builds the model (imports torch), so a model that does not trace, or a
 # split point where no stage can begin, is a config error at validation. The client passes
-# workers.stage_cuts's (workflows/config.py's load_config); without it the cut is not checked.
+# workers.stage_cuts's (workflows/runs/config.py's load_config); without it the cut is not checked.
 CUT_POINTS = "cut_points"
 CutPoints = Callable[[StrategySections, StrategyPlan], list[str]]
 

@@ -277,7 +277,7 @@ class DataConfig(Redacted):
     @property
     def sample_shape(self) -> tuple[int, ...]:
         """One sample of the store built from this source: a window of tokens for text, an
-        image (workflows/preprocess.py) otherwise."""
+        image (workflows/data/preprocess.py) otherwise."""
         if self.dataset == "text":
             return (self.sequence_length,)
         return (3, self.image_size, self.image_size)

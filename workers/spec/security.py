@@ -1,5 +1,5 @@
 """The ``[cluster.security]`` section: TLS for Dask's connections, by certificate files or a
-temporary self-signed set (``workflows/security.py`` builds Dask's ``Security`` from it).
+temporary self-signed set (``workflows/cluster/security.py`` builds Dask's ``Security`` from it).
 
 TLS covers Dask's own traffic (client, scheduler, workers: tasks, results, events). It does not
 cover torch.distributed: gloo and NCCL have no encryption, so keep the rendezvous port and the

@@ -1,5 +1,5 @@
 """The ``[tracking]`` section: where a run's metrics go besides ``metrics.jsonl``
-(``workflows/tracking.py`` writes them)."""
+(``workflows/observe/tracking.py`` writes them)."""
 
 import importlib.util
 from typing import Self

@@ -20,9 +20,9 @@ import dask.array as da
 import numpy as np
 from torch import nn
 
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.driver import train
+from workflows.cluster.training_cluster import start_cluster
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 
 def mlp(in_features: int, num_classes: int) -> nn.Module:

@@ -227,7 +227,7 @@ def main() -> None:
     # The tests' S3 server: moto's, a process on loopback, killed at the end.
     from workflows import launch
     from workflows.benchmarks.local_s3 import KEY, SECRET, s3_server
-    from workflows.cluster import start_cluster
+    from workflows.cluster.training_cluster import start_cluster
 
     # s3torchconnector's client reads credentials from the environment only; the workers
     # started below inherit them.

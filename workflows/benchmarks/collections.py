@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workflows.cluster import start_cluster
-from workflows.jobs import launch
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.launch import launch
 
 
 def _model(features: int) -> nn.Module:

@@ -48,10 +48,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workers.models import build_model
 from workers.spec.run import RunConfig
-from workflows.cluster import TUNED_MALLOC, TrainingCluster, count_gpus, start_cluster
-from workflows.config import load_config
-from workflows.driver import train
-from workflows.jobs import launch
+from workflows.cluster.training_cluster import (
+    TUNED_MALLOC,
+    TrainingCluster,
+    count_gpus,
+    start_cluster,
+)
+from workflows.jobs.launch import launch
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 SYNTHETIC_SAMPLES = 16384
 DIGITS_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_ddp.toml"

@@ -50,11 +50,11 @@ from torch.nn.parallel import DistributedDataParallel
 from workers.records import ReportRecord, ResizedRecord, StepRecord, parse_record
 from workers.spec.run import RunConfig
 from workflows.benchmarks.stock_cluster import stock_cluster
-from workflows.cluster import TrainingCluster, live_workers, start_cluster
-from workflows.config import load_config
-from workflows.driver import train
-from workflows.jobs import launch
-from workflows.launcher import JobStopped
+from workflows.cluster.training_cluster import TrainingCluster, live_workers, start_cluster
+from workflows.jobs.launch import launch
+from workflows.jobs.launcher import JobStopped
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 GLOBAL_BATCH = 96  # split evenly by 2, 3 and 4 ranks
 WAIT_S = 120.0
@@ -230,7 +230,7 @@ def cold(step_s: float, folder: Path) -> list[dict[str, Any]]:
         return job.stop()
 
 
-WARM_NANNY = ("--preload-nanny", "workflows.warm_workers")
+WARM_NANNY = ("--preload-nanny", "workflows.cluster.warm_workers")
 
 
 def fixed_sigkill(step_s: float, folder: Path, worker_args: tuple[str, ...]) -> dict[str, Any]:
@@ -529,7 +529,10 @@ def main() -> None:
         print(f"| {what} | {resize['pause_s']:.2f} s | {resize['redone_steps']} | | |")
     for what, recovery in (
         ("cold: fixed 2 ranks, SIGKILL, a stock nanny's new process", lost_cold),
-        ("fixed 2 ranks, SIGKILL, a nanny with --preload-nanny workflows.warm_workers", lost_warm),
+        (
+            "fixed 2 ranks, SIGKILL, a nanny with --preload-nanny workflows.cluster.warm_workers",
+            lost_warm,
+        ),
     ):
         print(
             f"| {what}: seconds lost | {recovery['seconds_lost']:.2f} s | "

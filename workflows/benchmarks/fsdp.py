@@ -28,7 +28,7 @@ model whole on every rank first, as every model was before). Throughput: steady
 samples/s, FSDP over DDP, in the same run.
 
 After each job, on the same workers, the planner profiles the model
-(``workflows.planner.plan``, what ``dask-train plan`` prints) and its estimate of a rank's
+(``workflows.runs.planner.plan``, what ``dask-train plan`` prints) and its estimate of a rank's
 memory under that strategy and world size is printed beside the measured peak.
 
 ``--keep-freed-memory`` runs FSDP with ``fsdp.return_freed_memory = false``: on a CPU, glibc
@@ -49,11 +49,11 @@ import tempfile
 from pathlib import Path
 
 from workers.spec.run import RunConfig
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.driver import train
-from workflows.planner import plan
-from workflows.resolved_run import resolve_run
+from workflows.cluster.training_cluster import start_cluster
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
+from workflows.runs.planner import plan
+from workflows.runs.resolved_run import resolve_run
 
 VIT_IMAGE_SIZE, VIT_CLASSES = 32, 10
 

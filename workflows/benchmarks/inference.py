@@ -11,11 +11,11 @@ store's training split four times, alternating:
   fresh Python process with glibc's malloc defaults (what a user's script gets), warmed like
   the workers before the clock starts: one partition scored and written first, so that neither
   side pays imports, first allocations or pyarrow's start in the figure;
-- the same, given the malloc settings our workers get (``workflows.cluster.TUNED_MALLOC``);
-- two such processes side by side (no Dask), each scoring every other partition: what this
-  machine's cores give two processes at all, the ceiling for any 2-worker scheme;
-- dask-train: ``predict()`` on N workers, from registering the model plugin to the last Parquet
-  file written.
+- the same, given the malloc settings our workers get
+(``workflows.cluster.training_cluster.TUNED_MALLOC``); - two such processes side by side (no Dask),
+each scoring every other partition: what this   machine's cores give two processes at all, the
+ceiling for any 2-worker scheme; - dask-train: ``predict()`` on N workers, from registering the
+model plugin to the last Parquet   file written.
 
 All do the same work (read, forward pass, probabilities, Parquet) with the same batch size;
 metrics are off. The ratios are of the medians of images/s (dask / one process).
@@ -37,9 +37,9 @@ from workers.data import DataConfig
 from workers.inference import score
 from workers.models import build_model
 from workers.spec.predict import PredictConfig
-from workflows.batch_predict import PreparedPrediction, predict, prepare
-from workflows.cluster import TUNED_MALLOC, start_cluster
-from workflows.preprocess import prepare_store
+from workflows.cluster.training_cluster import TUNED_MALLOC, start_cluster
+from workflows.data.preprocess import prepare_store
+from workflows.prediction.batch_predict import PreparedPrediction, predict, prepare
 
 
 def score_in_one_process(

@@ -28,10 +28,10 @@ import torch
 
 from workers.models import build_model
 from workers.spec.run import RunConfig
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.driver import train
-from workflows.jobs import TrainingFailed
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.launch import TrainingFailed
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 WIDTH, HEADS, SEQUENCE, BATCH, LR = 1024, 16, 8, 4, 0.02  # 256 byte tokens
 BLOCK_PARAMETERS = 12 * WIDTH**2 + 13 * WIDTH  # attention, feed-forward, two norms

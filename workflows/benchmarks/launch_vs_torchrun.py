@@ -37,10 +37,10 @@ from workers.records import OutputRecord, ReportRecord, parse_record
 from workers.script_runner import ScriptSpec, run_script
 from workers.spec.launch import LaunchConfig
 from workflows.benchmarks.ddp_vs_torchrun import benchmark_config, run_torchrun
-from workflows.cluster import start_cluster
-from workflows.driver import train
-from workflows.job_request import JobRequest
-from workflows.jobs import launch, launch_on
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.launch import launch, launch_on
+from workflows.jobs.request import JobRequest
+from workflows.runs.driver import train
 
 SCRIPT = "workflows.benchmarks.torchrun_rank"
 

@@ -16,9 +16,9 @@ import statistics
 import tempfile
 import time
 
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.driver import train
+from workflows.cluster.training_cluster import start_cluster
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 WARM_UP_JOBS = 3
 

@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 from workers.records import StepRecord, parse_record
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.driver import train
+from workflows.cluster.training_cluster import start_cluster
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 CONFIG = Path(__file__).parents[1] / "configs" / "stdlib_gpt.toml"
 SGD = {"optimizer": "sgd", "optimizer_kwargs": {}, "lr": 0.5, "momentum": 0.9, "weight_decay": 0.0}

@@ -19,9 +19,9 @@ import statistics
 import tempfile
 
 from workers.spec.run import RunConfig
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.driver import TrainResult, train
+from workflows.cluster.training_cluster import start_cluster
+from workflows.runs.config import load_config
+from workflows.runs.driver import TrainResult, train
 
 
 def peak_memory_bytes() -> int:

@@ -28,10 +28,10 @@ from workers.preprocessing import (
     normalize_chunk,
 )
 from workers.sources import Decoding, list_records
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.driver import train
-from workflows.preprocess import prepare_store
+from workflows.cluster.training_cluster import start_cluster
+from workflows.data.preprocess import prepare_store
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 
 def write_jpeg_folder(root: Path, n: int, size: int = 128) -> None:
@@ -76,7 +76,7 @@ def preprocess_in_one_process(config: DataConfig, seed: int) -> None:
             dtype=np.float32,
             chunks=(config.chunk_size, *shape[1:]),
             overwrite=True,
-            # As the graph stores them (workflows/preprocess.py): zarr's default would spend
+            # As the graph stores them (workflows/data/preprocess.py): zarr's default would spend
             # this side's time on zstd that the graph never pays.
             compressors=None,
         )

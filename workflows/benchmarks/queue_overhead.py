@@ -15,9 +15,9 @@ import statistics
 import threading
 import time
 
-from workflows.admission import queue_snapshot
-from workflows.cluster import start_cluster
-from workflows.jobs import launch
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.admission import queue_snapshot
+from workflows.jobs.launch import launch
 
 
 def hold_for(ctx, seconds: float) -> float:

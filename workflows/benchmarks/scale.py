@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from workflows.benchmarks.elastic import ElasticJob
 from workflows.benchmarks.launch_vs_torchrun import torchrun_first_step
-from workflows.cluster import start_cluster
-from workflows.jobs import launch
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.launch import launch
 
 WAIT_S = 300.0
 

@@ -64,10 +64,10 @@ from workers.spec.cluster import ClusterConfig
 from workers.spec.launch import LaunchConfig
 from workers.spec.run import RunConfig
 from workers.strategies import get_strategy
-from workflows.cluster import TUNED_MALLOC, start_cluster
-from workflows.config import load_config
-from workflows.driver import train
-from workflows.script_launch import launch_script
+from workflows.cluster.training_cluster import TUNED_MALLOC, start_cluster
+from workflows.jobs.script_launch import launch_script
+from workflows.runs.config import load_config
+from workflows.runs.driver import train
 
 SCRIPTS = Path(__file__).resolve().parent / "torchrun_scripts"
 STRATEGIES = ("fsdp", "tp", "pp")

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflows.cluster import start_cluster
-from workflows.jobs import launch
-from workflows.sweeps import sweep
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.launch import launch
+from workflows.sweeps.sweep import sweep
 
 SPACE = {"lr": ("log", 1e-3, 1e-1), "hidden": [256, 512]}
 

@@ -32,11 +32,11 @@ from workers.spec.plans.pipeline import StagingSettings
 from workers.spec.sections import PipelineConfig, TrainingConfig
 from workers.strategies import get_strategy
 from workers.strategies.base import EpochSums, RankPlacement
-from workflows.cluster import start_cluster
-from workflows.config import load_config
-from workflows.jobs import launch
-from workflows.planner import plan, resolve_split_points
-from workflows.resolved_run import resolve_run
+from workflows.cluster.training_cluster import start_cluster
+from workflows.jobs.launch import launch
+from workflows.runs.config import load_config
+from workflows.runs.planner import plan, resolve_split_points
+from workflows.runs.resolved_run import resolve_run
 
 IMAGE = (3, 32, 32)
 

@@ -6,7 +6,7 @@ importing this module fails with one line: ``ImportError: dask-train needs <name
 constructor: what is checked is that the constructor still sets them.
 
 - A trial's id in its storage (``Trial._trial_id``, ``FrozenTrial._trial_id``): the owner
-  marks of ``workflows/sweep_owners.py`` are written by it, and ``Trial(study, trial_id)``
+  marks of ``workflows/sweeps/sweep_owners.py`` are written by it, and ``Trial(study, trial_id)``
   takes over a trial; only ``number`` is public, which is the trial's place in its study.
 - ``Study._storage``: the storage the study wraps (a cache in front of an RDB storage), where
   those marks are written and read back.
