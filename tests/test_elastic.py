@@ -46,7 +46,8 @@ from workflows import launch, start_cluster, train
 from workflows.cluster.training_cluster import live_workers
 from workflows.data.preprocess import prepare_store
 from workflows.jobs.admission import Request, WorkerQueue, WorkerSelection
-from workflows.jobs.launcher import LaunchConfig
+from workflows.jobs.launcher import LaunchConfig, admit
+from workflows.observe.monitoring import queue_snapshot
 from workflows.runs.config import ConfigError, load_config
 
 GLOBAL_BATCH = 60  # every world from 1 to 5 splits it evenly: DDP's mean is the batch's
@@ -343,17 +344,37 @@ def test_a_cold_stock_worker_prepares_while_the_job_trains_then_joins_it(tmp_pat
         assert_equivalent(rank_parameters, reference, planted=planted)
 
 
-@pytest.mark.timeout(120)
-def test_a_joining_worker_that_cannot_prepare_is_left_out_and_the_job_goes_on(tmp_path, caplog):
-    # A machine whose torch is broken (a library it cannot load): its `dask worker` starts,
-    # but cannot import torch. The job must not stop for it, nor fail: it names it and goes on.
+def _broken_torch(tmp_path: Path) -> dict[str, str]:
+    """The environment of a machine whose torch is broken (a library it cannot load): its
+    `dask worker` starts, but cannot import torch."""
     broken = tmp_path / "broken-site" / "torch"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text(
         'raise ImportError("libtorch_cpu.so: cannot open shared object file")\n'
     )
+    return {"PYTHONPATH": f"{broken.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _queued_1_rank_job(client: Client) -> tuple[list[str], dict[str, int]]:
+    """What a 1-rank job arriving now is granted, and how many workers each job then holds."""
+    queued = admit(
+        client,
+        LaunchConfig(world_size=1, queue_timeout_s=WAIT_S / 3),
+        job_id="queued-1-rank",
+        name="queued",
+    )
+    with queued:
+        granted = queued.hold()
+        holding = client.run_on_scheduler(queue_snapshot)["holding"]
+    return granted, {h["job_id"]: h["workers"] for h in holding}
+
+
+@pytest.mark.timeout(120)
+def test_a_joining_worker_that_cannot_prepare_is_left_out_and_handed_back(tmp_path, caplog):
+    # A broken machine's worker joins: the job must not stop for it, nor fail: it names it and
+    # goes on. Nor may it hold it: a 2:3 job would sit at its maximum with the worker idle,
+    # and a queued job would wait for it. It hands it back, and is not given it again.
     stop_file = tmp_path / "stop"
-    environment = {"PYTHONPATH": f"{broken.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
         client = training_cluster.client
         first = set(live_workers(client))
@@ -361,7 +382,8 @@ def test_a_joining_worker_that_cannot_prepare_is_left_out_and_the_job_goes_on(tm
         with job as watch, caplog.at_level("WARNING", logger="workflows.jobs.controller"):
             watch.until("2 ranks training", watch.world(2))
             scheduler = client.scheduler.address
-            with stock_dask_worker(scheduler, tmp_path / "worker.log", env=environment):
+            log = tmp_path / "worker.log"
+            with stock_dask_worker(scheduler, log, env=_broken_torch(tmp_path)):
                 client.wait_for_workers(3, timeout=WAIT_S)
                 (newcomer,) = set(live_workers(client)) - first
                 deadline = time.monotonic() + WAIT_S
@@ -369,9 +391,39 @@ def test_a_joining_worker_that_cannot_prepare_is_left_out_and_the_job_goes_on(tm
                     time.sleep(0.1)
                 seen = len(watch.records)
                 watch.until("still training", lambda r: len(r) >= seen + 10)
-    assert f"leaving worker {newcomer} out, it failed to prepare" in caplog.text
+                granted, held = _queued_1_rank_job(client)
+    assert granted == [newcomer]
+    assert caplog.text.count(f"leaving worker {newcomer} out, it failed to prepare") == 1
     assert "libtorch_cpu.so" in caplog.text
     assert job.result.resizes == []  # never stopped for it
+    assert {r["world"] for r in job.result.metrics[0]} == {2}
+    assert held == {job.result.job_id: 2, "queued-1-rank": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_first_generations_worker_that_cannot_prepare_is_left_out_and_handed_back(
+    tmp_path, caplog
+):
+    # The broken machine's worker is there before the job: granted 3 of 2:3, the job prepares
+    # it before its first group forms, forms on the 2 others, and hands it back.
+    stop_file = tmp_path / "stop"
+    with start_cluster(n_workers=2, dashboard_port=0) as training_cluster:
+        client = training_cluster.client
+        first = set(live_workers(client))
+        scheduler = client.scheduler.address
+        log = tmp_path / "worker.log"
+        with stock_dask_worker(scheduler, log, env=_broken_torch(tmp_path)):
+            client.wait_for_workers(3, timeout=WAIT_S)
+            (broken,) = set(live_workers(client)) - first
+            job = elastic_job(training_cluster, stop_file, "2:3")
+            with caplog.at_level("WARNING", logger="workflows.jobs.controller"), job as watch:
+                watch.until("2 ranks training", watch.world(2))
+                granted, held = _queued_1_rank_job(client)
+    assert f"leaving worker {broken} out, it failed to prepare" in caplog.text
+    assert granted == [broken]
+    assert held == {job.result.job_id: 2, "queued-1-rank": 1}
+    assert job.result.resizes == []
     assert {r["world"] for r in job.result.metrics[0]} == {2}
 
 

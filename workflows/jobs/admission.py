@@ -23,7 +23,9 @@ maximum; a waiting job that free workers cannot serve asks elastic jobs of no hi
 for those above their minimum (``yielding``); a held worker that closes gracefully is marked
 ``retiring``. The job's holder follows its entry (``watch``), stops its ranks at their next
 step boundary, and gives the workers back by asking again (``request``). Waiting jobs are served
-by priority, then first come, first served.
+by priority, then first come, first served. A worker a job cannot use (it failed to prepare
+for the job) is handed back (``hand_back``): freed for others, and not granted to that job again
+while its process lives.
 """
 
 import asyncio
@@ -125,6 +127,12 @@ class _Entry:
     # (``resizes``) once its ranks passed a step boundary, or at once for a script, which
     # restarts. Until then it is neither given free workers nor asked for its own.
     resizes: bool = False
+    # Workers handed back because they failed to prepare for the job: never granted to it
+    # again while their process lives. Asked again, a live worker fails the same way (its
+    # environment does not change: a library it cannot load, a store it cannot reach) after up
+    # to launch.init_timeout_s each time, while held idle; one that restarts is a fresh process
+    # that may succeed (`remove_worker` forgets it), and other jobs may use it meanwhile.
+    refused: set[str] = field(default_factory=set)
 
     def changed_now(self) -> None:
         self.version += 1
@@ -200,6 +208,19 @@ class WorkerQueue(SchedulerPlugin):
         if entry is not None and not entry.resizes:
             entry.resizes = True
             self._grant()
+
+    def hand_back(self, job_id: str, workers: list[str]) -> None:
+        """The job cannot use ``workers`` (they failed to prepare for it): free them for other
+        jobs, and grant them to this one no more while their process lives."""
+        entry = self.entries.get(job_id)
+        if entry is None or entry.draining:
+            return
+        entry.refused |= set(workers)
+        entry.granted = [w for w in entry.granted if w not in entry.refused]
+        entry.yielding -= entry.refused
+        entry.retiring -= entry.refused
+        entry.changed_now()
+        self._grant()
 
     def renew(self, job_id: str) -> bool:
         entry = self.entries.get(job_id)
@@ -297,7 +318,7 @@ class WorkerQueue(SchedulerPlugin):
         for entry in serving:
             if not entry.waiting:
                 continue
-            usable = [w for w in free if entry.request.eligible(w)]
+            usable = [w for w in free if self._usable(entry, w)]
             missing = entry.request.minimum - len(entry.granted)
             if len(usable) >= missing:
                 room = entry.request.maximum - len(entry.granted)
@@ -329,7 +350,7 @@ class WorkerQueue(SchedulerPlugin):
             if not entry.resizes:  # it would hold the worker idle, never stopping to take it
                 continue
             room = request.maximum - len(entry.granted)
-            taken = [w.address for w in free if request.eligible(w)][: max(room, 0)]
+            taken = [w.address for w in free if self._usable(entry, w)][: max(room, 0)]
             if taken:
                 entry.granted += taken
                 entry.changed_now()
@@ -359,10 +380,15 @@ class WorkerQueue(SchedulerPlugin):
                 if w not in promised
                 and w not in holder.retiring
                 and (ws := self.scheduler.workers.get(w)) is not None
-                and waiting.request.eligible(ws)
+                and self._usable(waiting, ws)
             ]
             offers += [(job_id, w) for w in candidates[: max(spare, 0)]]
         return offers
+
+    @staticmethod
+    def _usable(entry: _Entry, worker: "WorkerState") -> bool:
+        """Whether ``entry``'s job may be granted ``worker``: of its selection, not refused."""
+        return entry.request.eligible(worker) and worker.address not in entry.refused
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         self._grant()
@@ -405,6 +431,7 @@ class WorkerQueue(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         for entry in self.entries.values():
+            entry.refused.discard(worker)  # back at this address, it is a fresh process
             if worker in entry.granted:
                 entry.granted.remove(worker)  # the job asks again for its next attempt
                 if worker in entry.retiring:
@@ -492,6 +519,10 @@ async def _wait(job_id: str, timeout_s: float, dask_scheduler: Scheduler) -> dic
 
 def _resizes(job_id: str, dask_scheduler: Scheduler) -> None:
     _queue(dask_scheduler).resizes(job_id)
+
+
+def _hand_back(job_id: str, workers: list[str], dask_scheduler: Scheduler) -> None:
+    _queue(dask_scheduler).hand_back(job_id, workers)
 
 
 def _renew(job_id: str, dask_scheduler: Scheduler) -> bool:
@@ -641,6 +672,12 @@ class Admission:
         passed a step boundary): only then may it grow into free workers or be asked for its
         own."""
         self._ask(_resizes, self.request.job_id)
+
+    def hand_back(self, workers: list[str]) -> None:
+        """Give back ``workers`` the job cannot use (they failed to prepare for it): the queue
+        frees them for other jobs and grants them to this one no more while their process
+        lives."""
+        self._ask(_hand_back, self.request.job_id, workers)
 
     def watch(self, version: int, timeout_s: float) -> dict[str, Any]:
         """The job's status once something its holder must act on changed since ``version``

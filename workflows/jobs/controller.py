@@ -31,7 +31,8 @@ new set of workers, receives the state from a live rank.
 Before the ranks stop for workers that joined, the job keeps training while each newcomer gets
 ready (``preparing``: torch and the job's code imported, the rank-0 worker's store reached;
 `workers.preparation`); the ranks stop only once every newcomer answered, and one that failed
-to prepare is left out of the job (and said so in the log), not waited for. A first
+to prepare is left out of the job (and said so in the log), not waited for, and handed back to
+the queue, which grants it to the job no more while its process lives. A first
 generation's workers that never ran a rank are prepared the same way before the group forms.
 """
 
@@ -40,7 +41,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, TracebackType
@@ -358,7 +359,8 @@ class JobController:
         self.resumed: ResumedRecord | None = None
         # Whether the queue knows that this elastic job resizes when asked (admission.resizes).
         self.queue_told_it_resizes = False
-        # Workers that failed to prepare for this job: left out of its generations.
+        # Workers that failed to prepare for this job: left out of its generations (until the
+        # queue took them back, `hand_back`).
         self.left_out: set[str] = set()
         self._code = cloudpickle.dumps(job)  # what a worker unpickles to import the job's code
         self._state_lock = threading.Lock()  # the elastic watcher moves to and from preparing
@@ -459,6 +461,22 @@ class JobController:
                 self.left_out.add(worker)
         return ready
 
+    def hand_back(self, workers: Collection[str]) -> None:
+        """Give the queue back ``workers``, left out of the job: a queued job (or another
+        newcomer) takes them, where the job would hold them idle. The queue grants them to the
+        job no more while their process lives (why: `workflows.jobs.admission`). One the queue
+        could not be told of stays left out here, and is handed back as the next generation
+        forms."""
+        if not workers:
+            return
+        try:
+            self.admission.hand_back(sorted(workers))
+        except Exception as error:  # the scheduler busy or gone: the job goes on without them
+            logger.warning("job %s: could not hand %s back: %s", self.spec.job_id, workers, error)
+            return
+        logger.info("job %s: handed %s back to the queue", self.spec.job_id, sorted(workers))
+        self.left_out -= set(workers)
+
     def _prepare_cold(self, workers: list[str]) -> list[str]:
         """Before a generation forms: prepare those of ``workers`` that never ran a rank (a
         fresh process: a new worker, a lost one's replacement); the workers to form it on."""
@@ -478,7 +496,10 @@ class JobController:
             [w for w in workers if cold.get(w) is True and status.get(w) != "paused"], master=None
         )
         kept = [w for w in workers if w not in self.left_out]
-        return kept if len(kept) >= self.admission.request.minimum else workers
+        if len(kept) < self.admission.request.minimum:
+            return workers  # too few without them: their ranks fail as they would have
+        self.hand_back(set(self.left_out))  # and any the queue could not be told of before
+        return kept
 
     def generation(self, after: ControllerState) -> None:
         """Form one generation over the held workers, run every rank, and decide what next;
@@ -876,6 +897,7 @@ class _Watcher:
                 break
             self._asked |= set(waiting)
             self.prepared |= set(self.controller.prepare(waiting, master=self.master))
+            self.controller.hand_back(set(waiting) & self.controller.left_out)
             status = self.controller.admission.status()
         return bool(self.prepared & self._newcomers(status))
 
