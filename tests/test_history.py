@@ -2,8 +2,10 @@
 the run directory's ``metrics.jsonl``, whatever worker was lost (issue 58): the worker holding
 rank 0, the reporting rank, is SIGKILLed after its step's all-reduce and before its report,
 and the job recovers from the surviving replica or from an older checkpoint; a run resumed
-from a checkpoint older than the step it reached trains the steps after it again. (``launch``
-loops: tests/test_elastic.py, ``test_rank_0s_history_holds_every_step_once_...``.)"""
+from a checkpoint older than the step it reached trains the steps after it again. The same for
+``dask-train launch --output``'s ``metrics.jsonl`` of a function's ``ctx.report``s. (``launch``
+loops' ``LaunchResult.metrics``: tests/test_elastic.py,
+``test_rank_0s_history_holds_every_step_once_...``.)"""
 
 import functools
 import json
@@ -20,6 +22,9 @@ from distributed import get_worker
 from workers.checkpoint import list_checkpoints
 from workers.records import ResizedRecord, StepRecord
 from workflows import start_cluster
+from workflows.cluster.training_cluster import ClusterConfig
+from workflows.jobs.launcher import LaunchConfig
+from workflows.jobs.script_launch import LaunchTarget, launch_script
 from workflows.observe.events import EventRelay
 from workflows.runs.driver import train
 from workflows.runs.run_directory import RunDirectory
@@ -51,6 +56,24 @@ def _sgd_killing_rank_0(parameters, *, marker: str) -> torch.optim.Optimizer:
 
     optimizer.register_step_post_hook(after_step)
     return optimizer
+
+
+def counting_loop(ctx, steps: str, launch: str) -> None:
+    """A launched loop (docs/guides/own-loop.md) without ``step_done``: a lost worker's job
+    continues from the newest checkpoint, step ``EVERY``'s. Each step all-reduces (the ranks
+    go in step) and reports; in the launch named ``first``, rank 0's worker process is
+    SIGKILLed the first time it has reported step ``DIES_AT``."""
+    state = {"total": 0.0}
+    start = ctx.restore(state) or 0
+    for step in range(start, int(steps)):
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        state["total"] += one.item()
+        ctx.report(step=step + 1, total=state["total"], launch=launch)
+        if step + 1 == EVERY:
+            ctx.save(state, step=step + 1)
+        if launch == "first" and ctx.rank == 0 and ctx.attempt == 0 and step + 1 == DIES_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _written(run: Path) -> list[dict]:
@@ -140,6 +163,48 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_each_steps_record_once(
     kinds = [(r["kind"], r.get("step")) for r in written]
     assert kinds.index(("resumed", 6)) < kinds.index(("step", 7))
     assert [r["step"] for r in written if r["kind"] == "epoch"] == [8]
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_outputs_metrics_hold_each_step_once_after_a_recovery_and_a_resume(
+    killable, tmp_path
+):
+    # `dask-train launch --output DIR`'s metrics.jsonl: rank 0's worker is SIGKILLed after
+    # step 7, the job continues from step 5's checkpoint; a --resume (more steps) continues
+    # from that checkpoint again. Before: steps 6 and 7 were written two and three times.
+    output = tmp_path / "run"
+
+    def launch(steps: int, name: str):
+        return launch_script(
+            LaunchTarget(f"{__name__}:counting_loop", (str(steps), name)),
+            cluster=ClusterConfig(scheduler=killable.cluster.scheduler_address),
+            launch_config=LaunchConfig(world_size=2),
+            output=output,
+            echo=lambda line: None,
+        )
+
+    def written() -> list[tuple[int, int, int, str, float]]:
+        return sorted(
+            (r["rank"], r["step"], r["attempt"], r["launch"], r["total"]) for r in _written(output)
+        )
+
+    recovered = launch(8, "first").recoveries
+    assert [(r["recovered_from"], r["resumed_from_step"]) for r in recovered] == [
+        ("checkpoint", EVERY)
+    ]
+    # Each rank's steps once, those after the checkpoint the next attempt's (the parameters
+    # that survive); the total, world size x step, as one process counts it.
+    assert written() == [
+        (rank, step, 0 if step <= EVERY else 1, "first", 2.0 * step)
+        for rank in (0, 1)
+        for step in range(1, 9)
+    ]
+    launch(10, "resumed")
+    assert written() == [
+        (rank, step, 0, "first" if step <= EVERY else "resumed", 2.0 * step)
+        for rank in (0, 1)
+        for step in range(1, 11)
+    ]
 
 
 def test_a_resize_that_trains_steps_again_keeps_the_redone_records_in_metrics_jsonl(
