@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from workers.records import OutputRecord, ReportRecord, ResumedRecord, parse_record
+from workers.records import OutputRecord, ResumedRecord, parse_record
 from workers.script_runner import ScriptResult, ScriptSpec, run_script
 from workers.spec.cluster import ClusterConfig
 from workers.spec.errors import ConfigError
@@ -24,6 +24,7 @@ from workflows.cluster.training_cluster import start_cluster
 from workflows.jobs.code_shipping import ship_modules
 from workflows.jobs.launch import LaunchResult, launch_on
 from workflows.jobs.request import JobRequest
+from workflows.observe.metrics_file import MetricsFile
 
 
 class ScriptNotFound(ValueError):
@@ -31,7 +32,8 @@ class ScriptNotFound(ValueError):
 
 
 # What a launch writes into its --output folder; any of them there means the folder holds a run.
-RUN_FILES = ("output.log", "metrics.jsonl", "summary.json")
+METRICS = "metrics.jsonl"
+RUN_FILES = ("output.log", METRICS, "summary.json")
 SUMMARY = "summary.json"
 # Whose checkpoints an --output folder's are (workers/checkpoint.py names a run in each
 # manifest): the one run the folder holds.
@@ -161,26 +163,29 @@ def launch_script(
 
 class _RunOutput:
     """Where a launch's records go: its ranks' output to ``echo``, and in ``folder`` (if one is
-    given) to ``output.log``, its reports to ``metrics.jsonl``."""
+    given) to ``output.log``, its reports to ``metrics.jsonl``: each rank's step once, as
+    ``dask-train run`` keeps its steps (a recovery or a --resume from an older checkpoint
+    drops the reports of the steps done again, see ``MetricsFile``)."""
 
     def __init__(self, folder: Path | None, echo: Callable[[str], None]) -> None:
         self.echo = echo
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
         self.log = (folder / "output.log").open("a", buffering=1) if folder else None
-        self.metrics = (folder / "metrics.jsonl").open("a", buffering=1) if folder else None
+        self.metrics = MetricsFile(folder / METRICS, kinds={"report"}).open() if folder else None
 
     def on_event(self, record: dict[str, Any]) -> None:
-        match parse_record(record):
+        typed = parse_record(record)
+        match typed:
             case OutputRecord(rank=rank, lines=lines):
                 text = "".join(f"[rank {rank}] {line}" for line in lines)
                 self.echo(text.rstrip("\n"))
                 if self.log is not None:
                     self.log.write(text)
-            case ReportRecord() if self.metrics is not None:
-                self.metrics.write(json.dumps(record) + "\n")  # as it travelled
             case ResumedRecord() as resumed:
                 self.echo(resumed.line())
+        if self.metrics is not None:
+            self.metrics.append(record, typed)
 
     def __enter__(self) -> "_RunOutput":
         return self

@@ -245,8 +245,8 @@ def redone(step: int | None, continued_from: int | None) -> bool:
     step, so the parameters that survive were trained through ``step`` again (or never, if the
     run ends before it), and the record of the redone step is the run's, not this one.
 
-    The one rule for what ``LaunchResult.metrics`` (``EventRelay.reports_before``) and the run
-    directory's ``metrics.jsonl`` (``workflows.runs.run_directory.RunDirectory.record``) keep.
+    The one rule for what ``LaunchResult.metrics`` (``EventRelay.reports_before``) and
+    ``metrics.jsonl``, of ``run`` and of ``launch --output`` (``metrics_file.MetricsFile``), keep.
     ``None``: a record of no step, or an attempt nothing continued from.
     """
     return step is not None and continued_from is not None and step > continued_from

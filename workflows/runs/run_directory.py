@@ -42,19 +42,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from workers.records import (
-    EpochRecord,
-    RecoveryRecord,
-    ResizedRecord,
-    ResumedRecord,
-    StepRecord,
-    parse_record,
-)
+from workers.records import EpochRecord, StepRecord, parse_record
 from workers.spec.errors import ConfigError
 from workers.spec.run import RunConfig
 from workers.spec.secrets import RedactingFilter
 from workflows.runs.config import load_config
-from workflows.observe.events import TRAINER_KINDS, redone
+from workflows.observe.metrics_file import MetricsFile, write_atomically
 from workflows.runs.run_storage import (
     UNSENT,
     RunMirror,
@@ -83,16 +76,13 @@ class RunDirectory:
         # The summary of a run that already finished as far as ``config`` asks (resume only):
         # then there is nothing to do, and nothing in the directory may change.
         self.finished: dict[str, Any] | None = None
-        self._metrics = None
+        self._metrics: MetricsFile | None = None
         self._log_handler: logging.Handler | None = None
         self._created = False  # this process made the directory (release() may remove it)
         self._remote_held = False  # the URL held a run before this process came
         self._sent = False  # this process's config.json reached the URL
         self._attempt: dict[str, Any] | None = None
         self._reached = 0
-        # Steps a resize trained again, (after, through): its record comes after the new
-        # world's first step, so each redone step's record replaces the first as it comes.
-        self._redo_windows: list[tuple[int, int]] = []
 
     @classmethod
     def create(
@@ -303,7 +293,7 @@ class RunDirectory:
             self.mirror.copy()  # config.json: the URL holds this run from now on
             self._sent = True
             self.mirror.start()
-        self._metrics = (self.path / METRICS).open("a", buffering=1)
+        self._metrics = MetricsFile(self.path / METRICS).open()
         self._log_handler = logging.FileHandler(self.path / "run.log")
         self._log_handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -460,53 +450,17 @@ class RunDirectory:
         """Append one metrics record (an ``on_event`` handler for :func:`train`).
 
         Each step once: where the job continues from an earlier step than it reached (a
-        recovery, a resize, a resumed run), the records of the steps after it are dropped
-        (``workflows.observe.events.redone``, the rule ``LaunchResult.metrics`` follows), and the
-        records of those steps trained again take their place as they come.
+        recovery, a resize, a resumed run), the records of the steps after it are dropped, and
+        the records of those steps trained again take their place as they come
+        (``workflows.observe.metrics_file.MetricsFile``, as ``dask-train launch`` keeps them).
         """
         typed = parse_record(record)
-        match typed:
-            case ResumedRecord(step=step) | RecoveryRecord(resumed_from_step=step):
-                self._drop(lambda record, _: redone(record["step"], step))
-            case ResizedRecord(step=step, redone_steps=int(again)) if again > 0:
-                # Sent once the new world's first step is done: its first records are here.
-                self._redo_windows.append((step, step + again))
-                self._drop(self._replaced)
         if self._metrics is not None:
-            self._metrics.write(json.dumps(record) + "\n")  # as it travelled
+            self._metrics.append(record, typed)
         if isinstance(typed, StepRecord | EpochRecord):
             self._reached = max(self._reached, typed.step)
-            if any(low < typed.step <= high for low, high in self._redo_windows):
-                self._drop(self._replaced)
         if isinstance(typed, EpochRecord):
             logger.info("epoch %s/%s: %s", typed.epoch, typed.epochs, record)
-
-    def _replaced(self, record: dict[str, Any], again: bool) -> bool:
-        """A record of a step a resize trained again, whose redone record came since."""
-        return again and any(low < record["step"] <= high for low, high in self._redo_windows)
-
-    def _drop(self, superseded: Callable[[dict[str, Any], bool], bool]) -> None:
-        """Rewrite metrics.jsonl without the trainer's records that ``superseded`` says are no
-        longer the run's, given each and whether one of its kind and step came after it."""
-        if self._metrics is None:
-            return
-        path = self.path / METRICS
-        self._metrics.close()
-        self._metrics = None  # an interrupt here leaves it closed, not half open
-        lines = path.read_text().splitlines(keepends=True)
-        kept: list[str] = []
-        later: set[tuple[str, int]] = set()
-        for line in reversed(lines):
-            record = _parsed(line)
-            if record is not None and record.get("kind") in TRAINER_KINDS:
-                key = (record["kind"], record["step"])
-                if superseded(record, key in later):
-                    continue
-                later.add(key)
-            kept.append(line)
-        if len(kept) < len(lines):
-            write_atomically(path, "".join(reversed(kept)))
-        self._metrics = path.open("a", buffering=1)
 
     def finish(self, result: "TrainResult") -> dict[str, Any]:
         """Write the final model and the summary; returns the summary. The attempt that trained
@@ -596,26 +550,6 @@ def _settle_leftover(mirror: RunMirror) -> None:
         mirror.url,
         aside,
     )
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` whole: a reader, or a run resumed after an interruption mid-write,
-    finds the old content or the new, never a truncated file."""
-    partial = path.with_name(f".{path.name}.partial")
-    with partial.open("w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(partial, path)
-
-
-def _parsed(line: str) -> dict[str, Any] | None:
-    """A metrics.jsonl line's record; None for one that is not (a line cut by a kill)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
