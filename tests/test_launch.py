@@ -788,3 +788,17 @@ def test_a_bad_launch_setting_is_one_line_naming_it_before_a_cluster_starts(argu
         launch(never_launched, **arguments)  # no cluster given: it would start one
     assert "\n" not in str(error.value)
     assert {child.pid for child in psutil.Process().children(recursive=True)} <= before
+
+
+def test_a_state_holding_tensors_at_its_top_level_comes_back_whole():
+    from workers.training_state import apply_state, capture_state
+
+    # A zero tensor is one to keep (its truth value is False), and a tensor of several values
+    # has no truth value at all: both are stored as tensors, beside a plain number.
+    state = {"loss": torch.tensor(0.0), "weights": torch.arange(3.0), "seen": 4}
+    tensors, values = capture_state(state)
+    restored = {"loss": torch.tensor(9.0), "weights": torch.zeros(3), "seen": 0}
+    apply_state(restored, tensors, values)
+    assert restored["loss"].item() == 0.0
+    assert restored["weights"].tolist() == [0.0, 1.0, 2.0]
+    assert restored["seen"] == 4

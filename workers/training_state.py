@@ -141,7 +141,7 @@ def capture_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
             tensors[key], values[key] = whole["state"], {"param_groups": groups}
         else:
             found, values[key] = _split(value.state_dict() if _stateful(value) else value, key)
-            if found:
+            if _holds_tensors(found):
                 tensors[key] = found
     return tensors, values
 
@@ -160,6 +160,13 @@ def _stateful(value: Any) -> bool:
     )
 
 
+def _holds_tensors(found: Any) -> bool:
+    """Whether what :func:`_split` found is a tensor or a non-empty dict of them (never a
+    tensor's truth value: a zero is a tensor to keep, and a tensor of several values has
+    none)."""
+    return found is not None and (not isinstance(found, dict) or bool(found))
+
+
 def _split(value: Any, where: str) -> tuple[Any, Any]:
     """(the tensors in ``value`` keyed by position, ``value`` as JSON with placeholders)."""
     if isinstance(value, torch.Tensor):
@@ -170,7 +177,7 @@ def _split(value: Any, where: str) -> tuple[Any, Any]:
             if not isinstance(k, str | int) or isinstance(k, bool):
                 raise TypeError(f"ctx.save: {where}: key {k!r} is not a string or an integer")
             found, values[str(k)] = _split(v, f"{where}.{k}")
-            if found is not None and (not isinstance(found, dict) or found):
+            if _holds_tensors(found):
                 tensors[str(k)] = found
         return tensors, {
             "__dict__": values,
@@ -181,7 +188,7 @@ def _split(value: Any, where: str) -> tuple[Any, Any]:
         for i, v in enumerate(value):
             found, stored = _split(v, f"{where}[{i}]")
             values.append(stored)
-            if found is not None and (not isinstance(found, dict) or found):
+            if _holds_tensors(found):
                 tensors[str(i)] = found
         return tensors, {"__list__": values, "__tuple__": isinstance(value, tuple)}
     if value is None or isinstance(value, bool | int | float | str):
