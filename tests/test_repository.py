@@ -1,6 +1,7 @@
 """The suite leaves the checkout as it found it."""
 
 import shutil
+from pathlib import Path
 
 from tests.conftest import REPO, repo_entries
 
@@ -21,3 +22,23 @@ def test_the_session_guard_sees_a_run_left_in_the_checkout_even_beside_older_run
         if created:
             runs.rmdir()
     assert [line for line in new if "guard-probe-run" in line]
+
+
+def test_every_folder_of_code_is_a_package_that_git_keeps():
+    # An ignore rule that matches a package's folder (runs/, data/: the CLI's output folders)
+    # keeps its new files out of every commit: a clean clone then imports the folder as a
+    # namespace package, without its __init__.py.
+    import subprocess
+
+    tracked = set(
+        subprocess.run(
+            ["git", "ls-files", "workflows", "workers"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    )
+    folders = {str(Path(path).parent) for path in tracked if path.endswith(".py")}
+    scripts = {"workflows/benchmarks/torchrun_scripts"}  # run by path under torchrun, not imported
+    assert sorted(f for f in folders - scripts if f"{f}/__init__.py" not in tracked) == []
