@@ -32,6 +32,13 @@ from dask.base import tokenize
 from distributed import Client
 
 from workers.spec.sections import DataConfig
+from workflows.data.stores import (
+    STORE_FORMAT,
+    StoreManifest,
+    gather_settled,
+    manifest_of,
+    reusable_store,
+)
 from workflows.jobs.collections import (
     DataError,
     checked_splits,
@@ -39,13 +46,6 @@ from workflows.jobs.collections import (
     require_no_nan,
     target_facts,
     wait_for_partitions,
-)
-from workflows.data.stores import (
-    STORE_FORMAT,
-    StoreManifest,
-    gather_settled,
-    manifest_of,
-    reusable_store,
 )
 
 logger = logging.getLogger(__name__)

@@ -27,21 +27,26 @@ from workers.spec.plans import get_plan
 from workers.spec.run import RunConfig
 from workers.spec.sections import LOSSES, DataConfig
 from workers.train import RankResult, TrainJob, run_rank
-from workflows.data.array_store import write_array_store
 from workflows.cluster.training_cluster import TrainingCluster, start_cluster
+from workflows.data.array_store import write_array_store
+from workflows.data.preprocess import prepare_store
+from workflows.data.stores import StoreManifest, read_manifest
 from workflows.jobs.code_shipping import ship_modules
-from workflows.jobs.collections import DataError, check_fixed_world, check_trainer_data, trainer_data
-from workflows.runs.config import check_model, load_config, model_builder
-from workflows.observe.events import EventHandler
+from workflows.jobs.collections import (
+    DataError,
+    check_fixed_world,
+    check_trainer_data,
+    trainer_data,
+)
 from workflows.jobs.interrupts import DroppedInterrupts
-from workflows.jobs.request import JobRequest
 from workflows.jobs.launch import JobHold, LaunchResult, TrainingFailed, launch_on
+from workflows.jobs.request import JobRequest
+from workflows.observe.events import EventHandler
+from workflows.observe.tracking import Tracker
+from workflows.runs.config import check_model, load_config, model_builder
 from workflows.runs.model_handback import collect_model
 from workflows.runs.planner import check_worker_memory
-from workflows.data.preprocess import prepare_store
 from workflows.runs.resolved_run import ResolvedRun, resolve_run
-from workflows.data.stores import StoreManifest, read_manifest
-from workflows.observe.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 

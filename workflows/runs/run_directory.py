@@ -38,7 +38,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -46,8 +46,8 @@ from workers.records import EpochRecord, StepRecord, parse_record
 from workers.spec.errors import ConfigError
 from workers.spec.run import RunConfig
 from workers.spec.secrets import RedactingFilter
-from workflows.runs.config import load_config
 from workflows.observe.metrics_file import MetricsFile, write_atomically
+from workflows.runs.config import load_config
 from workflows.runs.run_storage import (
     UNSENT,
     RunMirror,
@@ -286,7 +286,8 @@ class RunDirectory:
         else:
             self._claim(text)
         key = self.config.checkpoint.signing_key_file
-        if key is not None:  # what predict checks before it trusts the file (workflows/runs/trust.py)
+        # What predict checks before it trusts the file (workflows/runs/trust.py).
+        if key is not None:
             signature = config_signature(json.loads(text), key)
             write_atomically(self.path / CONFIG_SIGNATURE, signature + "\n")
         if self.mirror is not None:

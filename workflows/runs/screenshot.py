@@ -12,8 +12,8 @@ import subprocess
 import tempfile
 
 from workflows.cluster.training_cluster import start_cluster
-from workflows.runs.config import load_config
 from workflows.observe.dashboard import ROUTE
+from workflows.runs.config import load_config
 from workflows.runs.driver import train
 
 
