@@ -13,8 +13,9 @@ from distributed import get_worker
 
 from workers import model_pieces
 from workers.model_pieces import HeldPieces, Piece
-from workflows import launch, model_handback
+from workflows import launch
 from workflows.jobs.controller import TrainingFailed
+from workflows.runs import model_handback
 from workflows.runs.model_handback import collect_model
 
 ROWS, COLUMNS = 4, 250  # each tensor 4 KB of float32; each rank holds half of its rows
