@@ -97,20 +97,24 @@ def first_step(ctx) -> None:
 
 
 class Steps:
-    """The job's step reports as they arrive, with bounded waits."""
+    """The job's step reports as they arrive, and its resize records, with bounded waits."""
 
     def __init__(self) -> None:
         self.reports: list[dict[str, Any]] = []
         self.resizes: list[dict[str, Any]] = []
         self._changed = threading.Condition()
 
+    def _step(self, typed: Any, record: dict[str, Any]) -> None:
+        if isinstance(typed, ReportRecord) and typed.rank == 0:
+            self.reports.append(record)
+
     def __call__(self, record: dict[str, Any]) -> None:
         typed = parse_record(record)
         with self._changed:
-            if isinstance(typed, ReportRecord) and typed.rank == 0:
-                self.reports.append(record)
-            elif isinstance(typed, ResizedRecord):
+            if isinstance(typed, ResizedRecord):
                 self.resizes.append(record)
+            else:
+                self._step(typed, record)
             self._changed.notify_all()
 
     def wait(self, what: str, ready: Any) -> None:
@@ -394,28 +398,17 @@ def gpt_config(folder: Path) -> RunConfig:
     )
 
 
-class TrainerSteps:
-    """Rank 0's step records of a built-in trainer's job with their arrival times, and its
+class TrainerSteps(Steps):
+    """Rank 0's step records of a built-in trainer's job, as their arrival times, and its
     resize records, with bounded waits."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.arrived: list[float] = []
-        self.resizes: list[dict[str, Any]] = []
-        self._changed = threading.Condition()
 
-    def __call__(self, record: dict[str, Any]) -> None:
-        typed = parse_record(record)
-        with self._changed:
-            if isinstance(typed, StepRecord):
-                self.arrived.append(time.time())
-            elif isinstance(typed, ResizedRecord):
-                self.resizes.append(record)
-            self._changed.notify_all()
-
-    def wait(self, what: str, ready: Any) -> None:
-        with self._changed:
-            if not self._changed.wait_for(lambda: ready(self), WAIT_S):
-                raise TimeoutError(f"not within {WAIT_S:g} s: {what}")
+    def _step(self, typed: Any, record: dict[str, Any]) -> None:
+        if isinstance(typed, StepRecord):
+            self.arrived.append(time.time())
 
 
 def gpt_grow(config: RunConfig, cluster: Any, grow: Any, steps_before: int) -> dict[str, Any]:
