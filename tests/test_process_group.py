@@ -316,6 +316,7 @@ class _Kept(logging.Handler):
         self.records.append(record)
 
 
+@pytest.mark.slow  # a cluster of its own, whose workers are killed, and the 3 s grace
 def test_ranks_stopped_for_good_that_do_not_let_go_are_killed_without_a_warning(
     own_cluster, tmp_path
 ):
