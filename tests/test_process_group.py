@@ -1,8 +1,11 @@
 """Process-group bootstrap over real worker processes with gloo."""
 
 import ipaddress
+import logging
 import os
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,7 +20,14 @@ from workers.process_group import (
 )
 from workflows import launch
 from workflows.cluster.training_cluster import start_cluster
-from workflows.jobs.launcher import LaunchConfig, LaunchError, ProcessGroup, RankFailed
+from workflows.jobs.launcher import (
+    JobStopped,
+    LaunchConfig,
+    LaunchError,
+    ProcessGroup,
+    RankFailed,
+    RankWatch,
+)
 
 
 def _all_reduce_probe(generation: str) -> dict[str, object]:
@@ -238,6 +248,116 @@ def test_a_stop_lands_in_the_rank_never_in_a_thread_it_is_starting():
     done = run_python(STARTING_THREADS)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["200", "stops"]
+
+
+STOPPED_IN_A_FINALIZER = """
+import threading, weakref
+
+from workers.process_group import RankStopped, rank_threads
+
+for trial in range(5):
+    generation = f"finalizer-{trial}"
+    in_finalizer, stopped = threading.Event(), threading.Event()
+
+    class Tensor:  # what torch's WeakIdKeyDictionary keeps a weak reference to
+        pass
+
+    def forget(reference):  # the dictionary's callback: busy until the stop lands in it
+        in_finalizer.set()
+        while True:
+            pass
+
+    def rank(generation=generation):
+        try:
+            with rank_threads.running(generation):
+                tensor = Tensor()
+                reference = weakref.ref(tensor, forget)
+                del tensor  # the callback runs here, in the rank's thread
+                while True:  # the rank's own code, where the stop must land in the end
+                    pass
+        except RankStopped:
+            stopped.set()
+
+    thread = threading.Thread(target=rank, daemon=True)  # hangs, rather than fails, if hit
+    thread.start()
+    assert in_finalizer.wait(timeout=10)
+    assert rank_threads.stop(generation) == 1
+    assert stopped.wait(timeout=10), f"stop {trial} landed in the finalizer and was lost"
+    thread.join(timeout=10)
+print("5 stops")
+"""
+
+
+def test_a_stop_that_lands_in_a_finalizer_ends_the_rank_and_prints_nothing():
+    """A stop that lands in a weakref callback (torch's WeakIdKeyDictionary has one per
+    tensor) was dropped by CPython: printed as "Exception ignored in ..." on the terminal of a
+    Ctrl-C'd ``dask-train run``, and the rank went on until its worker was killed. Here every
+    stop lands in one, at once: each must still end the rank, and nothing be printed. In a
+    process of its own: a failure leaves hung threads behind."""
+    done = run_python(STOPPED_IN_A_FINALIZER)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["5", "stops"]
+    assert done.stderr == ""
+
+
+def _beyond_a_stops_reach(started: str) -> None:
+    """A rank in a C call that does not return (as one waiting in gloo for a send posted
+    before its connection went): a stop lands only once it returns."""
+    Path(started, str(os.getpid())).touch()
+    time.sleep(120)
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.slow  # a cluster of its own, whose workers are killed, and the 3 s grace
+def test_ranks_stopped_for_good_that_do_not_let_go_are_killed_without_a_warning(
+    own_cluster, tmp_path
+):
+    """After a Ctrl-C, a rank out of its stop's reach is killed after STOPPED_RANK_GRACE_S:
+    the expected way out, not the user's to act on. Its warnings (the launcher's "killing rank
+    workers", and the nanny's "Restarting worker": a local cluster's nannies run in the CLI)
+    were on the terminal of a Ctrl-C'd ``dask-train run``, after its one line."""
+    kept = _Kept()
+    launcher = logging.getLogger("workflows.jobs.launcher")
+    # The scheduler's and asyncio's too: a teardown broadcast to a killed worker that the
+    # scheduler still had ("broadcast to ... failed", "Future exception was never retrieved").
+    others = ("distributed.nanny", "distributed.scheduler", "asyncio")
+    watched = [launcher, *map(logging.getLogger, others)]
+    level = launcher.level
+    launcher.setLevel(logging.INFO)
+    for logger in watched:
+        logger.addHandler(kept)
+    stop = threading.Event()
+
+    def stop_once_both_sleep() -> None:
+        if len(list(tmp_path.iterdir())) == 2:
+            stop.set()
+
+    try:
+        with (
+            pytest.raises(JobStopped),
+            ProcessGroup(own_cluster.client, LaunchConfig(world_size=2)) as group,
+        ):
+            group.run(
+                _beyond_a_stops_reach,
+                str(tmp_path),
+                watch=RankWatch(stop=stop, on_poll=stop_once_both_sleep),
+            )
+        own_cluster.client.wait_for_workers(2, timeout=120)  # the nannies restarted them
+    finally:
+        for logger in watched:
+            logger.removeHandler(kept)
+        launcher.setLevel(level)
+    said = [(r.levelname, r.name, r.getMessage()) for r in kept.records]
+    assert any(message.startswith("killing rank workers") for _, _, message in said), said
+    assert [s for s in said if s[0] not in ("DEBUG", "INFO")] == [], said
 
 
 def _listening(pids: list[int]) -> set[tuple[int, str, int]]:

@@ -12,14 +12,16 @@ import ctypes
 import functools
 import logging
 import os
+import queue
 import signal
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from distributed import Status, Worker, WorkerPlugin, get_worker
@@ -44,6 +46,9 @@ CLOSING = frozenset({Status.closing, Status.closing_gracefully})
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 LEAVE_TIMEOUT_S = 30.0
 HAND_OFF_POLL_S = 0.01
+# How long a stop that a finalizer dropped waits before it is raised again: the rank leaves
+# the finalizer in microseconds; under load it may not have run since.
+RESTOP_DELAY_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -592,6 +597,14 @@ class _RankThreads:
     restarted them, 19 s). So a rank's ``Thread.start`` is marked
     (``_guard_thread_starts``), and a stop that finds it there is raised by the rank itself
     once the new thread runs.
+
+    Nor lost in a finalizer: a stop that lands while the rank runs a weakref callback or a
+    ``__del__`` (torch's ``WeakIdKeyDictionary`` has one per tensor that autograd tracked; a
+    stop after Ctrl-C hit it under load) is dropped by CPython, which prints "Exception
+    ignored in ..." through ``sys.unraisablehook``. The worker of a local cluster writes to the
+    user's terminal, and the rank went on training until the launcher killed its worker. So
+    the hook (:meth:`_on_unraisable`) prints no ``RankStopped``, and raises it again in a rank
+    still inside its stopped function once it has left the finalizer.
     """
 
     # The generations stopped here, newest last: a rank of one that starts after its stop (its
@@ -605,10 +618,17 @@ class _RankThreads:
         self._stopped: dict[str, None] = {}  # an ordered set
         self._starting: set[int] = set()  # rank threads inside Thread.start
         self._deferred: set[int] = set()  # of those, the ones stopped meanwhile
+        # Stopped threads still inside their rank function: where a stop that a finalizer
+        # dropped is raised again.
+        self._stopping: set[int] = set()
+        self._previous_unraisablehook: Callable[[Any], object] | None = None
+        # The threads whose stop a finalizer dropped, for _raise_dropped_stops.
+        self._dropped: queue.SimpleQueue[int] = queue.SimpleQueue()
 
     @contextlib.contextmanager
     def running(self, generation: str) -> Iterator[None]:
         _guard_thread_starts()
+        self._catch_dropped_stops()
         ident = threading.get_ident()
         with self._lock:
             if generation in self._stopped:
@@ -621,6 +641,7 @@ class _RankThreads:
                 self._threads.pop(ident, None)
                 self._starting.discard(ident)  # left by a stop that landed inside the mark
                 self._deferred.discard(ident)
+                self._stopping.discard(ident)  # no stop is raised again from here on
             # A stop that arrived as the function ended must not fire in Dask's code.
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
 
@@ -637,24 +658,65 @@ class _RankThreads:
                 del self._stopped[next(iter(self._stopped))]
             targets = [ident for ident, g in self._threads.items() if g == generation]
             for ident in targets:
-                if ident in self._starting:
-                    self._deferred.add(ident)  # raised by the thread once its new one runs
-                else:
-                    # Raised at the thread's next Python instruction: a rank inside a C call
-                    # (a collective) sees it once that call returns, which its peers leaving
-                    # makes happen.
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                        ctypes.c_ulong(ident), ctypes.py_object(RankStopped)
-                    )
+                self._raise_stop(ident)
                 del self._threads[ident]
+                self._stopping.add(ident)
         return len(targets)
+
+    def _raise_stop(self, ident: int) -> None:
+        """Under the lock: raise :class:`RankStopped` in the rank thread ``ident``."""
+        if ident in self._starting:
+            self._deferred.add(ident)  # raised by the thread once its new one runs
+        else:
+            # Raised at the thread's next Python instruction: a rank inside a C call (a
+            # collective) sees it once that call returns, which its peers leaving makes happen.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(ident), ctypes.py_object(RankStopped)
+            )
+
+    def _catch_dropped_stops(self) -> None:
+        """Put :meth:`_on_unraisable` in front of ``sys.unraisablehook``, once a process, and
+        start the thread that raises dropped stops again."""
+        with self._lock:
+            if self._previous_unraisablehook is not None:
+                return
+            self._previous_unraisablehook = sys.unraisablehook
+            sys.unraisablehook = self._on_unraisable
+        # One thread for the process, started here: the hook runs in the rank, which must not
+        # start one there (a stop raised meanwhile would be deferred into the hook, and lost).
+        threading.Thread(
+            target=self._raise_dropped_stops, name="dask-train-stops", daemon=True
+        ).start()
+
+    def _on_unraisable(self, unraisable: Any) -> None:
+        """A stop that landed in a finalizer: CPython drops it. Not printed, whatever the
+        thread (it is ours, and expected: the job was stopped); a rank still inside its stopped
+        function has it raised again by :meth:`_raise_dropped_stops` (raised here, in the hook,
+        it would be dropped too). Every other unraisable goes to the hook before. Kept short:
+        a stop raised again while the rank is still in here would be printed and dropped."""
+        if issubclass(unraisable.exc_type, RankStopped):
+            self._dropped.put(threading.get_ident())
+            return
+        previous = self._previous_unraisablehook or sys.__unraisablehook__
+        previous(unraisable)
+
+    def _raise_dropped_stops(self) -> None:
+        while True:
+            ident = self._dropped.get()
+            # Once the rank has left the finalizer and the hook; should the stop land in
+            # another finalizer, the hook sees it again.
+            time.sleep(RESTOP_DELAY_S)
+            with self._lock:
+                if ident in self._stopping:  # not if its rank function is over
+                    self._raise_stop(ident)
 
     @contextlib.contextmanager
     def starting_a_thread(self) -> Iterator[None]:
         """Around ``Thread.start``: a rank thread is not stopped inside, but right after."""
         ident = threading.get_ident()
         with self._lock:
-            rank = ident in self._threads
+            # A stopped one too: its stop may be raised again (``_raise_dropped_stops``).
+            rank = ident in self._threads or ident in self._stopping
             if rank:
                 self._starting.add(ident)
         if not rank:

@@ -341,7 +341,7 @@ class ProcessGroup:
             # stopped mid-write held its peer 12 s, launch.release_timeout_s x
             # STOP_WAIT_SHARE, before it was released). A stopped process cannot close
             # itself: its nanny kills it, and starts another.
-            killed = self._kill_now(spec, restart, "they stopped answering")
+            killed = self._kill_now(restart, "they stopped answering")
             restart = [w for w in restart if w not in killed]
         stopped_at = time.monotonic()
         deadline = stopped_at + self.config.release_timeout_s
@@ -375,7 +375,9 @@ class ProcessGroup:
                         f"stopped {time.monotonic() - stopped_at:.0f} s ago, they write no "
                         "checkpoint and have not let go of the group"
                     )
-                    killed = self._kill_now(spec, unreachable, why)
+                    # Expected after a Ctrl-C (a rank waiting in gloo may not see its stop),
+                    # and not the user's to act on: not on the terminal, unless --verbose.
+                    killed = self._kill_now(unreachable, why, level=logging.INFO)
                     pending = [a for a in pending if a not in killed]
             if pending:
                 time.sleep(RELEASE_POLL_S)
@@ -384,21 +386,31 @@ class ProcessGroup:
             logger.warning("restarting rank workers %s: they did not let go of the group", restart)
             self.client.restart_workers(restart, timeout=60, raise_for_error=False)
 
-    def _kill_now(self, spec: ProcessGroupSpec, workers: list[str], why: str) -> list[str]:
+    def _kill_now(self, workers: list[str], why: str, level: int = logging.WARNING) -> list[str]:
         """Kill ``workers`` through their nannies and wait until the scheduler saw them go;
         returns those killed (a worker without a nanny is left to the restart)."""
-        logger.warning("killing rank workers %s: %s", workers, why)
+        logger.log(level, "killing rank workers %s: %s", workers, why)
+        # Each worker process has a directory of its own; its replacement may come back at the
+        # same address (a fixed --worker-port). The scheduler's "id" of a worker is its name.
+        alive = live_workers(self.client)
+        directories = {w: alive[w].get("local_directory") for w in workers if w in alive}
         killed = _kill_through_nannies(self.client, workers)
-        self._await_departure(spec, killed)
+        self._await_departure(killed, directories)
         return killed
 
-    def _await_departure(self, spec: ProcessGroupSpec, killed: list[str]) -> None:
-        """Until the scheduler has seen the killed processes go (their plugins' teardown would
-        fail on them), ``launch.release_timeout_s`` at most."""
+    def _await_departure(self, killed: list[str], directories: dict[str, object]) -> None:
+        """Until the scheduler has seen the killed processes go (their plugins' teardown, a
+        broadcast, would fail on them: the scheduler logs an error, and asyncio a "Future
+        exception was never retrieved", onto the terminal of a local cluster's CLI),
+        ``launch.release_timeout_s`` at most."""
         deadline = time.monotonic() + self.config.release_timeout_s
         while killed and time.monotonic() < deadline:
             alive = live_workers(self.client)
-            killed = [w for w in killed if alive.get(w, {}).get("id") == spec.worker_ids.get(w)]
+            killed = [
+                w
+                for w in killed
+                if w in alive and alive[w].get("local_directory") == directories.get(w)
+            ]
             if killed:
                 time.sleep(RELEASE_POLL_S / 5)
 
@@ -915,6 +927,45 @@ def _kill_through_nannies(client: Client, workers: list[str]) -> list[str]:
     return [w for w in workers if done.get(w) is True]
 
 
+class _DeliberateKills(logging.Filter):
+    """On a nanny's process: drops the nanny's "Restarting worker" warning for a worker process
+    the launcher killed, which already logged why (a local cluster's nannies run in the CLI, so
+    it reached the terminal of a Ctrl-C'd ``dask-train run``). One warning per kill, the next
+    one, whichever nanny of the process says it (Dask's record does not name the worker), and
+    only within ``EXPECTED_S``: a nanny that closes meanwhile says nothing, and a later restart
+    of another cause must still be told."""
+
+    RESTARTING = "Restarting worker"  # distributed.nanny's message as its process exits
+    EXPECTED_S = 60.0  # the nanny notices the exit within a second or so
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._until: list[float] = []  # one deadline per kill not yet heard of
+
+    def expect(self) -> None:
+        with self._lock:
+            if not self._until:
+                logging.getLogger("distributed.nanny").addFilter(self)
+            self._until.append(time.monotonic() + self.EXPECTED_S)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.RESTARTING):
+            return True
+        with self._lock:
+            now = time.monotonic()
+            self._until = [until for until in self._until if until > now]
+            expected = bool(self._until)
+            if expected:
+                self._until.pop(0)
+            if not self._until:
+                logging.getLogger("distributed.nanny").removeFilter(self)
+        return not expected
+
+
+_deliberate_kills = _DeliberateKills()
+
+
 def _kill_worker_process(dask_worker: Any) -> bool:
     """Run on a nanny: SIGKILL its worker process (its nanny then starts another)."""
     import os
@@ -923,6 +974,7 @@ def _kill_worker_process(dask_worker: Any) -> bool:
     pid = worker_process_pid(dask_worker)
     if pid is None:
         return False
+    _deliberate_kills.expect()
     os.kill(pid, signal.SIGKILL)
     return True
 
