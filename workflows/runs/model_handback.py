@@ -72,6 +72,10 @@ def _take(client: Client, held: HeldPieces, *, rank: int) -> dict[str, Piece]:
                 f"rank {rank}'s worker {held.worker} did not hand over its part of the trained "
                 f"model within {TAKE_TIMEOUT_S:g} s (a stopped process?)"
             ) from None
+        except OSError:
+            # Dask's CommClosedError: the scheduler reached for a worker that died before it
+            # noticed (a killed process's connection resets at once; its departure comes later).
+            raise TrainingFailed(lost) from None
         taken = answers.get(held.worker)
         if not isinstance(taken, dict):  # the worker left, or the pieces were not there
             raise TrainingFailed(lost if held.worker not in live_workers(client) else str(taken))
