@@ -349,6 +349,7 @@ def run_rank(ctx: RankContext, job: TrainJob) -> RankResult:
             restore=_continue(
                 ctx, job.checkpoint, recent=recent, reporting=ctx.rank == layout.reporting_rank
             ),
+            state_arrives=ctx.live_source is not None,
         )
     # The pieces wait on this worker for the client to take them (workers/model_pieces.py):
     # the task's result, which Dask may spill to disk, carries only their names.
@@ -451,13 +452,17 @@ def train(
     layout: Layout,
     hooks: Hooks = Hooks(),  # frozen: one shared default is safe
     restore: Restore | None = None,
+    state_arrives: bool = False,
 ) -> RankResult:
     """Train ``job`` on this rank of an initialized process group laid out as ``layout`` (an
-    elastic job's layout: in its order of global batches, ``RankBatches``)."""
+    elastic job's layout: in its order of global batches, ``RankBatches``). ``state_arrives``:
+    ``restore`` receives every rank's state from a live replica (`RankPlacement`)."""
     config = job.training
     # One measure per process: the kernel's high-water mark has one reset.
     peak_memory = hooks.peak_memory or PeakMemory.start(membership.device).bytes
-    trainer = build(job, membership=membership, layout=layout, restore=restore)
+    trainer = build(
+        job, membership=membership, layout=layout, restore=restore, state_arrives=state_arrives
+    )
     if membership.rank != layout.reporting_rank:
         hooks = replace(hooks, report=None)  # one rank speaks for the job
     if hooks.heartbeat:
@@ -500,9 +505,11 @@ def build(
     membership: Membership,
     layout: Layout,
     restore: Restore | None = None,
+    state_arrives: bool = False,
 ) -> Trainer:
     """The model laid out by the strategy, this rank's data shard, the optimizer and the LR
-    schedule, continued from ``restore``'s checkpoint when given. Collective."""
+    schedule, continued from ``restore``'s checkpoint when given (``state_arrives``: from a
+    live replica's, received by every rank). Collective."""
     config, rank, device = job.training, membership.rank, membership.device
     torch.manual_seed(config.seed + rank)
     precision = Precision(config.precision, device)
@@ -513,7 +520,8 @@ def build(
         if job.collections is None
         else None
     )
-    strategy = _laid_out(job, store, membership=membership, layout=layout, precision=precision)
+    placed = _Placed(membership, layout, precision, state_arrives)
+    strategy = _laid_out(job, store, placed)
     batches, val = _rank_splits(job, store, layout=layout, rank=rank)
     made = build_optimizer(config=config, parameters=strategy.parameters(), factory=job.optimizer)
     start = Progress()
@@ -547,25 +555,30 @@ def build(
     )
 
 
-def _laid_out(
-    job: TrainJob,
-    store: OpenedStore | None,
-    *,
-    membership: Membership,
-    layout: Layout,
-    precision: Precision,
-) -> Strategy:
+@dataclass(frozen=True)
+class _Placed:
+    """Where a rank's model is laid out: its membership and layout, the run's precision, and
+    whether its state arrives from a live replica once laid out."""
+
+    membership: Membership
+    layout: Layout
+    precision: Precision
+    state_arrives: bool = False
+
+
+def _laid_out(job: TrainJob, store: OpenedStore | None, placed: _Placed) -> Strategy:
     """The job's model laid out for this rank, for the store's data (``store``) or the
     collections' (``store`` None), with the run's criterion. Collective."""
     criterion = Criterion.of(job.training)
-    inputs = _model_inputs(job, store, layout=layout)
+    inputs = _model_inputs(job, store, layout=placed.layout)
     placement = RankPlacement(
-        layout=layout,
-        rank=membership.rank,
-        device=membership.device,
-        precision=precision,
+        layout=placed.layout,
+        rank=placed.membership.rank,
+        device=placed.membership.device,
+        precision=placed.precision,
         settings=job.settings,
         sample=inputs.sample,
+        state_arrives=placed.state_arrives,
     )
     strategy = lay_out_model(
         job.model,

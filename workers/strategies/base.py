@@ -81,6 +81,9 @@ class RankPlacement:
     settings: BaseModel | None = None
     # One micro-batch of inputs on the CPU, for strategies that trace the model.
     sample: torch.Tensor | None = None
+    # Whether every rank receives its state from a live replica once laid out (a resize or a
+    # recovery that continues in memory): the ranks need not agree at construction.
+    state_arrives: bool = False
 
 
 class Strategy(ABC):

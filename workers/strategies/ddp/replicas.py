@@ -7,16 +7,20 @@ from torch.nn.parallel import DistributedDataParallel
 from workers.strategies.base import RankPlacement, WholeModel, register
 
 
-def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
+def apply_ddp(
+    model: nn.Module, *, device: torch.device, sync: bool = True
+) -> DistributedDataParallel:
     """Move ``model`` to this rank's device and wrap it so gradients are averaged across ranks.
 
-    The process group must already be initialized. DDP broadcasts rank 0's parameters at
-    construction, so every rank starts from the same numbers even if they were built differently.
+    The process group must already be initialized. With ``sync``, DDP broadcasts rank 0's
+    parameters at construction, so every rank starts from the same numbers even if they were
+    built differently; without, the caller makes them equal (a live replica's state, received
+    next, overwrites them: the broadcast would send the parameters twice).
     """
     model = model.to(device)
     if device.type == "cuda":
-        return DistributedDataParallel(model, device_ids=[device.index])
-    return DistributedDataParallel(model)
+        return DistributedDataParallel(model, device_ids=[device.index], init_sync=sync)
+    return DistributedDataParallel(model, init_sync=sync)
 
 
 @register
@@ -28,5 +32,5 @@ class DDP(WholeModel):
     @classmethod
     def prepare(cls, model: nn.Module, placement: RankPlacement) -> "DDP":
         device = placement.device
-        wrapped = apply_ddp(model, device=device)
+        wrapped = apply_ddp(model, device=device, sync=not placement.state_arrives)
         return cls(wrapped, layout=placement.layout, rank=placement.rank, device=device)
