@@ -145,7 +145,7 @@ def test_a_regressor_trains_from_a_float64_dataframe_through_the_store(
     assert final["val_r2"] > 0.5
 
 
-@pytest.mark.parametrize("case", ["nan", "lengths", "labels", "foreign"])
+@pytest.mark.parametrize("case", ["nan", "lengths", "labels", "foreign", "unreadable"])
 def test_bad_data_fails_in_one_line_before_anything_is_written(
     cluster, make_config, tmp_path, case
 ):
@@ -156,6 +156,8 @@ def test_bad_data_fails_in_one_line_before_anything_is_written(
         "lengths": (r"data\['train'\]: X has 100 rows but y has 99", DataError),
         "labels": (r"data\['train'\]: y must hold class labels", DataError),
         "foreign": (r"data.store: .* is not a dask-train dataset store", SourceError),
+        # Neither absent nor foreign: a location that cannot be read is said to be so.
+        "unreadable": (r"data.store: .* cannot be read: OSError: .*symbolic links", SourceError),
     }[case]
     data = {"train": (x, y), "val": (x, y)}
     if case == "nan":
@@ -168,11 +170,15 @@ def test_bad_data_fails_in_one_line_before_anything_is_written(
     if case == "foreign":
         store.mkdir()
         (store / "precious.txt").write_text("not ours")
+    elif case == "unreadable":
+        store.mkdir()
+        (store / "zarr.json").symlink_to(store / "zarr.json")  # a loop: ELOOP on every read
+        (store / "precious.txt").write_text("not ours")
     config = make_config({"data": {"collections": "store", "store": str(store)}})
     with pytest.raises(error, match=expected) as raised:
         train(config, cluster=cluster, data=data, on_event=None)
     assert "\n" not in str(raised.value)
-    if case == "foreign":
+    if case in ("foreign", "unreadable"):
         assert (store / "precious.txt").read_text() == "not ours"
     else:
         assert not store.exists()  # checked before the first write

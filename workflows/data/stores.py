@@ -46,7 +46,10 @@ def reusable_store(
     """The manifest of the complete store at ``url`` if it was built for ``fingerprint``;
     otherwise None, once it is clear that ``url`` may be (re)written: a location holding
     anything but a store of ours is refused."""
-    attrs = _store_attrs(url, storage_options)  # one read decides reuse and safety
+    try:
+        attrs = _store_attrs(url, storage_options)  # one read decides reuse and safety
+    except SourceError as error:
+        raise SourceError(f"data.store: {error}") from error.__cause__
     if _is_complete(attrs) and attrs.get("fingerprint") == fingerprint and not force:
         logger.info("reusing the complete store at %s", url)
         return attrs
@@ -67,11 +70,16 @@ def read_manifest(url: str, *, storage_options: dict[str, Any] | None = None) ->
 
 
 def _store_attrs(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The zarr group attributes at ``url``, or None where there is no zarr group."""
+    """The zarr group attributes at ``url``, or None where there is no zarr group. A location
+    that cannot be read at all (denied, unreachable, a filesystem this zarr and fsspec cannot
+    open) is a SourceError naming why: taking it for an empty one would rebuild over it, and
+    taking it for a foreign one would say the wrong thing."""
     try:
         group = zarr.open_group(url, mode="r", storage_options=storage_options or None)
-    except Exception:  # absent, or not zarr at all: either way not a store of ours
+    except (FileNotFoundError, ValueError):  # absent, or not a zarr group: not a store of ours
         return None
+    except Exception as error:
+        raise SourceError(f"{url} cannot be read: {type(error).__name__}: {error}") from error
     return dict(group.attrs)
 
 

@@ -33,11 +33,13 @@ from workers.records import (
 )
 from workers.spec.secrets import redact
 from workers.spec.tracking import TrackingConfig
+from workflows.observe.metrics_file import write_atomically
 
 logger = logging.getLogger(__name__)
+# In a run directory: the MLflow run it logs to, which a resumed run goes on logging to.
+MLFLOW_RUN_ID = "mlflow_run_id"
 EventHandler = Callable[[dict[str, Any]], None]
 
-# Record fields that say where a record sits, not what was measured.
 # Where a record stands and where it came from (a ctx.report's rank, attempt, sequence number and
 # wall-clock time), not what was measured.
 _POSITION = frozenset(
@@ -52,6 +54,12 @@ _MAX_PARAM = 6000
 
 class TrackingError(RuntimeError):
     """A tracking store that cannot be opened; the message names the field."""
+
+
+def kept_mlflow_run_id(run_dir: Path) -> str | None:
+    """The MLflow run that a start of the run in ``run_dir`` logged to, if any."""
+    kept = run_dir / MLFLOW_RUN_ID
+    return kept.read_text().strip() or None if kept.is_file() else None
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -229,27 +237,29 @@ class Tracker:
         config: TrackingConfig,
         run_config: Mapping[str, Any],
         *,
-        run_dir: str | Path | None = None,
-        resume_run_id: str | None = None,
+        run_dir: Path | None = None,
+        resume: bool = False,
         resume_step: int | None = None,
         run_name: str | None = None,
     ) -> "Tracker":
         """Open the sinks ``config`` names; ``run_config`` is the resolved config as a dict
-        (MLflow's params). ``resume_run_id`` continues that MLflow run, ``resume_step`` is the
-        checkpoint's step a resumed run starts from; ``run_dir`` names the MLflow run after its
-        folder."""
+        (MLflow's params). ``run_dir``, a run directory, names the MLflow run after its folder
+        and keeps the run's id there (``mlflow_run_id``): with ``resume``, the MLflow run it
+        keeps is continued. ``resume_step`` is the checkpoint's step a resumed run starts from.
+        """
         name = str(run_config.get("name", "run"))
         tensorboard = None
         if config.tensorboard:
             tensorboard = _TensorBoard(config.tensorboard, resume_step)
         mlflow = None
         if config.mlflow_uri:
+            resumed = kept_mlflow_run_id(run_dir) if run_dir and resume else None
             try:
                 mlflow = _MLflow(
                     config.mlflow_uri,
                     config.experiment or name,
-                    run_name or (Path(run_dir).name if run_dir else name),
-                    resume_run_id,
+                    run_name or (run_dir.name if run_dir else name),
+                    resumed,
                 )
                 mlflow.params(flatten(run_config))
             except Exception as error:
@@ -259,6 +269,8 @@ class Tracker:
                     f"tracking.mlflow_uri: could not open an MLflow run at {config.mlflow_uri}: "
                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
                 ) from error
+            if run_dir is not None:
+                write_atomically(run_dir / MLFLOW_RUN_ID, mlflow.run_id + "\n")
         return cls(tensorboard=tensorboard, mlflow=mlflow)
 
     @property

@@ -56,7 +56,7 @@ from workflows.cluster.training_cluster import TrainingCluster, live_workers, st
 from workflows.jobs.admission import Admission, Request, Waits
 from workflows.jobs.code_shipping import ship_modules
 from workflows.jobs.spec import JobSpec
-from workflows.observe.tracking import track_prediction
+from workflows.observe.tracking import kept_mlflow_run_id, track_prediction
 from workflows.prediction.confusion import confusion_metrics, plot_confusion_matrix
 from workflows.prediction.prediction_request import (
     PreparedPrediction,
@@ -367,14 +367,13 @@ def _track(prepared: PreparedPrediction, fs: Any, root: str) -> None:
         logger.warning("prediction not tracked in MLflow: %s is not a local path", prepared.output)
         return
     folder = Path(root)
-    kept = Path(prepared.trained.checkpoint).parent / "mlflow_run_id"
     track_prediction(
         prepared.tracking,
         {"name": prepared.name, "predict": prepared.settings.model_dump(mode="json")},
         json.loads((folder / "summary.json").read_text()),
         [folder / name for name in ("metrics.json", "confusion_matrix.png", "summary.json")],
         name=prepared.name,
-        training_run_id=kept.read_text().strip() if kept.is_file() else None,
+        training_run_id=kept_mlflow_run_id(Path(prepared.trained.checkpoint).parent),
     )
 
 

@@ -208,17 +208,16 @@ def train(
     handler = on_event if tracker is None else tracker.wrap(on_event)
     # A Ctrl-C that Python drops in a finalizer while this waits is raised again.
     with DroppedInterrupts(), tracker.closing() if owned_tracker else contextlib.nullcontext():
-        owned = cluster is None
-        if cluster is None:
-            cluster = start_cluster(config.cluster)
-        client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
-        try:
+        # A cluster started here is closed here, whatever happens.
+        with (
+            start_cluster(config.cluster)
+            if cluster is None
+            else contextlib.nullcontext(cluster) as cluster
+        ):
+            client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
             run = resolve_run(client, config)
             call = _TrainCall(client, handler, called_at, model, (optimizer, lr_schedule), stop)
             result = _train_on(call, run, data)
-        finally:
-            if owned:
-                cluster.close()
         if owned_tracker:
             tracker.finish_result(result)
         return result

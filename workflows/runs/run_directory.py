@@ -18,7 +18,7 @@ runs/<name>-<UTC time>/
   run.log         the run's log lines
   tensorboard/    TensorBoard event files (tensorboard --logdir runs/)
   mlflow_run_id   the MLflow run this run logs to, when tracking.mlflow_uri is set: a resumed
-                  run goes on logging to it
+                  run goes on logging to it (kept by the tracker, workflows/observe/tracking.py)
 
 config.json, summary.json and mlflow_run_id are replaced whole (written aside, then renamed), and
 a new directory appears with its config.json already in it: a run interrupted at any moment
@@ -239,15 +239,6 @@ class RunDirectory:
     @property
     def tensorboard(self) -> Path:
         return self.path / TENSORBOARD
-
-    @property
-    def mlflow_run_id(self) -> str | None:
-        """The MLflow run an earlier start of this run logged to, if any."""
-        kept = self.path / "mlflow_run_id"
-        return kept.read_text().strip() or None if kept.exists() else None
-
-    def keep_mlflow_run_id(self, run_id: str) -> None:
-        write_atomically(self.path / "mlflow_run_id", run_id + "\n")
 
     @property
     def claimed(self) -> bool:
