@@ -208,12 +208,11 @@ def train(
     handler = on_event if tracker is None else tracker.wrap(on_event)
     # A Ctrl-C that Python drops in a finalizer while this waits is raised again.
     with DroppedInterrupts(), tracker.closing() if owned_tracker else contextlib.nullcontext():
-        # A cluster started here is closed here, whatever happens.
-        with (
-            start_cluster(config.cluster)
-            if cluster is None
-            else contextlib.nullcontext(cluster) as cluster
-        ):
+        # A cluster started here is closed here, whatever happens; one given is left open.
+        scope = (
+            start_cluster(config.cluster) if cluster is None else contextlib.nullcontext(cluster)
+        )
+        with scope as cluster:
             client = cluster.client if isinstance(cluster, TrainingCluster) else cluster
             run = resolve_run(client, config)
             call = _TrainCall(client, handler, called_at, model, (optimizer, lr_schedule), stop)
