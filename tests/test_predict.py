@@ -25,7 +25,12 @@ from workers.sources import SourceError, list_records
 from workflows import launch
 from workflows.cluster.training_cluster import live_workers
 from workflows.data.preprocess import prepare_store
-from workflows.prediction.batch_predict import PredictResult, predict, prepare
+from workflows.prediction.batch_predict import (
+    PredictResult,
+    ScoringWorkersLost,
+    predict,
+    prepare,
+)
 from workflows.runs.config import ConfigError
 from workflows.runs.driver import train
 from workflows.runs.run_directory import RunDirectory
@@ -246,6 +251,59 @@ def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
     # Once per worker process, the restarted one included (if it joined before the end).
     assert all(r["loads"] <= 1 for r in live.values())
     assert sum(r["loads"] for r in live.values()) >= 1
+
+
+@pytest.mark.slow
+def test_a_prediction_whose_workers_all_die_says_so_at_once(own_cluster, trained_run, tmp_path):
+    # Its tasks are bound to the workers it holds, and their nannies bring them back at other
+    # addresses, which it does not hold: before, it waited out predict.timeout_s (an hour).
+    client = own_cluster.client
+    pids = client.run(os.getpid)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = predict(
+                model=trained_run,
+                input=_store_of(trained_run),
+                output=tmp_path / "train",
+                settings={"split": "train", "partition_size": 16, "batch_size": 4},
+                cluster=own_cluster,
+            )
+        except BaseException as error:  # handed to the test's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    # Both workers are frozen (SIGSTOP) once a predict task is in flight: of ~90 partitions,
+    # the rest can then finish nowhere, whatever the machine's speed.
+    while not any("predict-" in str(key) for keys in client.processing().values() for key in keys):
+        assert time.monotonic() < deadline, "no predict task ever ran"
+        assert thread.is_alive(), outcome
+        time.sleep(0.005)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        unfinished = client.run_on_scheduler(_unfinished_predict_tasks)
+    finally:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+    assert unfinished > 0
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "predict still waits a minute after its workers died"
+    error = outcome.get("error")
+    assert isinstance(error, ScoringWorkersLost), outcome
+    assert "every worker scoring the prediction left the cluster" in str(error)
+    assert all(address in str(error) for address in pids)
+
+
+def _unfinished_predict_tasks(dask_scheduler) -> int:
+    return sum(
+        1
+        for key, task in dask_scheduler.tasks.items()
+        if "predict-" in str(key) and task.state not in ("memory", "erred", "forgotten")
+    )
 
 
 def _established_tcp(pid: int) -> dict[tuple[str, str], tuple[int, int, int]]:

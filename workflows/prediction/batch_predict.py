@@ -169,6 +169,8 @@ def predict(
             starts (when ``cluster`` is None) or any task runs; one line naming the argument
             (``predict(output=...): ... exists``) or the setting (``predict.batch_size``).
         CheckpointError: A checkpoint that does not fit the model (a `ValueError`), likewise.
+        ScoringWorkersLost: Every worker scoring it left the cluster (a `RuntimeError`), said
+            within a second rather than at ``predict.timeout_s``.
     """
     try:
         prepared = prepare(
@@ -237,13 +239,7 @@ def _score(
         futures = client.compute(
             _scoring_graph(prepared, predictions), workers=held, allow_other_workers=False
         )
-        try:
-            wait_futures(futures, timeout_s=settings.timeout_s)
-        except TimeoutError:
-            raise TimeoutError(
-                f"predict.timeout_s: scoring {plan.count} samples took longer than "
-                f"{settings.timeout_s:g} s"
-            ) from None
+        _wait_scored(client, futures, held, timeout_s=settings.timeout_s, samples=plan.count)
         results = client.gather(futures)
     except BaseException:
         # A failed, timed-out or interrupted job leaves no tasks queued behind it.
@@ -377,6 +373,41 @@ def _track(prepared: PreparedPrediction, fs: Any, root: str) -> None:
     )
 
 
+class ScoringWorkersLost(RuntimeError):
+    """Every worker the prediction held left the cluster: its tasks can run nowhere else."""
+
+
+# How often a waiting prediction asks whether any of its workers is still there.
+HELD_CHECK_S = 1.0
+
+
+def _wait_scored(
+    client: Client, futures: list[Any], held: list[str], *, timeout_s: float, samples: int
+) -> None:
+    """Wait for the scoring tasks, at most ``timeout_s``. They are bound to the ``held``
+    workers: once none of those is left (a worker that restarts comes back at another
+    address, unheld), they would wait out the whole bound, an hour by default, so that is
+    said within ``HELD_CHECK_S`` instead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            wait_futures(futures, timeout_s=max(0.0, min(HELD_CHECK_S, left)))
+            return
+        except TimeoutError:
+            if left <= HELD_CHECK_S:
+                raise TimeoutError(
+                    f"predict.timeout_s: scoring {samples} samples took longer than {timeout_s:g} s"
+                ) from None
+        if not set(held) & set(live_workers(client)):
+            done = sum(future.done() for future in futures)
+            raise ScoringWorkersLost(
+                f"every worker scoring the prediction left the cluster ({', '.join(held)}); "
+                f"{done} of {len(futures)} partitions were scored; predict again into a new "
+                "output"
+            )
+
+
 def _parquet_rows(fs: Any, path: str) -> int:
     """Rows in the Parquet file set, from the files' footers (no data read)."""
     import pyarrow.parquet as pq
@@ -422,6 +453,7 @@ __all__ = [
     "PredictConfig",
     "PredictResult",
     "PreparedPrediction",
+    "ScoringWorkersLost",
     "TrainedModel",
     "confusion_metrics",
     "load_predict_config",
