@@ -183,6 +183,31 @@ def test_evaluation_metrics_equal_a_sequential_computation(scored):
     assert summary["count"] == len(frame) and summary["accuracy"] == stored["accuracy"]
 
 
+def _predict_in_a_thread(
+    cluster, run: Path, tmp_path: Path, *, partitions_of: int
+) -> tuple[threading.Thread, dict]:
+    """predict() of ``run``'s training split, started in a thread: small batches and
+    partitions, many tasks, each long enough to be caught. Its result, or its error, lands in
+    the dict."""
+    outcome: dict = {}
+
+    def scored() -> None:
+        try:
+            outcome["result"] = predict(
+                model=run,
+                input=_store_of(run),
+                output=tmp_path / "train",
+                settings={"split": "train", "partition_size": partitions_of, "batch_size": 4},
+                cluster=cluster,
+            )
+        except BaseException as error:  # handed to the test's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=scored, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
     own_cluster, trained_run, tmp_path
@@ -191,23 +216,7 @@ def test_a_worker_killed_mid_run_leaves_every_sample_exactly_once(
     target = sorted(live_workers(client))[0]
     pid = client.run(os.getpid, workers=[target])[target]
     scheduler_port = int(client.scheduler.address.rsplit(":", 1)[1])
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = predict(
-                model=trained_run,
-                input=_store_of(trained_run),
-                output=tmp_path / "train",
-                # Small batches and partitions: many tasks, each long enough to be caught.
-                settings={"split": "train", "partition_size": 32, "batch_size": 4},
-                cluster=own_cluster,
-            )
-        except BaseException as error:  # handed to the test's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = _predict_in_a_thread(own_cluster, trained_run, tmp_path, partitions_of=32)
     # Kill the worker only with predict tasks in flight on it, after it scored some already.
     # A partition takes milliseconds, less than a round trip on a busy machine; so the worker
     # is first frozen (SIGSTOP), which holds the scheduler's view of it still, and killed only
@@ -259,22 +268,7 @@ def test_a_prediction_whose_workers_all_die_says_so_at_once(own_cluster, trained
     # addresses, which it does not hold: before, it waited out predict.timeout_s (an hour).
     client = own_cluster.client
     pids = client.run(os.getpid)
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = predict(
-                model=trained_run,
-                input=_store_of(trained_run),
-                output=tmp_path / "train",
-                settings={"split": "train", "partition_size": 16, "batch_size": 4},
-                cluster=own_cluster,
-            )
-        except BaseException as error:  # handed to the test's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = _predict_in_a_thread(own_cluster, trained_run, tmp_path, partitions_of=16)
     deadline = time.monotonic() + 120
     # Both workers are frozen (SIGSTOP) once a predict task is in flight: of ~90 partitions,
     # the rest can then finish nowhere, whatever the machine's speed.

@@ -21,18 +21,19 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import dask
-from distributed import Client, LocalCluster, Nanny
+from distributed import Client, Future, LocalCluster, Nanny
 from distributed.core import Status
 from distributed.security import Security
 
 from workers.compat.distributed_private import adaptive_of
 from workers.device_policy import policy_for
+from workers.futures import wait_futures
 from workers.preparation import RANK_MODULES
 from workers.spec.cluster import ClusterConfig
 from workflows.cluster.security import build_security
@@ -668,6 +669,34 @@ def most_workers(client: Client) -> int | None:
         maximum = adaptive.maximum
         return None if maximum == math.inf else int(maximum)
     return len(cluster.worker_spec)
+
+
+class WorkersGone(RuntimeError):
+    """Every worker that some tasks were bound to left the cluster."""
+
+
+# How often a wait on tasks bound to some workers asks whether any of them is still there.
+WORKERS_CHECK_S = 1.0
+
+
+def wait_on_workers(
+    client: Client, futures: Sequence[Future], workers: Collection[str], *, timeout_s: float
+) -> None:
+    """Wait for ``futures``, whose tasks only ``workers`` may run: ``TimeoutError`` after
+    ``timeout_s``. Dask holds such a task while none of them is there (one killed for good, or
+    restarted by its nanny at another address) until that bound, an hour for some callers; so
+    once none is left this raises :class:`WorkersGone` within ``WORKERS_CHECK_S``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            wait_futures(futures, timeout_s=max(0.0, min(WORKERS_CHECK_S, left)))
+            return
+        except TimeoutError:
+            if left <= WORKERS_CHECK_S:
+                raise
+        if not set(workers) & set(live_workers(client)):
+            raise WorkersGone(f"{', '.join(sorted(workers))} left the cluster")
 
 
 def live_workers(client: Client) -> dict[str, dict]:

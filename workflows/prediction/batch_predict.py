@@ -35,7 +35,6 @@ import pandas as pd
 import zarr
 from distributed import Client
 
-from workers.futures import wait_futures
 from workers.inference import (
     CheckpointError,
     ModelPlugin,
@@ -52,7 +51,13 @@ from workers.spec.launch import LaunchConfig, WorkerSelection
 from workers.spec.names import model_source
 from workers.spec.predict import PredictConfig
 from workers.spec.run import RunConfig
-from workflows.cluster.training_cluster import TrainingCluster, live_workers, start_cluster
+from workflows.cluster.training_cluster import (
+    TrainingCluster,
+    WorkersGone,
+    live_workers,
+    start_cluster,
+    wait_on_workers,
+)
 from workflows.jobs.admission import Admission, Request, Waits
 from workflows.jobs.code_shipping import ship_modules
 from workflows.jobs.spec import JobSpec
@@ -377,35 +382,23 @@ class ScoringWorkersLost(RuntimeError):
     """Every worker the prediction held left the cluster: its tasks can run nowhere else."""
 
 
-# How often a waiting prediction asks whether any of its workers is still there.
-HELD_CHECK_S = 1.0
-
-
 def _wait_scored(
     client: Client, futures: list[Any], held: list[str], *, timeout_s: float, samples: int
 ) -> None:
-    """Wait for the scoring tasks, at most ``timeout_s``. They are bound to the ``held``
-    workers: once none of those is left (a worker that restarts comes back at another
-    address, unheld), they would wait out the whole bound, an hour by default, so that is
-    said within ``HELD_CHECK_S`` instead."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            wait_futures(futures, timeout_s=max(0.0, min(HELD_CHECK_S, left)))
-            return
-        except TimeoutError:
-            if left <= HELD_CHECK_S:
-                raise TimeoutError(
-                    f"predict.timeout_s: scoring {samples} samples took longer than {timeout_s:g} s"
-                ) from None
-        if not set(held) & set(live_workers(client)):
-            done = sum(future.done() for future in futures)
-            raise ScoringWorkersLost(
-                f"every worker scoring the prediction left the cluster ({', '.join(held)}); "
-                f"{done} of {len(futures)} partitions were scored; predict again into a new "
-                "output"
-            )
+    """Wait for the scoring tasks, at most ``timeout_s``; they are bound to the ``held``
+    workers, so one that none of them is left to run is said at once (`wait_on_workers`)."""
+    try:
+        wait_on_workers(client, futures, held, timeout_s=timeout_s)
+    except TimeoutError:
+        raise TimeoutError(
+            f"predict.timeout_s: scoring {samples} samples took longer than {timeout_s:g} s"
+        ) from None
+    except WorkersGone:
+        done = sum(future.done() for future in futures)
+        raise ScoringWorkersLost(
+            f"every worker scoring the prediction left the cluster ({', '.join(held)}); "
+            f"{done} of {len(futures)} partitions were scored; predict again into a new output"
+        ) from None
 
 
 def _parquet_rows(fs: Any, path: str) -> int:

@@ -8,7 +8,6 @@ cluster.
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from workers.stage_cuts import (
     cut_points,
     even_split,
 )
-from workflows.cluster.training_cluster import live_workers
+from workflows.cluster.training_cluster import WorkersGone, live_workers, wait_on_workers
 from workflows.jobs.launcher import select_workers
 from workflows.runs.resolved_run import ResolvedRun
 
@@ -368,30 +367,26 @@ def _profile_on(
         workers=[worker],
         pure=False,
     )
-    deadline = time.monotonic() + PROFILE_TIMEOUT_S
     try:
-        while True:
-            try:
-                return future.result(timeout=1)
-            except TimeoutError:
-                pass
-            if worker not in live_workers(client):
-                c = config.cluster
-                limit = (
-                    "its own memory limit"
-                    if c.scheduler or c.scheduler_file
-                    else f"cluster.memory_limit = {c.memory_limit!r}"
-                )
-                raise ProfileFailed(
-                    f"the worker profiling {config.model.name} ({worker}) left the cluster: "
-                    f"killed, most likely for memory ({limit}); give it more, or cut "
-                    "without a profile: pipeline.split_points, or pipeline.balance = 'layers'"
-                )
-            if time.monotonic() > deadline:
-                raise ProfileFailed(
-                    f"profiling {config.model.name} on {worker} took over {PROFILE_TIMEOUT_S} s; "
-                    "cut without a profile: pipeline.split_points, or pipeline.balance = 'layers'"
-                )
+        wait_on_workers(client, [future], [worker], timeout_s=PROFILE_TIMEOUT_S)
+        return future.result()
+    except WorkersGone:
+        c = config.cluster
+        limit = (
+            "its own memory limit"
+            if c.scheduler or c.scheduler_file
+            else f"cluster.memory_limit = {c.memory_limit!r}"
+        )
+        raise ProfileFailed(
+            f"the worker profiling {config.model.name} ({worker}) left the cluster: "
+            f"killed, most likely for memory ({limit}); give it more, or cut "
+            "without a profile: pipeline.split_points, or pipeline.balance = 'layers'"
+        ) from None
+    except TimeoutError:
+        raise ProfileFailed(
+            f"profiling {config.model.name} on {worker} took over {PROFILE_TIMEOUT_S} s; "
+            "cut without a profile: pipeline.split_points, or pipeline.balance = 'layers'"
+        ) from None
     finally:
         future.cancel()
 
