@@ -175,7 +175,7 @@ def predict(
             (``predict(output=...): ... exists``) or the setting (``predict.batch_size``).
         CheckpointError: A checkpoint that does not fit the model (a `ValueError`), likewise.
         ScoringWorkersLost: Every worker scoring it left the cluster (a `RuntimeError`), said
-            within a second rather than at ``predict.timeout_s``.
+            once that is seen (asked every second), not at ``predict.timeout_s``.
     """
     try:
         prepared = prepare(
